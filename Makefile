@@ -1,0 +1,31 @@
+# Two commands that work on a fresh machine (Python 3.11 with pip):
+#   make demo   set up .venv and run the embedded demo (2 local ranks, ZeRO-2, tiny Llama)
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PINS := requirements/constraints.txt
+
+.PHONY: setup demo test test-fast lint clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and on its own, from the pins: a range in another package's metadata
+# must never be what picks the torch build (it could pull a multi-GB CUDA wheel).
+$(VENV)/.installed: setup.cfg $(PINS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -c $(PINS) torch
+	$(BIN)/pip install --quiet -c $(PINS) -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/toolkit train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,40 @@
+"""Shared helpers: run the CLI as a user does, in a subprocess, on a tiny configuration."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small enough for 2 cores: the demo's tiny Llama, short sequences, a few steps.
+TINY = ["data.seq_len=32", "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.warmup_steps=2", "train.eval_every=0", "checkpoint.every=100", "train.log_every=1"]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenized-data cache for the whole session (the demo corpus is tokenized once)."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, check: bool = True):
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"toolkit {' '.join(args)} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
+          check: bool = True, base: list[str] = TINY):
+    sets = [*base, f"data.cache_dir={data_cache}", *overrides]
+    args = ["train", "--run-dir", str(run_dir), "--nproc", str(nproc)]
+    for s in sets:
+        args += ["--set", s]
+    return run_cli(args, env=env, check=check)

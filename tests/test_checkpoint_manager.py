@@ -1,0 +1,52 @@
+import json
+
+from toolkit.checkpoint import CheckpointManager, find_latest_complete, verify_checkpoint
+
+
+def _save(mgr, step, payload=b"x" * 100):
+    stage = mgr.begin(step)
+    (stage / "engine").mkdir()
+    (stage / "engine" / "weights.bin").write_bytes(payload)
+    return mgr.commit(step)
+
+
+def test_commit_is_complete_and_latest_points_to_it(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    final = _save(mgr, 5)
+    assert final.name == "step_00000005" and not mgr.staging(5).exists()
+    assert verify_checkpoint(final) == []
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000005"
+    manifest = json.loads((final / "manifest.json").read_text())["files"]
+    assert manifest["engine/weights.bin"]["bytes"] == 100
+
+
+def test_retention_keeps_last_n(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        _save(mgr, step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def test_broken_checkpoints_are_skipped_not_deleted(tmp_path):
+    logs = []
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    good = _save(mgr, 1)
+    flipped = _save(mgr, 2)
+    truncated = _save(mgr, 3)
+    half_written = mgr.begin(4)  # a crash before commit: only the staging dir exists
+    (half_written / "x").write_text("partial")
+    data = bytearray((flipped / "engine" / "weights.bin").read_bytes())
+    data[10] ^= 1
+    (flipped / "engine" / "weights.bin").write_bytes(bytes(data))
+    (truncated / "engine" / "weights.bin").write_bytes(b"x" * 50)
+    assert find_latest_complete(tmp_path, log=logs.append) == good
+    assert any("truncated" in m for m in logs) and any("corrupted" in m for m in logs)
+    assert flipped.exists() and truncated.exists()
+
+
+def test_missing_complete_marker(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    final = _save(mgr, 1)
+    (final / "COMPLETE").unlink()
+    assert "no COMPLETE marker" in verify_checkpoint(final)[0]
+    assert find_latest_complete(tmp_path, log=lambda m: None) is None

@@ -1,0 +1,92 @@
+import json
+
+import pytest
+
+from toolkit.adapters.deepspeed import resolve_ds_config
+from toolkit.config import ConfigError, load_config
+
+
+def test_defaults_are_the_demo():
+    cfg = load_config()
+    assert cfg.backend == "deepspeed" and cfg.nproc == 2 and cfg.zero.stage == 2
+    assert cfg.model.name_or_path.endswith("tiny-llama")
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["train.steps=7", "model.dtype=bf16", "train.lr=1e-4"])
+    assert cfg.train.steps == 7 and cfg.model.dtype == "bf16" and cfg.train.lr == 1e-4
+
+
+def test_unknown_key_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"unknown config key train.global_batch; did you mean train.global_batch_size\?"):
+        load_config(None, ["train.global_batch=8"])
+    with pytest.raises(ConfigError, match=r"unknown config key chekpoint; did you mean checkpoint\?"):
+        load_config(None, ["chekpoint.every=3"])
+
+
+def test_bad_value_names_field_and_value():
+    with pytest.raises(ConfigError, match=r"zero.stage=5"):
+        load_config(None, ["zero.stage=5"])
+    with pytest.raises(ConfigError, match=r"train.steps=0 must be >= 1"):
+        load_config(None, ["train.steps=0"])
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 11\nzero:\n  stage: 3\n")
+    cfg = load_config(path, ["train.steps=12"])
+    assert cfg.train.steps == 12 and cfg.zero.stage == 3
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_global_batch_divisibility_lists_valid_choices():
+    cfg = load_config(None, ["train.global_batch_size=12", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"global_batch_size=12 is not divisible by train.micro_batch_size=4 x dp=2; "
+                                          r"choose micro_batch_size in \[1, 2, 3, 6\]"):
+        cfg.check_layout(2)
+
+
+def test_ds_config_auto_resolution():
+    cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "zero.stage=3"])
+    ds = resolve_ds_config(cfg, world_size=2, hidden_size=64)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4 and ds["zero_optimization"]["stage"] == 3
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert ds["bf16"]["enabled"] is False
+
+
+def test_ds_config_contradiction_names_both(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5,
+                                "zero_optimization": {"stage": 1}}))
+    cfg = load_config(None, [f"zero.ds_config={path}", "train.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=8 contradicts train.micro_batch_size=2"):
+        resolve_ds_config(cfg, 2, 64)
+
+
+def test_ds_config_values_adopted_when_not_set(tmp_path):
+    cfg = load_config(None, ["zero.ds_config=zero3_offload"])
+    ds = resolve_ds_config(cfg, 2, 64)
+    assert cfg.zero.stage == 3 and cfg.zero.offload_optimizer and cfg.zero.offload_params
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_ds_config_scheduler_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}}))
+    cfg = load_config(None, [f"zero.ds_config={path}"])
+    with pytest.raises(ConfigError, match="owns the LR schedule"):
+        resolve_ds_config(cfg, 2, 64)
+
+
+def test_offload_params_needs_stage3():
+    cfg = load_config(None, ["zero.stage=2", "zero.offload_params=true"])
+    with pytest.raises(ConfigError, match="offload_params needs ZeRO stage 3"):
+        resolve_ds_config(cfg, 2, 64)

@@ -1,0 +1,134 @@
+"""DeepSpeed path end to end: real ranks on gloo through `toolkit train`, against a 1-process reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import train
+from toolkit.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def losses(run_dir):
+    return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """Runs by name, each trained once per session and shared by the tests that compare them."""
+    cache: dict[str, object] = {}
+    root = tmp_path_factory.mktemp("ds_runs")
+
+    def get(name: str, *overrides: str, nproc: int = 2):
+        if name not in cache:
+            run_dir = root / name
+            train(run_dir, data_cache, "checkpoint.every=3", *overrides, nproc=nproc)
+            cache[name] = run_dir
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """Single process, no ZeRO: micro-batch 2 x 4 accumulation steps = the same global batch of 8."""
+    return runs("reference", "zero.stage=0", nproc=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_at_dp2_matches_single_process(stage, runs, reference):
+    ref, got = losses(reference), losses(runs(f"zero{stage}", f"zero.stage={stage}"))
+    assert len(got) == len(ref) == 6
+    assert got[0] == pytest.approx(ref[0], rel=1e-6), "same weights and data must give the same initial loss"
+    assert got == pytest.approx(ref, rel=2e-5)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("nproc,micro", [(2, 1), (1, 8), (2, 4)])
+def test_loss_contract_micro_batch_accumulation_dp(nproc, micro, runs, reference):
+    """Same global batch, different micro-batch x accumulation x DP: same losses (mean over valid tokens)."""
+    got = losses(runs(f"contract_{nproc}_{micro}", "zero.stage=2", f"train.micro_batch_size={micro}", nproc=nproc))
+    assert got == pytest.approx(losses(reference), rel=2e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
+    uninterrupted = losses(runs(f"zero{stage}", f"zero.stage={stage}"))
+    run_dir = tmp_path / "crashed"
+    crashed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}",
+                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1"}, check=False)
+    assert crashed.returncode != 0
+    assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
+    assert not (run_dir / "checkpoints" / "step_00000006").exists()
+    resumed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}")
+    assert "resumed from step_00000003 at step 3" in resumed.stdout
+    assert losses(run_dir) == uninterrupted  # exact: bit for bit on CPU
+
+
+def test_checkpoint_is_self_describing_and_loads_in_hf(runs):
+    import json
+
+    from transformers import AutoModelForCausalLM
+    run_dir = runs("zero2", "zero.stage=2")
+    ckpt = run_dir / "checkpoints" / "step_00000006"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["format"] == "toolkit-deepspeed" and meta["family"] == "llama" and meta["step"] == 6
+    assert meta["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}
+    assert (ckpt / "engine" / "global_step6").is_dir() and (ckpt / "config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final")
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert (run_dir / "ds_config.json").exists() and (run_dir / "config.yaml").exists()
+
+
+def test_bad_config_fails_before_launch(tmp_path, data_cache):
+    proc = train(tmp_path / "r", data_cache, "train.micro_batch_size=3", check=False)
+    assert proc.returncode == 2 and "not divisible" in proc.stderr and "toolkit: deepspeed on" not in proc.stdout
+    proc = train(tmp_path / "r", data_cache, "data.text_column=body", check=False)
+    assert proc.returncode == 2 and "body" in proc.stderr
+
+
+def test_demo_shortened(tmp_path, data_cache):
+    """`toolkit train` with only the length shortened: 2 ranks, ZeRO-2, loss falls, HF export loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run_dir = tmp_path / "demo"
+    train(run_dir, data_cache, "train.steps=40", "train.eval_every=20", base=[])
+    got = losses(run_dir)
+    assert len(got) == 40 and got[-1] < got[0] - 1.0
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final")
+    tok = AutoTokenizer.from_pretrained(run_dir / "hf_final")
+    ids = tok("The function returns", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_activation_checkpointing_changes_nothing(runs, reference):
+    got = losses(runs("act_ckpt", "zero.stage=2", "model.activation_checkpointing=true"))
+    assert got == pytest.approx(losses(reference), rel=2e-5)
+
+
+def test_zero3_cpu_offload_matches_reference(runs, reference):
+    """Optimizer and parameters offloaded to CPU (DeepSpeedCPUAdam): same trajectory."""
+    got = losses(runs("offload", "zero.ds_config=zero3_offload"))
+    assert got == pytest.approx(losses(reference), rel=1e-4)
+
+
+def test_bf16_trains(runs, reference):
+    got = losses(runs("bf16", "zero.stage=2", "model.dtype=bf16"))
+    assert got[0] == pytest.approx(losses(reference)[0], rel=2e-2)  # bf16 rounding of the same model
+    assert got[-1] < got[0]
+
+
+def test_torchrun_entry_matches_own_launcher(runs, tmp_path, data_cache):
+    """The same `toolkit train` as one rank of a torchrun job gives the same run."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, TINY
+    run_dir = tmp_path / "torchrun"
+    sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", "checkpoint.every=3", "zero.stage=2"]
+            for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "toolkit", "train", "--run-dir", str(run_dir), *sets]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert losses(run_dir) == losses(runs("zero2", "zero.stage=2"))

@@ -1,0 +1,203 @@
+"""Typed run configuration: YAML file + ``--set key=value`` overrides, validated once.
+
+The resolved config is written to ``RUN_DIR/config.yaml`` by the launcher and read back by every
+rank, so all ranks run exactly the same settings. Errors name the key, the value, the constraint
+and the fix; unknown keys suggest the nearest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+DEMO_DIR = Path(__file__).parent / "demo"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message says what to change."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = str(DEMO_DIR / "tiny-llama")
+    """An HF model directory or config.json, as ``from_pretrained`` takes it."""
+    init: Literal["pretrained", "random"] = "random"
+    """``pretrained`` loads weights from name_or_path; ``random`` builds from its config with train.seed."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: name_or_path, or the demo's BPE trained offline when absent."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: bool = False
+
+
+class DataConfig(_Section):
+    path: str = str(DEMO_DIR / "corpus.txt")
+    """Local text/json/jsonl/csv/parquet file(s) (comma-separated or glob), a ``save_to_disk``
+    directory, or a hub dataset name when online."""
+    format: Literal["auto", "text", "json", "csv", "parquet", "disk", "hub"] = "auto"
+    split: str = "train"
+    text_column: str = "text"
+    template: Literal["none", "instruction", "chat"] = "none"
+    """``instruction``: prompt/response columns; ``chat``: a messages column. Prompt tokens get no loss."""
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    messages_column: str = "messages"
+    seq_len: int = 128
+    eval_fraction: float = 0.05
+    num_proc: int = 1
+    cache_dir: str | None = None
+    """Where tokenized/packed data is cached; default: ``~/.cache/toolkit/data``."""
+
+    @field_validator("seq_len")
+    @classmethod
+    def _seq_len_positive(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"data.seq_len={v} must be at least 2")
+        return v
+
+    @field_validator("eval_fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0.0 <= v < 0.5:
+            raise ValueError(f"data.eval_fraction={v} must be in [0, 0.5)")
+        return v
+
+
+class TrainConfig(_Section):
+    steps: int = 300
+    seed: int = 1234
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+
+    @model_validator(mode="after")
+    def _positive(self) -> "TrainConfig":
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        return self
+
+
+class ZeroConfig(_Section):
+    stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    ds_config: str | None = None
+    """A DeepSpeed JSON (path, or a name in ds_configs/: zero0..zero3, zero3_offload); "auto"
+    values in it are filled from this run config. Default: ds_configs/zero{stage}.json."""
+
+
+class MegatronConfig(_Section):
+    tp: int = 1
+    pp: int = 1
+
+
+class CheckpointConfig(_Section):
+    every: int = 100
+    keep_last: int = 2
+
+
+class RunConfig(_Section):
+    backend: Literal["deepspeed", "megatron"] = "deepspeed"
+    nproc: int = 2
+    run_dir: str = "runs/demo"
+    resume: Literal["auto", "never"] = "auto"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    zero: ZeroConfig = ZeroConfig()
+    megatron: MegatronConfig = MegatronConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def dp_size(self, world_size: int) -> int:
+        model_parallel = self.megatron.tp * self.megatron.pp if self.backend == "megatron" else 1
+        return world_size // model_parallel
+
+    def check_layout(self, world_size: int) -> None:
+        """Cross-field checks that need the world size; numbers and valid choices in messages."""
+        t = self.train
+        dp = self.dp_size(world_size)
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            valid = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp) == 0]
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; choose micro_batch_size in "
+                f"{valid} or a global_batch_size that is a multiple of {per_step}")
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate(raw)
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.steps=100")
+    key, _, text = item.partition("=")
+    value = yaml.safe_load(text) if text.strip() else ""
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(raw: dict) -> RunConfig:
+    _check_unknown_keys(raw, RunConfig, prefix="")
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            value = err.get("input")
+            lines.append(f"{loc}={value!r}: {err['msg']}" if loc else err["msg"])
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str) -> None:
+    fields = model.model_fields
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(prefix + f for f in fields)}"
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+        sub = fields[key].annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            _check_unknown_keys(value, sub, prefix=f"{prefix}{key}.")
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))

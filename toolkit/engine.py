@@ -1,0 +1,61 @@
+"""The Engine protocol: what the trainer loop needs from a backend (DeepSpeed or Megatron).
+
+The trainer owns the data order, the LR schedule and the loss contract; an engine owns the model,
+the optimizer and how gradients are reduced across data-parallel ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepStats:
+    loss: float
+    """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks)."""
+    grad_norm: float
+    """Global L2 norm of the gradient before clipping."""
+
+
+class Engine(Protocol):
+    dp_rank: int
+    dp_size: int
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_tokens: int, lr: float) -> StepStats:
+        """One optimizer step over this rank's micro-batches of a global batch.
+
+        ``loss_tokens`` is the number of valid tokens in the whole global batch (all ranks), so the
+        gradient is that of ``sum(token losses) / loss_tokens`` whatever the DP size or accumulation.
+        """
+
+    def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        """Summed token loss and valid-token count over the whole DP group (already reduced)."""
+
+    def save(self, path: Path) -> None:
+        """Write this engine's state (model, optimizer) under ``path``; collective."""
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote; collective."""
+
+    def export_hf(self, path: Path, tokenizer) -> None:
+        """Write the current weights as an HF ``save_pretrained`` directory; collective."""
+
+    def layout(self) -> dict:
+        """The parallel layout, recorded in checkpoint metadata (e.g. ``{"dp": 2, "zero_stage": 2}``)."""
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies and the number of valid tokens.
+
+    logits: [batch, seq, vocab] (any float dtype; computed in fp32), labels: [batch, seq] with
+    IGNORE_INDEX where no loss is taken. Labels are already shifted by the data pipeline.
+    """
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (labels != IGNORE_INDEX).sum()

@@ -1,0 +1,84 @@
+"""Process-group setup, environment from the common launchers, seeding and RNG state.
+
+Works the same when ranks come from our own elastic launcher, torchrun, the deepspeed launcher
+(RANK/WORLD_SIZE/MASTER_ADDR set) or Slurm's srun (SLURM_* mapped here).
+"""
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def launched_externally() -> bool:
+    """True when a launcher already made us one rank of a job (torchrun, deepspeed, srun)."""
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def adopt_slurm_env() -> None:
+    """Map srun's task variables to torch's, once; MASTER_ADDR/PORT must come from the job script."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    for missing in ("MASTER_ADDR", "MASTER_PORT"):
+        if missing not in os.environ:
+            raise RuntimeError(f"running under srun without {missing}; export it in the sbatch script "
+                               "(see examples/slurm/), e.g. MASTER_ADDR=$(scontrol show hostnames | head -1)")
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def comm_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(timeout_s: float = 600) -> None:
+    """Join the job's default process group (env:// rendezvous) on the right device."""
+    adopt_slurm_env()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(comm_backend(), timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """This rank's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

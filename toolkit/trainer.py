@@ -1,0 +1,157 @@
+"""The one training loop, over any Engine: data order, LR schedule, eval, metrics, checkpoints.
+
+Global batch k always holds the same samples (``data.global_batch_indices``), the step is the only
+data position, and every rank's RNG state is checkpointed, so a resume continues bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit import __version__
+from toolkit.checkpoint import CheckpointManager, find_latest_complete
+from toolkit.checkpoint.manager import write_json_durable
+from toolkit.config import RunConfig
+from toolkit.data import (PackedData, count_loss_tokens, eval_micro_batches, global_batch_indices,
+                          rank_micro_batches)
+from toolkit.engine import Engine
+from toolkit.metrics import MetricsLogger
+from toolkit.parallel import rng_state, set_rng_state
+from toolkit.schedule import lr_at
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, engine: Engine, data: PackedData, tokenizer, hf_config, run_dir: Path):
+        self.cfg, self.engine, self.data = cfg, engine, data
+        self.tokenizer, self.hf_config = tokenizer, hf_config
+        self.run_dir = Path(run_dir)
+        self.rank = dist.get_rank()
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
+        self.step = 0
+        self.metrics = MetricsLogger(self.run_dir, cfg.train.steps, enabled=self.rank == 0,
+                                     log_every=cfg.train.log_every)
+        self._fault = _parse_fault(os.environ.get("TOOLKIT_FAULT", ""))
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        if self.cfg.resume == "auto":
+            self.resume()
+        t = self.cfg.train
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=1) as prefetch, self.metrics:
+            upcoming = prefetch.submit(self._batch, self.step)
+            while self.step < t.steps:
+                micro_batches, loss_tokens = upcoming.result()
+                if self.step + 1 < t.steps:  # load the next global batch while this one computes
+                    upcoming = prefetch.submit(self._batch, self.step + 1)
+                tic = time.perf_counter()
+                stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, t))
+                self.step += 1
+                self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
+                self._maybe_inject_fault()
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self.evaluate()
+                if self.step % self.cfg.checkpoint.every == 0 or self.step == t.steps:
+                    self.save()
+        self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+
+    def _batch(self, step: int):
+        ds, t = self.data.train, self.cfg.train
+        indices = global_batch_indices(len(ds), t.global_batch_size, t.seed, step)
+        micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
+        return micro, count_loss_tokens(ds, indices)
+
+    def _log_step(self, stats, step_s: float, elapsed_s: float) -> None:
+        t = self.cfg.train
+        tokens = t.global_batch_size * self.cfg.data.seq_len
+        self.metrics.log({"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
+                          "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                          "step_s": step_s, "elapsed_s": elapsed_s})
+
+    def evaluate(self) -> float | None:
+        if self.data.eval is None or len(self.data.eval) == 0:
+            return None
+        t = self.cfg.train
+        batches = eval_micro_batches(self.data.eval, self.engine.dp_rank, self.engine.dp_size,
+                                     t.micro_batch_size, t.eval_batches)
+        loss_sum, count = self.engine.eval_loss_sum(batches)
+        loss = loss_sum / max(count, 1)
+        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count})
+        return loss
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        stage = self.ckpt.staging(self.step)
+        if self.rank == 0:
+            self.ckpt.begin(self.step)
+        dist.barrier()
+        self.engine.save(stage / "engine", self.step)
+        (stage / "trainer").mkdir(exist_ok=True)
+        torch.save(rng_state(), stage / "trainer" / f"rank_{self.rank:05d}.pt")
+        dist.barrier()
+        final = None
+        if self.rank == 0:
+            self._write_descriptions(stage)
+            final = self.ckpt.commit(self.step)
+            self.metrics.note(f"saved checkpoint {final.name}")
+        dist.barrier()
+        return final
+
+    def _write_descriptions(self, stage: Path) -> None:
+        t = self.cfg.train
+        write_json_durable(stage / "trainer.json", {
+            "step": self.step, "consumed_samples": self.step * t.global_batch_size,
+            "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed})
+        write_json_durable(stage / "meta.json", {
+            "format": f"toolkit-{self.cfg.backend}", "family": self.hf_config.model_type,
+            "step": self.step, "layout": self.engine.layout(), "vocab_size": self.hf_config.vocab_size,
+            "dtype": self.cfg.model.dtype, "toolkit_version": __version__,
+            "torch_version": torch.__version__})
+        self.hf_config.to_json_file(str(stage / "config.json"))
+
+    def resume(self) -> None:
+        found = find_latest_complete(self.run_dir, log=self.metrics.note) if self.rank == 0 else None
+        box = [str(found) if found else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            self.metrics.note("no complete checkpoint found: starting fresh")
+            return
+        ckpt = Path(box[0])
+        self._check_layout_matches(ckpt)
+        self.engine.load(ckpt / "engine")
+        self.step = json.loads((ckpt / "trainer.json").read_text())["step"]
+        set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
+        self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")
+        self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name})
+
+    def _check_layout_matches(self, ckpt: Path) -> None:
+        saved = json.loads((ckpt / "meta.json").read_text())["layout"]
+        if saved != self.engine.layout():
+            raise RuntimeError(f"checkpoint {ckpt} was written with layout {saved}, this run is "
+                               f"{self.engine.layout()}; run with the saved layout, or convert it with "
+                               "`toolkit convert` to the new one")
+
+    # --- fault injection for tests of crash/resume (TOOLKIT_FAULT=kill:step=N[:rank=R]) -----------
+
+    def _maybe_inject_fault(self) -> None:
+        f = self._fault
+        if f and f["step"] == self.step and f.get("rank", 0) == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse_fault(spec: str) -> dict | None:
+    if not spec:
+        return None
+    kind, *fields = spec.split(":")
+    if kind != "kill":
+        raise ValueError(f"TOOLKIT_FAULT={spec!r}: only 'kill:step=N[:rank=R]' is supported")
+    return {k: int(v) for k, v in (f.split("=") for f in fields)}
