@@ -1,0 +1,131 @@
+"""The CPU compatibility layer: applied and removed cleanly; megatron-core TP=2 forward/backward on gloo.
+
+Also home of ``run_ranks``, the spawner the other megatron test files use for in-process ranks.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from toolkit.compat import megatron_cpu
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inert with a GPU")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, out_dir, args):
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, tmp_path, *args, timeout: float = 300) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo ranks; their return values, in rank order."""
+    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world,
+                             join=False, start_method="spawn")
+    import time
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"ranks did not finish in {timeout}s")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# --- applied and removed cleanly --------------------------------------------------------------------
+
+def _originals():
+    from megatron.core.tensor_parallel import random as r
+    return (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state, torch.cuda.set_rng_state,
+            torch.cuda.manual_seed, torch.Tensor.cuda, torch.Tensor.type, r._get_cuda_rng_state,
+            r._set_cuda_rng_state, "cuda" in torch.Tensor.__dict__, "type" in torch.Tensor.__dict__)
+
+
+def test_enable_disable_restore_everything_and_nest():
+    before = _originals()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.empty(2, device="cuda")
+    with megatron_cpu.cpu_compat():
+        assert megatron_cpu.is_enabled()
+        with megatron_cpu.cpu_compat():  # nested: idempotent
+            assert torch.empty(2, device="cuda").device.type == "cpu"
+        assert megatron_cpu.is_enabled()
+        x = torch.zeros(3, device=torch.cuda.current_device())
+        assert x.device.type == "cpu" and x.cuda() is x and x.to("cuda").device.type == "cpu"
+        assert x.type() == "torch.cuda.FloatTensor" and x.type(torch.float64).dtype == torch.float64
+        torch.cuda.synchronize()
+    assert not megatron_cpu.is_enabled()
+    assert _originals() == before
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.empty(2, device="cuda")
+    megatron_cpu.disable()  # extra disable: harmless
+    assert _originals() == before
+
+
+def test_cuda_rng_stand_ins_drive_the_cpu_generator():
+    from megatron.core.tensor_parallel import random as r
+    with megatron_cpu.cpu_compat():
+        torch.cuda.manual_seed(7)
+        state = r._get_cuda_rng_state()
+        a = torch.rand(4)
+        r._set_cuda_rng_state(state)
+        assert torch.equal(torch.rand(4), a)
+        assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())
+
+
+# --- megatron-core on gloo ---------------------------------------------------------------------------
+
+def _tp2_forward_backward(rank, world):
+    with megatron_cpu.cpu_compat():
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import TransformerConfig
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        model_parallel_cuda_manual_seed(1)
+        cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
+                                add_bias_linear=False, activation_func=torch.nn.functional.silu,
+                                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
+                                **megatron_cpu.TRANSFORMER_CONFIG)
+        model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128,
+                         max_sequence_length=32, position_embedding_type="rope")
+        torch.manual_seed(0)
+        ids = torch.randint(0, 128, (2, 16))
+        labels = torch.randint(0, 128, (2, 16))
+        loss = model(ids, torch.arange(16).expand(2, 16), None, labels=labels)  # [b, s] per-token loss
+        loss.mean().backward()
+        grads = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+        ps.destroy_model_parallel()
+        return {"loss": loss.mean().item(), "grads": grads,
+                "qkv_shape": tuple(model.decoder.layers[0].self_attention.linear_qkv.weight.shape)}
+
+
+def test_gpt_model_tp2_forward_backward_on_gloo(tmp_path):
+    r0, r1 = run_ranks(_tp2_forward_backward, 2, tmp_path)
+    assert r0["loss"] == pytest.approx(r1["loss"], rel=1e-6)  # vocab-parallel CE reduces over TP
+    assert r0["qkv_shape"] == (1 * (2 + 2) * 16, 64)  # 1 of 2 KV groups per rank: (2 q + k + v) x 16 rows
+    assert all(torch.isfinite(torch.tensor(v)) and v > 0 for v in r0["grads"].values())
+    assert r0["grads"]["decoder.final_layernorm.weight"] == pytest.approx(
+        r1["grads"]["decoder.final_layernorm.weight"], rel=1e-5)  # replicated params see the same grads
