@@ -1,0 +1,122 @@
+"""Model families: one module per HF ``model_type`` defining ``FAMILY``; discovered, never listed.
+
+Generic conversions over a family's weight table (pure tensor logic):
+  ``hf_to_mcore``   HF state -> full mcore tensors (global layer numbers, padded vocab)
+  ``mcore_to_hf``   the inverse
+  ``shard``/``unshard``  full mcore tensors <-> TP rank r's tensors
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import lru_cache
+from typing import Iterable, Mapping
+
+import torch
+
+from toolkit.families.base import Family, FamilyError, padded_vocab_size, rope_parameters
+
+__all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
+           "unshard", "padded_vocab_size", "rope_parameters", "table"]
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, Family]:
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name == "base":
+            continue
+        family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        if isinstance(family, Family):
+            found[family.model_type] = family
+    return found
+
+
+def supported() -> list[str]:
+    return sorted(_registry())
+
+
+def get_family(model_type: str) -> Family:
+    try:
+        return _registry()[model_type]
+    except KeyError:
+        raise FamilyError(f"model_type={model_type!r} has no megatron family; supported: {supported()} "
+                          "(add one as a small file in toolkit/families/, or use backend=deepspeed)") from None
+
+
+def table(family: Family, hf_config, layers: Iterable[int] | None = None) -> dict[str, tuple]:
+    """mcore name -> (entry, hf prefix) for the given global layers (default: all)."""
+    layers = range(hf_config.num_hidden_layers) if layers is None else layers
+    return {mp + e.mcore: (e, hp) for e, hp, mp in family.entries(hf_config, layers)}
+
+
+def hf_to_mcore(family: Family, hf_config, hf_state: Mapping[str, torch.Tensor], padded_vocab: int,
+                layers: Iterable[int] | None = None, names: Iterable[str] | None = None,
+                strict: bool = True) -> dict[str, torch.Tensor]:
+    """Full mcore tensors from HF tensors. ``names`` limits the output (a rank's share); ``hf_state``
+    is read only for the keys those need. ``strict``: every HF key must be used exactly once."""
+    dims = family.dims(hf_config, padded_vocab)
+    entries = table(family, hf_config, layers)
+    wanted = entries if names is None else {n: entries[n] for n in names}
+    missing = [hp + n for e, hp in wanted.values() for n in e.hf_names() if hp + n not in hf_state]
+    if missing:
+        raise FamilyError(f"{family.model_type}: HF weights lack {len(missing)} tensors the table needs: "
+                          f"{missing[:20]}")
+    out = {}
+    for name, (e, hp) in wanted.items():
+        out[name] = e.to_mcore({n: hf_state[hp + n] for n in e.hf_names()}, dims)
+    if strict:
+        _check_all_used(family, hf_config, hf_state, entries, out)
+    return out
+
+
+def _check_all_used(family, hf_config, hf_state, entries, out) -> None:
+    used = {hp + n for e, hp in entries.values() for n in e.hf_names()}
+    unexpected = [k for k in hf_state.keys() if k not in used]
+    if family.tied(hf_config) and "lm_head.weight" in unexpected:
+        unexpected.remove("lm_head.weight")  # tied: the same tensor as the input embedding
+    if unexpected:
+        shapes = {k: tuple(hf_state[k].shape) for k in unexpected[:20]}
+        raise FamilyError(f"{family.model_type}: {len(unexpected)} HF tensors are not in the weight table "
+                          f"(the model has parts the family cannot convert): {shapes}")
+
+
+def mcore_to_hf(family: Family, hf_config, mcore_state: Mapping[str, torch.Tensor],
+                padded_vocab: int) -> dict[str, torch.Tensor]:
+    """HF tensors from full mcore tensors of all layers; strict both ways (``_extra_state`` ignored).
+    A tied model also gets ``lm_head.weight`` (as HF's own state dict has)."""
+    dims = family.dims(hf_config, padded_vocab)
+    entries = table(family, hf_config)
+    given = {k for k in mcore_state if not k.endswith("._extra_state")}
+    if family.tied(hf_config):
+        given.discard("output_layer.weight")
+    missing, unexpected = sorted(set(entries) - given), sorted(given - set(entries))
+    if missing or unexpected:
+        raise FamilyError(f"{family.model_type}: mcore state does not match the weight table; missing "
+                          f"{missing[:20]}, unexpected { {k: tuple(mcore_state[k].shape) for k in unexpected[:20]} }")
+    out = {}
+    for name, (e, hp) in entries.items():
+        out.update({hp + k: v for k, v in e.to_hf(mcore_state[name], dims).items()})
+    if family.tied(hf_config):
+        emb = next(hp + e.hf for n, (e, hp) in entries.items() if n == "embedding.word_embeddings.weight")
+        out["lm_head.weight"] = out[emb]
+    return out
+
+
+def shard(family: Family, hf_config, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s part of the full mcore tensor ``name``."""
+    return _entry(family, hf_config, name).shard(full, tp, rank)
+
+
+def unshard(family: Family, hf_config, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full mcore tensor ``name`` from its TP parts in rank order."""
+    return _entry(family, hf_config, name).unshard(parts)
+
+
+def _entry(family, hf_config, name):
+    if name == "output_layer.weight":
+        name = "embedding.word_embeddings.weight" if family.tied(hf_config) else name
+    if name.startswith("decoder.layers."):
+        layer = int(name.split(".")[2])
+        return table(family, hf_config, [layer])[name][0]
+    return table(family, hf_config, [])[name][0]

@@ -1,0 +1,295 @@
+"""A model family as data: HF config -> megatron-core TransformerConfig, and a weight table.
+
+Two namespaces: ``hf_`` names as in the HF ``state_dict`` and ``mcore_`` names as in a megatron-core
+``GPTModel.state_dict()`` with *global* layer numbers. The "full" mcore form is what TP=1 holds:
+vocab rows padded to ``padded_vocab``, QKV fused per KV group, GLU as ``[gate; up]``. ``shard``/
+``unshard`` turn a full mcore tensor into TP rank ``r``'s tensor and back.
+
+Tensor layouts (``g`` KV groups, ``h`` query heads per group, ``d`` head dim, ``H`` hidden):
+  fused QKV weight  ``[g * (h + 2) * d, H]``, per group ``[q heads of the group, k, v]``; TP rank r
+                    holds groups ``[r*g/tp, (r+1)*g/tp)``, a contiguous block of rows.
+  fused GLU weight  ``[2 * F, H]`` full = ``[gate; up]``; TP rank r holds ``[gate_r; up_r]``.
+
+Family files do no I/O and no communication.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+REPLICATED, COLUMN, ROW, VOCAB = "replicated", "column", "row", "vocab"
+"""TP split of a full mcore tensor: none, dim 0, dim 1, dim 0 of the padded vocabulary."""
+
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+"""RoPE variants whose frequencies are fixed at init and need no attention scaling: the adapter
+copies HF's own ``inv_freq`` into megatron's rotary embedding, so all of them are exact."""
+
+
+class FamilyError(ValueError):
+    """An HF model or checkpoint this family cannot convert; the message says why and what to do."""
+
+
+@dataclass
+class Dims:
+    """What the weight table needs from an HF config (and the layout)."""
+    heads: int
+    groups: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    padded_vocab: int
+
+
+# --- weight table entries ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rename:
+    """One HF tensor is one mcore tensor. ``transpose``: HF stores it as a Conv1D ``[in, out]``."""
+    hf: str
+    mcore: str
+    split: str = REPLICATED
+    transpose: bool = False
+
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def to_mcore(self, t: dict[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        x = t[self.hf].t() if self.transpose else t[self.hf]
+        return _pad_vocab(x, dims.padded_vocab) if self.split == VOCAB else x
+
+    def to_hf(self, x: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        if self.split == VOCAB:
+            x = x[:dims.vocab]
+        return {self.hf: x.t() if self.transpose else x}
+
+    def shard(self, x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+        return _split(x, self.split, tp, rank)
+
+    def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return _join(parts, self.split)
+
+
+@dataclass(frozen=True)
+class FuseQKV:
+    """HF q, k, v (``[heads * d, H]`` weights or ``[heads * d]`` biases) -> megatron's grouped QKV.
+
+    ``hf`` is three names, or one name of a packed ``[q; k; v]`` tensor (GPT-2's ``c_attn``,
+    a Conv1D: ``transpose``)."""
+    hf: tuple[str, ...]
+    mcore: str
+    transpose: bool = False
+    split: str = COLUMN
+
+    def hf_names(self) -> tuple[str, ...]:
+        return self.hf
+
+    def to_mcore(self, t: dict[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        q, k, v = self._qkv(t, dims)
+        g, d = dims.groups, dims.head_dim
+        rest = q.shape[1:]
+        q = q.reshape(g, dims.heads // g * d, *rest)
+        k, v = k.reshape(g, d, *rest), v.reshape(g, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def _qkv(self, t, dims):
+        if len(self.hf) == 3:
+            return [t[n] for n in self.hf]
+        packed = t[self.hf[0]].t() if self.transpose else t[self.hf[0]]
+        q_rows, kv_rows = dims.heads * dims.head_dim, dims.groups * dims.head_dim
+        return torch.split(packed, [q_rows, kv_rows, kv_rows], dim=0)
+
+    def to_hf(self, x: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        g, d = dims.groups, dims.head_dim
+        qd = dims.heads // g * d
+        rest = x.shape[1:]
+        grouped = x.reshape(g, qd + 2 * d, *rest)
+        q, k, v = (p.reshape(-1, *rest) for p in torch.split(grouped, [qd, d, d], dim=1))
+        if len(self.hf) == 3:
+            return dict(zip(self.hf, (q.contiguous(), k.contiguous(), v.contiguous())))
+        packed = torch.cat([q, k, v], dim=0)
+        return {self.hf[0]: packed.t().contiguous() if self.transpose else packed}
+
+    def shard(self, x, tp, rank):
+        return _split(x, COLUMN, tp, rank)  # whole KV groups per rank: rows are grouped
+
+    def unshard(self, parts):
+        return _join(parts, COLUMN)
+
+
+@dataclass(frozen=True)
+class FuseGLU:
+    """HF gate and up projections ``[F, H]`` -> megatron's ``linear_fc1`` (``[gate_r; up_r]`` per rank)."""
+    hf: tuple[str, str]
+    mcore: str
+    split: str = COLUMN
+
+    def hf_names(self) -> tuple[str, ...]:
+        return self.hf
+
+    def to_mcore(self, t, dims):
+        return torch.cat([t[self.hf[0]], t[self.hf[1]]], dim=0)
+
+    def to_hf(self, x, dims):
+        gate, up = torch.chunk(x, 2, dim=0)
+        return {self.hf[0]: gate.contiguous(), self.hf[1]: up.contiguous()}
+
+    def shard(self, x, tp, rank):
+        gate, up = torch.chunk(x, 2, dim=0)
+        return torch.cat([_split(gate, COLUMN, tp, rank), _split(up, COLUMN, tp, rank)], dim=0)
+
+    def unshard(self, parts):
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+
+
+Entry = Rename | FuseQKV | FuseGLU
+
+
+def _pad_vocab(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """Zero rows up to the padded vocabulary (their logits are masked out of the loss)."""
+    if x.shape[0] > padded:
+        raise FamilyError(f"vocabulary tensor has {x.shape[0]} rows, more than padded_vocab={padded}")
+    return torch.cat([x, x.new_zeros(padded - x.shape[0], *x.shape[1:])]) if padded > x.shape[0] else x
+
+
+def _split(x: torch.Tensor, split: str, tp: int, rank: int) -> torch.Tensor:
+    if split == REPLICATED or tp == 1:
+        return x
+    dim = 1 if split == ROW else 0
+    if x.shape[dim] % tp:
+        raise FamilyError(f"cannot split a tensor of shape {tuple(x.shape)} into tp={tp} parts on dim {dim}")
+    return torch.chunk(x, tp, dim=dim)[rank].contiguous()
+
+
+def _join(parts: list[torch.Tensor], split: str) -> torch.Tensor:
+    if split == REPLICATED or len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=1 if split == ROW else 0)
+
+
+# --- the family ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Check:
+    """An HF config field the family cannot honour: ``bad(value)`` (or ``bad(value, hf_config)``
+    with ``needs_config``) true -> error with ``fix``."""
+    field: str
+    bad: Callable[..., bool]
+    fix: str
+    needs_config: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    config: Mapping[str, str]
+    """HF config field -> TransformerConfig field (value copied)."""
+    fixed: Mapping[str, object]
+    """TransformerConfig fields with a fixed value for the family."""
+    top: tuple[Entry, ...]
+    layer: tuple[Entry, ...]
+    """Names relative to ``hf_layer`` / ``decoder.layers.{i}.``."""
+    derived: Mapping[str, Callable] = field(default_factory=dict)
+    """TransformerConfig field -> function of the HF config, for what a plain copy cannot say."""
+    hf_layer: str = "model.layers.{i}."
+    position_embedding: str = "rope"
+    activation_field: str = "hidden_act"
+    checks: tuple[Check, ...] = ()
+    tied_field: str = "tie_word_embeddings"
+
+    def extend(self, **changes) -> "Family":
+        """A derived family; ``layer``/``top`` replace entries with the same mcore name, or append."""
+        for key in ("layer", "top"):
+            if key in changes:
+                new = {e.mcore: e for e in changes[key]}
+                kept = [new.pop(e.mcore, e) for e in getattr(self, key)]
+                changes[key] = tuple(kept) + tuple(new.values())
+        for key in ("config", "fixed", "derived"):
+            if key in changes:
+                changes[key] = {**getattr(self, key), **changes[key]}
+        if "checks" in changes:
+            changes["checks"] = self.checks + tuple(changes["checks"])
+        return dataclasses.replace(self, **changes)
+
+    # --- config -----------------------------------------------------------------------------------
+
+    def check(self, hf_config) -> None:
+        """Raise FamilyError naming every HF config field this family cannot honour."""
+        problems = []
+        for c in self.checks:
+            value = getattr(hf_config, c.field, None)
+            if c.bad(value, hf_config) if c.needs_config else c.bad(value):
+                problems.append(f"{c.field}={value!r} is not supported by the megatron path; {c.fix}")
+        act = getattr(hf_config, self.activation_field, None)
+        if act not in ACTIVATIONS:
+            problems.append(f"{self.activation_field}={act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        if self.position_embedding == "rope":
+            rope_type = rope_parameters(hf_config).get("rope_type", "default")
+            if rope_type not in ROPE_TYPES:
+                problems.append(f"rope scaling type {rope_type!r} is not supported (it changes frequencies at "
+                                f"run time or scales attention); supported: {list(ROPE_TYPES)}")
+        if problems:
+            raise FamilyError(f"{self.model_type} config cannot be converted exactly:\n  " + "\n  ".join(problems))
+
+    def transformer_config(self, hf_config) -> dict:
+        """TransformerConfig keyword arguments for this HF config (no layout fields)."""
+        self.check(hf_config)
+        out = {mcore: getattr(hf_config, hf) for hf, mcore in self.config.items()}
+        out.update(self.fixed)
+        out.update({k: fn(hf_config) for k, fn in self.derived.items()})
+        d = self.dims(hf_config, 1)
+        out.update(num_query_groups=d.groups, kv_channels=d.head_dim,
+                   activation_func=ACTIVATIONS[getattr(hf_config, self.activation_field)])
+        return out
+
+    def model_kwargs(self, hf_config) -> dict:
+        """GPTModel keyword arguments besides config, spec and vocab size."""
+        return {"max_sequence_length": hf_config.max_position_embeddings,
+                "position_embedding_type": self.position_embedding,
+                "share_embeddings_and_output_weights": self.tied(hf_config)}
+
+    def tied(self, hf_config) -> bool:
+        return bool(getattr(hf_config, self.tied_field, False))
+
+    def dims(self, hf_config, padded_vocab: int) -> Dims:
+        heads = hf_config.num_attention_heads
+        groups = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return Dims(heads, groups, head_dim, hf_config.hidden_size, hf_config.vocab_size,
+                    max(padded_vocab, hf_config.vocab_size))
+
+    # --- weight table -----------------------------------------------------------------------------
+
+    def entries(self, hf_config, layers) -> list[tuple[Entry, str, str]]:
+        """(entry, hf prefix, mcore prefix) for the top tensors and the given global layers."""
+        out = [(e, "", "") for e in self.top if not (self.tied(hf_config) and e.mcore == "output_layer.weight")]
+        for i in layers:
+            out += [(e, self.hf_layer.format(i=i), f"decoder.layers.{i}.") for e in self.layer]
+        return out
+
+
+def rope_parameters(hf_config) -> dict:
+    """HF's RoPE settings (transformers 5 ``rope_parameters``; older ``rope_scaling``/``rope_theta``)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: the next multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)

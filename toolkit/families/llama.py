@@ -1,0 +1,24 @@
+"""Llama (and the base of Mistral and Qwen2): RMSNorm, SwiGLU, GQA, RoPE (default/linear/llama3)."""
+from toolkit.families.base import COLUMN, REPLICATED, ROW, VOCAB, Check, Family, FuseGLU, FuseQKV, Rename
+
+FAMILY = Family(
+    model_type="llama",
+    config={"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+            "num_attention_heads": "num_attention_heads", "intermediate_size": "ffn_hidden_size",
+            "rms_norm_eps": "layernorm_epsilon", "attention_dropout": "attention_dropout"},
+    fixed={"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+           "add_qkv_bias": False, "hidden_dropout": 0.0},
+    top=(Rename("model.embed_tokens.weight", "embedding.word_embeddings.weight", VOCAB),
+         Rename("model.norm.weight", "decoder.final_layernorm.weight", REPLICATED),
+         Rename("lm_head.weight", "output_layer.weight", VOCAB)),
+    layer=(Rename("input_layernorm.weight", "input_layernorm.weight", REPLICATED),
+           FuseQKV(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                   "self_attention.linear_qkv.weight"),
+           Rename("self_attn.o_proj.weight", "self_attention.linear_proj.weight", ROW),
+           Rename("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", REPLICATED),
+           FuseGLU(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight"),
+           Rename("mlp.down_proj.weight", "mlp.linear_fc2.weight", ROW)),
+    checks=(Check("attention_bias", bool, "qkv/o biases are a different family (qwen2 has qkv bias only)"),
+            Check("mlp_bias", bool, "MLP biases are not in the llama table"),
+            Check("pretraining_tp", lambda v: v not in (None, 1), "set pretraining_tp=1 (same weights)")),
+)
