@@ -35,13 +35,28 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for multi-node jobs")
     t.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
+    t.add_argument("--max-restarts", type=int, help="restart budget (config key restart.max_restarts)")
     t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("supervise", help="run any torchrun-style script under the restart policy")
+    s.add_argument("--nproc", type=int, default=1)
+    s.add_argument("--run-dir", default="runs/supervised", help="where events.jsonl and heartbeats go")
+    s.add_argument("--max-restarts", type=int, default=3)
+    s.add_argument("--backoff-s", type=float, default=1.0)
+    s.add_argument("--hang-timeout-s", type=float, default=300.0,
+                   help="restart when no rank beat for this long (the script calls toolkit.restart.heartbeat.beat)")
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--node-rank", type=int, default=0)
+    s.add_argument("--rdzv-endpoint")
+    s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
+    s.set_defaults(func=cmd_supervise)
     return p
 
 
 def _config_from_args(args) -> RunConfig:
     overrides = list(args.overrides)
-    for key, value in (("run_dir", args.run_dir), ("nproc", args.nproc), ("resume", args.resume)):
+    for key, value in (("run_dir", args.run_dir), ("nproc", args.nproc), ("resume", args.resume),
+                       ("restart.max_restarts", args.max_restarts)):
         if value is not None:
             overrides.append(f"{key}={value}")
     return load_config(args.config, overrides)
@@ -70,19 +85,52 @@ def _check_data_before_launch(cfg: RunConfig) -> None:
 
 
 def _launch(cfg: RunConfig, args, config_path: Path) -> int:
+    from toolkit.launch import LaunchSpec, python_module
+    r = cfg.restart
+    spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=r.max_restarts, backoff_s=r.backoff_s,
+                      hang_timeout_s=r.hang_timeout_s)
+    print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
+    entrypoint, lead = python_module("toolkit.worker")
+    code = _run_supervised(spec, entrypoint, [*lead, str(config_path)])
+    if code == 0:
+        print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
+    return code
+
+
+def _run_supervised(spec, entrypoint: str, args: list[str]) -> int:
+    """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from toolkit.launch import LaunchSpec, launch_workers
-    spec = LaunchSpec(nproc=cfg.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint)
-    print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
+    from toolkit.launch import launch_workers
+    from toolkit.restart.agent import PREEMPTED_EXIT
+    from toolkit.restart.events import emit
     try:
-        launch_workers(spec, config_path)
+        launch_workers(spec, entrypoint, args)
     except ChildFailedError as exc:
-        print(f"toolkit: training failed:\n{exc.format_msg()}", file=sys.stderr)
+        if getattr(exc, "preempted", False):
+            print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)
+            return PREEMPTED_EXIT
+        emit(spec.run_dir, "gave_up", max_restarts=spec.max_restarts)
+        print(f"toolkit: job failed after {spec.max_restarts} restart(s) allowed; events in "
+              f"{spec.run_dir}/events.jsonl\n{exc.format_msg()}", file=sys.stderr)
         return 1
-    print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
     return 0
+
+
+def cmd_supervise(args) -> int:
+    """Any torchrun-style script under the same agent, restart policy, hang watchdog and event log."""
+    from toolkit.launch import LaunchSpec
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        raise ConfigError("toolkit supervise needs a command after --, e.g. toolkit supervise --nproc 2 -- train.py")
+    script, *script_args = command
+    entrypoint, lead = (sys.executable, ["-u", script]) if script.endswith(".py") else (script, [])
+    spec = LaunchSpec(nproc=args.nproc, run_dir=Path(args.run_dir), nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                      backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    return _run_supervised(spec, entrypoint, [*lead, *script_args])
 
 
 if __name__ == "__main__":

@@ -105,12 +105,50 @@ class ZeroConfig(_Section):
 
 class MegatronConfig(_Section):
     tp: int = 1
+    """Tensor parallel degree: attention heads, KV groups and the MLP split over tp ranks."""
     pp: int = 1
+    """Pipeline parallel degree: layers split over pp stages (1F1B schedule)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); layers must divide by pp x vpp."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in TP regions (needs tp >= 2; a GPU feature)."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: selective (core attention) or full (every layer)."""
+    preset: str | None = None
+    """A megatron_configs/ YAML (name or path) of layout fields; explicit megatron.* keys win."""
+
+    @model_validator(mode="after")
+    def _positive(self) -> "MegatronConfig":
+        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"megatron.{name}={getattr(self, name)} must be >= 1")
+        if self.vpp is not None and self.vpp < 1:
+            raise ValueError(f"megatron.vpp={self.vpp} must be >= 1 or unset")
+        if self.vpp == 1:
+            self.vpp = None  # one virtual stage is the plain 1F1B schedule
+        return self
 
 
 class CheckpointConfig(_Section):
     every: int = 100
     keep_last: int = 2
+
+
+class RestartConfig(_Section):
+    max_restarts: int = 0
+    """Restarts of the whole job (from the newest complete checkpoint) before giving up."""
+    backoff_s: float = 1.0
+    """Wait before restart k: backoff_s x 2^(k-1), capped at 30 s."""
+    hang_timeout_s: float = 300.0
+    """A rank whose heartbeat is this old is hung: stacks are dumped, the job is restarted (0 = off)."""
+    straggler_every: int = 50
+    """Compare per-rank compute time every N steps (0 = off)."""
+    straggler_factor: float = 1.5
+    """A rank slower than this factor x the median of its peers is named a straggler."""
+    divergence_every: int = 100
+    """Compare a checksum of DP-replicated parameters every N steps (0 = off)."""
 
 
 class RunConfig(_Section):
@@ -124,6 +162,7 @@ class RunConfig(_Section):
     zero: ZeroConfig = ZeroConfig()
     megatron: MegatronConfig = MegatronConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    restart: RestartConfig = RestartConfig()
 
     def dp_size(self, world_size: int) -> int:
         model_parallel = self.megatron.tp * self.megatron.pp if self.backend == "megatron" else 1

@@ -21,6 +21,8 @@ class StepStats:
     """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks)."""
     grad_norm: float
     """Global L2 norm of the gradient before clipping."""
+    compute_s: float = 0.0
+    """This rank's own forward time in the step (no waiting on peers): the straggler signal."""
 
 
 class Engine(Protocol):

@@ -1,7 +1,8 @@
 """Start N local ranks (or this node's share of a multi-node job) through torch's elastic agent.
 
 This is the machinery behind torchrun (c10d rendezvous, worker monitoring, restarts), driven from
-Python so that ``toolkit train`` needs no wrapper script.
+Python so that ``toolkit train`` needs no wrapper script; ``restart.agent.ToolkitAgent`` adds our
+restart policy on top of it.
 """
 from __future__ import annotations
 
@@ -15,34 +16,68 @@ from pathlib import Path
 @dataclass
 class LaunchSpec:
     nproc: int
+    run_dir: Path
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     run_id: str | None = None
     max_restarts: int = 0
+    backoff_s: float = 1.0
+    hang_timeout_s: float = 0.0
 
 
-def launch_workers(spec: LaunchSpec, config_path: Path, extra_env: dict[str, str] | None = None) -> None:
-    """Run ``python -m toolkit.worker CONFIG`` on ``spec.nproc`` local ranks; raises on failure."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict[str, str] | None = None):
+    """Run ``entrypoint *args`` on ``spec.nproc`` local ranks under the agent; raises ChildFailedError."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from toolkit.restart.agent import ToolkitAgent
 
     single_node = spec.nnodes == 1 and spec.rdzv_endpoint is None
-    config = LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
-        run_id=spec.run_id or (uuid.uuid4().hex if single_node else "toolkit"),
-        rdzv_backend="c10d",
+    rdzv = RendezvousParameters(
+        backend="c10d",
         # Like torchrun --standalone: a private store on a free loopback port.
-        rdzv_endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
-        rdzv_configs={"rank": spec.node_rank} if not single_node else {},
-        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
+        endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
+        run_id=spec.run_id or (uuid.uuid4().hex if single_node else "toolkit"),
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes,
         local_addr="127.0.0.1" if single_node else None,
-    )
-    _set_thread_env(spec.nproc)
-    os.environ.update(extra_env or {})
-    elastic_launch(config, sys.executable)("-u", "-m", "toolkit.worker", str(config_path))
+        **({} if single_node else {"rank": spec.node_rank}))
+    worker_spec = WorkerSpec(
+        role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
+        monitor_interval=0.2, local_addr=rdzv.local_addr)
+    _set_worker_env(spec, env)
+    agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(), start_method="spawn",
+                         run_dir=spec.run_dir, max_restarts=spec.max_restarts, backoff_s=spec.backoff_s,
+                         hang_timeout_s=spec.hang_timeout_s)
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=Path(str(entrypoint)).name, failures=result.failures)
+    except ChildFailedError as exc:
+        exc.preempted = agent.preempted
+        raise
+    except Exception as exc:
+        # A signal to the agent must not close the rendezvous: other nodes may still use it.
+        shutdown_rdzv = type(exc).__name__ != "SignalException"
+        raise
+    finally:
+        if shutdown_rdzv:
+            worker_spec.rdzv_handler.shutdown()
 
 
-def _set_thread_env(nproc: int) -> None:
-    """Split the cores between local ranks unless the user chose (torchrun sets 1 per rank)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+def _set_worker_env(spec: LaunchSpec, env: dict[str, str] | None) -> None:
+    """Environment the ranks inherit: our run dir, and the cores split between local ranks."""
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1 per rank; we split the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc))
+    os.environ["TOOLKIT_RUN_DIR"] = str(spec.run_dir)
+    os.environ.update(env or {})
+
+
+def python_module(module: str) -> tuple[str, list[str]]:
+    """Entrypoint and leading args to run ``python -m module`` in each rank."""
+    return sys.executable, ["-u", "-m", module]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +24,10 @@ from toolkit.data import (PackedData, count_loss_tokens, eval_micro_batches, glo
 from toolkit.engine import Engine
 from toolkit.metrics import MetricsLogger
 from toolkit.parallel import rng_state, set_rng_state
+from toolkit.restart.agent import PREEMPTED_EXIT
+from toolkit.restart.events import emit, read_events
+from toolkit.restart.faults import FaultInjector
+from toolkit.restart.monitor import RankMonitor
 from toolkit.schedule import lr_at
 
 
@@ -37,31 +41,62 @@ class Trainer:
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir, cfg.train.steps, enabled=self.rank == 0,
                                      log_every=cfg.train.log_every)
-        self._fault = _parse_fault(os.environ.get("TOOLKIT_FAULT", ""))
+        self.faults = FaultInjector(self.run_dir, self.rank)
+        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
+        self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._recovering = self._restart_count > 0
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
         if self.cfg.resume == "auto":
             self.resume()
+        self.monitor.heartbeat.beat(self.step, "ready")
         t = self.cfg.train
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=1) as prefetch, self.metrics:
             upcoming = prefetch.submit(self._batch, self.step)
             while self.step < t.steps:
+                tic = time.perf_counter()
                 micro_batches, loss_tokens = upcoming.result()
                 if self.step + 1 < t.steps:  # load the next global batch while this one computes
                     upcoming = prefetch.submit(self._batch, self.step + 1)
-                tic = time.perf_counter()
+                self.faults.step_delay(self.step + 1)
+                self.monitor.add_busy(time.perf_counter() - tic)
                 stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, t))
                 self.step += 1
+                self.monitor.add_busy(stats.compute_s)
                 self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
-                self._maybe_inject_fault()
-                if t.eval_every and self.step % t.eval_every == 0:
-                    self.evaluate()
-                if self.step % self.cfg.checkpoint.every == 0 or self.step == t.steps:
-                    self.save()
+                self._after_step()
         self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+
+    def _after_step(self) -> None:
+        """Health checks, eval, preemption and checkpoints at the step boundary."""
+        self.monitor.heartbeat.beat(self.step)
+        self._note_recovery()
+        self.faults.after_step(self.step, model=getattr(self.engine, "module", None))
+        self.monitor.check_stragglers(self.step)
+        self.monitor.check_divergence(self.step, self.engine)
+        t = self.cfg.train
+        if t.eval_every and self.step % t.eval_every == 0:
+            self.evaluate()
+        if self.monitor.stop_agreed():
+            self.save()
+            if self.rank == 0:
+                emit(self.run_dir, "preempt_saved", step=self.step)
+                self.metrics.note(f"stop requested: saved step {self.step}, exiting with {PREEMPTED_EXIT}")
+            sys.exit(PREEMPTED_EXIT)
+        if self.step % self.cfg.checkpoint.every == 0 or self.step == t.steps:
+            self.save()
+
+    def _note_recovery(self) -> None:
+        """After a restart, the first finished step closes the recovery: measure it."""
+        if self._recovering and self.rank == 0:
+            failures = [e for e in read_events(self.run_dir) if e["kind"] in ("failure", "hang")]
+            since = time.time() - failures[-1]["time"] if failures else None
+            emit(self.run_dir, "recovered", step=self.step, restart_count=self._restart_count,
+                 time_to_recover_s=round(since, 2) if since is not None else None)
+        self._recovering = False
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
@@ -94,7 +129,9 @@ class Trainer:
         if self.rank == 0:
             self.ckpt.begin(self.step)
         dist.barrier()
+        self.monitor.heartbeat.beat(self.step, "saving")
         self.engine.save(stage / "engine", self.step)
+        self.faults.in_save(self.step)
         (stage / "trainer").mkdir(exist_ok=True)
         torch.save(rng_state(), stage / "trainer" / f"rank_{self.rank:05d}.pt")
         dist.barrier()
@@ -102,6 +139,7 @@ class Trainer:
         if self.rank == 0:
             self._write_descriptions(stage)
             final = self.ckpt.commit(self.step)
+            self.faults.after_commit(self.step, final)
             self.metrics.note(f"saved checkpoint {final.name}")
         dist.barrier()
         return final
@@ -139,19 +177,3 @@ class Trainer:
             raise RuntimeError(f"checkpoint {ckpt} was written with layout {saved}, this run is "
                                f"{self.engine.layout()}; run with the saved layout, or convert it with "
                                "`toolkit convert` to the new one")
-
-    # --- fault injection for tests of crash/resume (TOOLKIT_FAULT=kill:step=N[:rank=R]) -----------
-
-    def _maybe_inject_fault(self) -> None:
-        f = self._fault
-        if f and f["step"] == self.step and f.get("rank", 0) == self.rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _parse_fault(spec: str) -> dict | None:
-    if not spec:
-        return None
-    kind, *fields = spec.split(":")
-    if kind != "kill":
-        raise ValueError(f"TOOLKIT_FAULT={spec!r}: only 'kill:step=N[:rank=R]' is supported")
-    return {k: int(v) for k, v in (f.split("=") for f in fields)}

@@ -5,6 +5,7 @@ Only this module (and convert/) imports deepspeed.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -191,14 +192,26 @@ class DeepSpeedEngine:
         # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract).
         scale = self.dp_size / loss_tokens
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
+        grad_norm, compute_s = None, 0.0
+        for i, mb in enumerate(micro_batches):
+            tic = time.perf_counter()
             logits = self.engine(input_ids=mb["input_ids"].to(self.device)).logits
+            compute_s += time.perf_counter() - tic
             loss_sum, _ = token_loss_sum(logits, mb["labels"].to(self.device))
             self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            if i == len(micro_batches) - 1 and self.cfg.zero.stage == 0:
+                grad_norm = self._reduced_grad_norm()
             self.engine.step()
             local_sum += loss_sum.detach().double()
         dist.all_reduce(local_sum)
-        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=float(self.engine.get_global_grad_norm()))
+        if grad_norm is None:
+            grad_norm = float(self.engine.get_global_grad_norm())
+        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=grad_norm, compute_s=compute_s)
+
+    def _reduced_grad_norm(self) -> float:
+        """Without ZeRO, DeepSpeed does not record the norm; the grads are all-reduced by now."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
 
     def _set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -235,6 +248,20 @@ class DeepSpeedEngine:
                 module.save_pretrained(str(path), state_dict=state, safe_serialization=True)
                 tokenizer.save_pretrained(str(path))
         dist.barrier()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def replica_checksum(self) -> float | None:
+        """Order-sensitive float64 checksum of the full parameters (identical on every DP replica
+        below ZeRO-3); None at stage 3, where each rank holds only its own shard."""
+        if self.cfg.zero.stage == 3:
+            return None
+        total = torch.zeros((), dtype=torch.float64)
+        for i, p in enumerate(self.engine.module.parameters()):
+            total += (i + 1) * p.detach().double().sum().cpu()
+        return total.item()
 
     def layout(self) -> dict:
         return {"dp": self.dp_size, "tp": 1, "pp": 1, "zero_stage": self.cfg.zero.stage}

@@ -1,0 +1,119 @@
+"""torch elastic's LocalElasticAgent with our restart policy layered on its monitor loop.
+
+The agent (the machinery of torchrun) starts the ranks, watches them and restarts the whole group
+on a failure; we add: an event per failure/restart/hang/preemption in ``RUN_DIR/events.jsonl``,
+exponential backoff between restarts, a heartbeat watchdog that dumps every rank's Python stack and
+kills a hung job so that it restarts, and preemption (all ranks exiting with ``PREEMPTED_EXIT``)
+ending the job instead of restarting it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from toolkit.restart.events import emit
+from toolkit.restart.heartbeat import clear_heartbeats, read_heartbeats
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" - the job saved and stopped on request
+STACKS_DIR = "stacks"
+# Frames that mean "waiting for the other ranks", not "stuck on its own".
+_COLLECTIVE_FRAMES = ("distributed_c10d.py", "deepspeed/comm/", "torch/distributed/")
+
+
+class ToolkitAgent(LocalElasticAgent):
+    def __init__(self, *, run_dir: Path, max_restarts: int, backoff_s: float, hang_timeout_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self.run_dir = Path(run_dir)
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.hang_timeout_s = hang_timeout_s
+        self.attempt = 0
+        self.preempted = False
+
+    # --- hooks into the agent's loop ---------------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        clear_heartbeats(self.run_dir)
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            self._watch_for_hang(worker_group)
+        elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._record_failure(result)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.attempt += 1
+        delay = min(30.0, self.backoff_s * 2 ** (self.attempt - 1))
+        emit(self.run_dir, "restart", attempt=self.attempt, delay_s=delay,
+             restarts_left=self._remaining_restarts, max_restarts=self.max_restarts)
+        time.sleep(delay)
+        super()._restart_workers(worker_group)
+
+    # --- failures ----------------------------------------------------------------------------------
+
+    def _record_failure(self, result: RunResult) -> None:
+        codes = {rank: f.exitcode for rank, f in result.failures.items()}
+        self.preempted = bool(codes) and all(c == PREEMPTED_EXIT for c in codes.values())
+        beats = read_heartbeats(self.run_dir)
+        for rank, failure in sorted(result.failures.items()):
+            emit(self.run_dir, "preempted" if self.preempted else "failure", rank=rank,
+                 exit_code=failure.exitcode, signal=_signal_name(failure.exitcode),
+                 step=beats.get(rank, {}).get("step"), restarts_left=self._remaining_restarts)
+        if self.preempted:
+            self._remaining_restarts = 0  # a requested stop is not a crash: end the job, resumable
+
+    # --- hangs -------------------------------------------------------------------------------------
+
+    def _watch_for_hang(self, worker_group: WorkerGroup) -> None:
+        if not self.hang_timeout_s or self._pcontext is None:
+            return
+        now, beats = time.time(), read_heartbeats(self.run_dir)
+        # Only ranks that have beaten are watched: a script that never calls beat() is never killed.
+        ranks = [w.global_rank for w in worker_group.workers if w.global_rank in beats]
+        last = {r: beats[r]["time"] for r in ranks}
+        if not last or all(now - t <= self.hang_timeout_s for t in last.values()):
+            return
+        stacks = self._dump_stacks(worker_group)
+        stuck = [r for r, text in stacks.items() if text and not any(f in text for f in _COLLECTIVE_FRAMES)]
+        stuck = stuck or [min(last, key=last.get)]
+        emit(self.run_dir, "hang", stuck_ranks=sorted(stuck), step=min(beats[r]["step"] for r in ranks),
+             seconds_without_progress=round(now - min(last.values()), 1),
+             stacks=str(self.run_dir / STACKS_DIR))
+        for pid in self._pcontext.pids().values():
+            _kill(pid, signal.SIGKILL)  # the next monitor pass sees the failure and restarts
+
+    def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
+        """Ask every rank for its Python stacks (faulthandler on SIGUSR2, see trainer)."""
+        pids = self._pcontext.pids()
+        for pid in pids.values():
+            _kill(pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        stacks = {}
+        for w in worker_group.workers:
+            path = self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
+            stacks[w.global_rank] = path.read_text() if path.exists() else ""
+        return stacks
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_name(exitcode: int) -> str | None:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return str(-exitcode)
+    return None

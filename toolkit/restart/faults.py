@@ -1,0 +1,98 @@
+"""Fault injector for tests and soak runs; inert unless ``TOOLKIT_FAULT`` is set.
+
+``TOOLKIT_FAULT="KIND:step=S[:rank=R][:...]"``, several separated by ``;``. Kinds:
+  kill      SIGKILL this rank after step S
+  hang      sleep forever at step S (the watchdog must catch it)
+  raise     raise RuntimeError after step S
+  sigterm   send SIGTERM to this rank after step S (preemption)
+  kill_in_save  SIGKILL while writing the checkpoint of step S (after the engine files)
+  corrupt   after committing the checkpoint of step S, flip one byte in it (rank 0)
+  slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
+  diverge   perturb one parameter on this rank after step S (replicas drift apart)
+Each fault fires once per run directory (``RUN_DIR/faults_fired``), so a restarted job does not
+trip over the same fault again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "corrupt", "slow", "diverge"}
+
+
+def parse(spec: str) -> list[dict]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        kind, *fields = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"TOOLKIT_FAULT={spec!r}: unknown fault {kind!r}; known: {sorted(KINDS)}")
+        fault = {"kind": kind, "rank": 0}
+        for f in fields:
+            key, _, value = f.partition("=")
+            fault[key] = int(value)
+        if "step" not in fault:
+            raise ValueError(f"TOOLKIT_FAULT={spec!r}: {kind} needs step=N")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, run_dir: Path, rank: int, spec: str | None = None):
+        spec = os.environ.get("TOOLKIT_FAULT", "") if spec is None else spec
+        self.faults = [f for f in parse(spec) if f["rank"] == rank]
+        self.fired_file = Path(run_dir) / "faults_fired"
+        self.rank = rank
+
+    def _take(self, kind: str, step: int) -> dict | None:
+        for f in self.faults:
+            if f["kind"] == kind and f["step"] == step and not self._fired(f):
+                self._mark(f)
+                return f
+        return None
+
+    def _key(self, f: dict) -> str:
+        return f"{f['kind']}:{f['step']}:{f['rank']}"
+
+    def _fired(self, f: dict) -> bool:
+        return self.fired_file.exists() and self._key(f) in self.fired_file.read_text().split()
+
+    def _mark(self, f: dict) -> None:
+        with open(self.fired_file, "a") as out:
+            out.write(self._key(f) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+    def after_step(self, step: int, model=None) -> None:
+        if not self.faults:
+            return
+        if self._take("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._take("hang", step):
+            while True:
+                time.sleep(3600)
+        if self._take("raise", step):
+            raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
+        if self._take("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if model is not None and self._take("diverge", step):
+            import torch
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.numel() > 0).add_(1e-3)
+
+    def step_delay(self, step: int) -> None:
+        for f in self.faults:
+            if f["kind"] == "slow" and step >= f["step"]:
+                time.sleep(f.get("ms", 200) / 1000)
+
+    def in_save(self, step: int) -> None:
+        if self.faults and self._take("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_commit(self, step: int, ckpt: Path) -> None:
+        if self.faults and self._take("corrupt", step):
+            victim = max((p for p in ckpt.rglob("*.pt") if p.is_file()), key=lambda p: p.stat().st_size)
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))

@@ -1,0 +1,92 @@
+"""Per-rank health checks run by the trainer at step boundaries.
+
+- heartbeat: every step, for the agent's hang watchdog; stacks on SIGUSR2 (faulthandler);
+- preemption: SIGTERM/SIGUSR1 set a flag; ranks agree on it (max all-reduce) so all stop at the
+  same step boundary, save, and exit with PREEMPTED_EXIT;
+- stragglers: every N steps, per-rank busy time (data + forward) is gathered; a rank slower than
+  factor x the median of its peers is named in events.jsonl and the log;
+- divergence: every N steps, a checksum of the parameters that must be identical on DP replicas is
+  gathered; a mismatch is an error event naming the ranks, and the job fails (then restarts from a
+  consistent checkpoint) rather than drifting silently.
+"""
+from __future__ import annotations
+
+import faulthandler
+import signal
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit.config import RestartConfig
+from toolkit.restart.agent import STACKS_DIR
+from toolkit.restart.events import emit
+from toolkit.restart.heartbeat import Heartbeat
+
+
+class DivergenceError(RuntimeError):
+    pass
+
+
+class RankMonitor:
+    def __init__(self, run_dir: Path, policy: RestartConfig, log=print):
+        self.run_dir, self.policy, self.log = Path(run_dir), policy, log
+        self.rank = dist.get_rank()
+        self.heartbeat = Heartbeat(run_dir, self.rank)
+        self._stop_requested = False
+        self._busy_s = 0.0
+        self._stack_file = self._register_stack_dump()
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._request_stop)
+
+    def _register_stack_dump(self):
+        (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)
+        f = open(self.run_dir / STACKS_DIR / f"rank_{self.rank:05d}.txt", "w")
+        faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
+        return f  # kept open: faulthandler writes to its descriptor from a signal handler
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def add_busy(self, seconds: float) -> None:
+        self._busy_s += seconds
+
+    def stop_agreed(self) -> bool:
+        """True on every rank if any rank was asked to stop (one tiny all-reduce per step)."""
+        flag = torch.tensor([int(self._stop_requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def check_stragglers(self, step: int) -> None:
+        every = self.policy.straggler_every
+        if not every or step % every or dist.get_world_size() < 2:
+            return
+        times = [None] * dist.get_world_size()
+        dist.all_gather_object(times, self._busy_s / every)
+        self._busy_s = 0.0
+        for rank, t in enumerate(times):
+            peers = statistics.median(x for r, x in enumerate(times) if r != rank)
+            if peers > 0 and t > self.policy.straggler_factor * peers and self.rank == 0:
+                emit(self.run_dir, "straggler", rank=rank, step=step, busy_s_per_step=round(t, 4),
+                     peers_median_s=round(peers, 4), factor=round(t / peers, 2))
+                self.log(f"straggler: rank {rank} took {t:.3f}s/step vs {peers:.3f}s for its peers (step {step})")
+
+    def check_divergence(self, step: int, engine) -> None:
+        every = self.policy.divergence_every
+        checksum_fn = getattr(engine, "replica_checksum", None)
+        if not every or step % every or checksum_fn is None:
+            return
+        value = checksum_fn()
+        if value is None:  # parameters are sharded (ZeRO-3): nothing is replicated to compare
+            return
+        sums = [None] * engine.dp_size
+        dist.all_gather_object(sums, value, group=getattr(engine, "dp_group", None))
+        if len(set(sums)) > 1:
+            groups: dict[float, list[int]] = {}
+            for rank, s in enumerate(sums):
+                groups.setdefault(s, []).append(rank)
+            if self.rank == 0:
+                emit(self.run_dir, "divergence", step=step, replica_groups=list(groups.values()))
+            raise DivergenceError(f"step {step}: data-parallel replicas hold different parameters; ranks grouped "
+                                  f"by identical checksums: {list(groups.values())}")
