@@ -1,0 +1,524 @@
+"""Megatron-core adapter: layout checks, this rank's GPTModel stage(s) from an HF model, an Engine.
+
+Only this module (and convert/) imports megatron. Order of what ``MegatronEngine`` applies:
+  1. process groups (``initialize_model_parallel``: tp, pp, vpp; dp = world / (tp * pp))
+  2. model chunks: ``GPTModel`` with the local layer spec, this stage's layers only
+  3. weights: the HF model's tensors through the family table, each rank copying only its TP slice
+  4. DDP (grads reduced in fp32 buckets) + distributed optimizer (Adam, decoupled weight decay)
+  5. steps with ``get_forward_backward_func`` (no pipelining, 1F1B, or interleaved 1F1B)
+
+Loss contract (same as the DeepSpeed path): the gradient is that of ``sum(token losses of the global
+batch) / loss_tokens``. Megatron is run with ``calculate_per_token_loss=True`` so neither the
+schedule (which would divide by the number of micro-batches) nor DDP (which would divide by dp)
+rescales; after the DP all-reduce has summed the per-rank sums, the grads are scaled by
+``1 / loss_tokens`` once. Padded vocabulary columns get -inf logits before the vocab-parallel
+cross entropy, so they never reach the loss.
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from toolkit.config import ConfigError, RunConfig
+from toolkit.engine import IGNORE_INDEX, StepStats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "megatron_configs"
+PRESET_KEYS = ("tp", "pp", "vpp", "sequence_parallel", "make_vocab_size_divisible_by", "recompute")
+
+
+# --- presets and layout checks (no megatron import: run in the launcher before any rank starts) -----
+
+def apply_preset(cfg: RunConfig) -> None:
+    """Fill megatron.* fields from ``megatron.preset`` (a megatron_configs/ name or a YAML path);
+    fields set explicitly in the run config win."""
+    import yaml
+    name = cfg.megatron.preset
+    if not name:
+        return
+    path = Path(name) if Path(name).is_file() else PRESET_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"megatron.preset={name!r} is neither a file nor one of megatron_configs/ {known}")
+    preset = yaml.safe_load(path.read_text()) or {}
+    bad = sorted(set(preset) - set(PRESET_KEYS))
+    if bad:
+        raise ConfigError(f"{path}: keys {bad} are not layout fields; a preset may set only {list(PRESET_KEYS)}")
+    for key, value in preset.items():
+        if key not in cfg.megatron.model_fields_set:
+            try:
+                setattr(cfg.megatron, key, value)
+            except ValueError as exc:
+                raise ConfigError(f"{path}: {key}={value!r}: {exc}") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
+    """Every megatron layout constraint, with the numbers and the valid choices; returns the layout."""
+    from toolkit.families import FamilyError, get_family
+    m = cfg.megatron
+    try:
+        family = get_family(hf_config.model_type)
+        family.check(hf_config)
+    except FamilyError as exc:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {exc}") from None
+    dims = family.dims(hf_config, 1)
+    layers = hf_config.num_hidden_layers
+    if world_size % (m.tp * m.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by megatron.tp={m.tp} x megatron.pp={m.pp}; "
+                          f"choose tp x pp in {_divisors(world_size)} or nproc a multiple of {m.tp * m.pp}")
+    for name, value in (("num_attention_heads", dims.heads), ("num_key_value_heads", dims.groups)):
+        if value % m.tp:
+            valid = [t for t in _divisors(dims.groups) if dims.heads % t == 0 and world_size % t == 0]
+            raise ConfigError(f"{name}={value} is not divisible by megatron.tp={m.tp}; choose tp in {valid}")
+    chunks = m.pp * (m.vpp or 1)
+    if layers % chunks:
+        valid = [p for p in _divisors(layers) if world_size % (p * m.tp) == 0 and layers % (p * (m.vpp or 1)) == 0]
+        raise ConfigError(f"num_hidden_layers={layers} is not divisible by megatron.pp={m.pp} x megatron.vpp="
+                          f"{m.vpp or 1} (= {chunks} model chunks); choose pp in {valid}"
+                          + (" or a vpp that divides layers / pp" if m.vpp else ""))
+    if m.vpp and m.pp < 2:
+        raise ConfigError(f"megatron.vpp={m.vpp} needs megatron.pp >= 2 (got pp={m.pp}); unset vpp or raise pp")
+    dp = world_size // (m.tp * m.pp)
+    n_micro = cfg.train.global_batch_size // max(cfg.train.micro_batch_size * dp, 1)
+    if m.vpp and n_micro % m.pp:
+        raise ConfigError(f"interleaved pipeline (megatron.vpp={m.vpp}) needs micro-batches per step ({n_micro} = "
+                          f"global_batch_size / (micro_batch_size x dp={dp})) divisible by pp={m.pp}")
+    if m.sequence_parallel and m.tp < 2:
+        raise ConfigError("megatron.sequence_parallel=true needs megatron.tp >= 2; set tp or turn it off")
+    from toolkit.families import padded_vocab_size
+    return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "dp": dp, "sequence_parallel": m.sequence_parallel,
+            "padded_vocab": padded_vocab_size(hf_config.vocab_size, m.make_vocab_size_divisible_by, m.tp)}
+
+
+# --- HF weights ---------------------------------------------------------------------------------------
+
+class _LazyHFWeights(Mapping):
+    """An HF checkpoint directory as a read-on-demand mapping (safetensors: one tensor at a time)."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"model.init=pretrained: no *.safetensors in {model_dir}; the megatron path reads "
+                              "safetensors (convert with save_pretrained(safe_serialization=True))")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __getitem__(self, key):
+        return self._where[key].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def hf_weights(cfg: RunConfig) -> Mapping[str, torch.Tensor]:
+    """HF tensors by name: the checkpoint (lazily) or the seeded random init of ``build_model``."""
+    if cfg.model.init == "pretrained":
+        path = Path(cfg.model.name_or_path)
+        return _LazyHFWeights(path.parent if path.is_file() else path)
+    from toolkit.adapters.hf import build_model
+    return build_model(cfg).state_dict()
+
+
+# --- model --------------------------------------------------------------------------------------------
+
+def transformer_config(cfg: RunConfig, hf_config, family):
+    from megatron.core.transformer import TransformerConfig
+
+    from toolkit.compat import megatron_cpu
+    m, dtype = cfg.megatron, DTYPES[cfg.model.dtype]
+    kw = family.transformer_config(hf_config)
+    kw.update(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
+              virtual_pipeline_model_parallel_size=m.vpp, sequence_parallel=m.sequence_parallel,
+              params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+              calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+              bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+              gradient_accumulation_fusion=False, **_recompute(m.recompute))
+    if megatron_cpu.needed():
+        kw.update(megatron_cpu.TRANSFORMER_CONFIG)
+    return TransformerConfig(**kw)
+
+
+def _recompute(mode: str) -> dict:
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
+
+
+def build_chunks(cfg: RunConfig, hf_config, family, tconfig, padded_vocab: int) -> list:
+    """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
+    vpp = cfg.megatron.vpp
+    chunks = []
+    for v in range(vpp or 1):
+        vp = v if vpp else None
+        chunks.append(GPTModel(tconfig, spec, vocab_size=padded_vocab, vp_stage=vp,
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                               **family.model_kwargs(hf_config)))
+    return chunks
+
+
+def _global_name(name: str, offset: int) -> str:
+    if name.startswith("decoder.layers."):
+        _, _, i, rest = name.split(".", 3)
+        return f"decoder.layers.{int(i) + offset}.{rest}"
+    return name
+
+
+def _local_params(chunk) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in chunk.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
+
+
+def layer_offset(chunk) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    return get_transformer_layer_offset(chunk.config, vp_stage=getattr(chunk, "vp_stage", None))
+
+
+def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp: int, tp_rank: int) -> None:
+    """Copy this rank's slices of the HF tensors into ``chunk``; every parameter exactly once."""
+    from toolkit.families import hf_to_mcore, shard, table
+    offset, tied = layer_offset(chunk), family.tied(hf_config)
+    local = _local_params(chunk)
+    source = {n: _global_name(n, offset) for n in local}
+    if tied:  # a last pipeline stage holds its own copy of the tied embedding as output_layer
+        source = {n: "embedding.word_embeddings.weight" if g == "output_layer.weight" else g for n, g in source.items()}
+    known = table(family, hf_config)
+    unknown = sorted(g for g in source.values() if g not in known)
+    if unknown:
+        raise RuntimeError(f"{family.model_type}: megatron parameters missing from the weight table: {unknown}")
+    full = hf_to_mcore(family, hf_config, hf_state, padded_vocab, names=set(source.values()), strict=False)
+    with torch.no_grad():
+        for name, param in local.items():
+            part = shard(family, hf_config, source[name], full[source[name]], tp, tp_rank)
+            if part.shape != param.shape:
+                raise RuntimeError(f"{name}: converted slice has shape {tuple(part.shape)}, the model "
+                                   f"expects {tuple(param.shape)}")
+            param.copy_(part)
+    _copy_rope(chunk, family, hf_config)
+
+
+def _copy_rope(chunk, family, hf_config) -> None:
+    """Use HF's own RoPE frequencies (default, linear and llama3 scaling alike): exact by construction."""
+    rope = getattr(chunk, "rotary_pos_emb", None)
+    if rope is None or family.position_embedding != "rope":
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from toolkit.families import rope_parameters
+    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    if rope_type == "default":
+        params = rope_parameters(hf_config)
+        dim = rope.inv_freq.numel() * 2
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        assert scaling == 1.0, f"rope type {rope_type} scales attention by {scaling}"
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+
+
+def check_hf_keys(family, hf_config, hf_state) -> None:
+    """Strictness on the whole HF checkpoint without reading tensors: every key is in the table."""
+    from toolkit.families import table
+    from toolkit.families.base import FamilyError
+    used = {hp + n for e, hp in table(family, hf_config).values() for n in e.hf_names()}
+    keys = set(hf_state.keys())
+    missing, unexpected = sorted(used - keys), sorted(keys - used - ({"lm_head.weight"} if family.tied(hf_config) else set()))
+    if missing or unexpected:
+        raise FamilyError(f"{family.model_type}: HF weights do not match the table; missing {missing[:20]}, "
+                          f"unexpected { {k: tuple(hf_state[k].shape) for k in unexpected[:20]} }")
+
+
+# --- loss -----------------------------------------------------------------------------------------
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: int):
+    """Sum of token cross-entropies over the true vocabulary and the valid-token count.
+
+    logits: this TP rank's ``[batch, seq, padded_vocab / tp]``; labels ``[batch, seq]`` with
+    IGNORE_INDEX where no loss is taken. Columns at or beyond ``vocab`` are set to -inf."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    logits = logits.float()
+    if start + width > vocab:
+        pad = torch.arange(start, start + width, device=logits.device) >= vocab
+        logits = logits.masked_fill(pad, float("-inf"))
+    valid = labels != IGNORE_INDEX
+    losses = vocab_parallel_cross_entropy(logits.contiguous(), labels.masked_fill(~valid, 0))
+    return (losses * valid).sum(), valid.sum()
+
+
+# --- engine -----------------------------------------------------------------------------------------
+
+class MegatronEngine:
+    """The Engine protocol over megatron-core GPTModel chunks, DDP and the distributed optimizer."""
+
+    def __init__(self, cfg: RunConfig, hf_config, hf_state: Mapping[str, torch.Tensor] | None = None):
+        from toolkit.compat import megatron_cpu
+        from toolkit.families import get_family
+        megatron_cpu.enable()  # no-op with a GPU; stays on for the process (megatron allocates lazily)
+        self.cfg, self.hf_config = cfg, hf_config
+        self.family = get_family(hf_config.model_type)
+        self.plan = check_layout(cfg, hf_config, dist.get_world_size())
+        self._init_parallel()
+        hf_state = hf_weights(cfg) if hf_state is None else hf_state
+        check_hf_keys(self.family, hf_config, hf_state)
+        self.tconfig = transformer_config(cfg, hf_config, self.family)
+        chunks = build_chunks(cfg, hf_config, self.family, self.tconfig, self.plan["padded_vocab"])
+        for c in chunks:
+            load_hf_into_chunk(c, self.family, hf_config, hf_state, self.plan["padded_vocab"], cfg.megatron.tp,
+                               self.tp_rank)
+        del hf_state
+        self.model = self._wrap_ddp(chunks)
+        self.optimizer = self._build_optimizer()
+        self._configure_schedule()
+
+    # --- setup ----------------------------------------------------------------------------------------
+
+    def _init_parallel(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        m = self.cfg.megatron
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
+                                         virtual_pipeline_model_parallel_size=m.vpp)
+        model_parallel_cuda_manual_seed(self.cfg.train.seed)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _wrap_ddp(self, chunks) -> list:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True, check_for_nan_in_grad=False)
+        return [DistributedDataParallel(self.tconfig, ddp_config, c,
+                                        disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        t, dtype = self.cfg.train, self.cfg.model.dtype
+        ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                               adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                               clip_grad=t.grad_clip, use_distributed_optimizer=True,
+                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype])
+        return get_megatron_optimizer(ocfg, self.model)
+
+    def _configure_schedule(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        self._loss_tokens = 1
+
+        def finalize(model, num_tokens=None, **kw):
+            finalize_model_grads(model, num_tokens=None, **kw)  # DP sum (no averaging: per-token loss mode)
+            for chunk in model:
+                chunk.scale_gradients(1.0 / self._loss_tokens)
+
+        self.tconfig.finalize_model_grads_func = finalize
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss if self.cfg.model.dtype == "fp16" else None
+        no_sync = [c.no_sync for c in self.model]
+        self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    # --- steps ----------------------------------------------------------------------------------------
+
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        ids = mb["input_ids"]
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        output = model(ids, positions, None)
+        return output, partial(self._loss_func, mb["labels"])
+
+    def _loss_func(self, labels, logits):
+        loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size)
+        return loss_sum, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
+
+    def _run_schedule(self, micro_batches, forward_only: bool) -> torch.Tensor:
+        """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        chunks = len(self.model)
+        iters = [iter(micro_batches) for _ in range(chunks)]
+        mb = micro_batches[0]["input_ids"]
+        out = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iters if chunks > 1 else iters[0],
+            model=self.model, num_microbatches=len(micro_batches), seq_length=mb.shape[1],
+            micro_batch_size=mb.shape[0], forward_only=forward_only)
+        totals = torch.zeros(2, dtype=torch.float64)
+        if self.is_last_stage and self.tp_rank == 0:  # TP ranks hold the same (reduced) losses
+            for d in out:
+                totals += torch.stack([d["loss_sum"], d["count"]])
+        return totals
+
+    def forward_backward(self, micro_batches, loss_tokens: int) -> torch.Tensor:
+        """Gradients of sum(token losses) / loss_tokens in the DDP buffers (``param.main_grad``,
+        reduce-scattered over DP); returns this rank's [loss sum, token count]."""
+        self._loss_tokens = loss_tokens
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._run_schedule(micro_batches, forward_only=False)
+
+    def train_step(self, micro_batches, loss_tokens, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        totals = self.forward_backward(micro_batches, loss_tokens)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (inf/nan gradients)")
+        dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
+        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches):
+        for chunk in self.model:
+            chunk.eval()
+        totals = self._run_schedule(micro_batches, forward_only=True) if micro_batches else torch.zeros(2, dtype=torch.float64)
+        for chunk in self.model:
+            chunk.train()
+        dist.all_reduce(totals)
+        return totals[0].item(), int(totals[1].item())
+
+    @torch.no_grad()
+    def logits(self, micro_batches) -> list[torch.Tensor] | None:
+        """Full-vocabulary logits ``[mbs, seq, vocab]`` (padding dropped) per micro-batch, on the last
+        pipeline stage's TP rank 0 of DP replica 0; None on other ranks. For parity checks."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        vocab = self.hf_config.vocab_size
+
+        def loss_func(output):
+            full = gather_from_tensor_model_parallel_region(output)[..., :vocab].float().clone()
+            return output.sum() * 0, torch.tensor(1, dtype=torch.int), {"logits": full}
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            return model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), None), loss_func
+
+        for chunk in self.model:
+            chunk.eval()
+        iters = [iter(micro_batches) for _ in self.model]
+        ids = micro_batches[0]["input_ids"]
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0], model=self.model,
+            num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+            forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        mine = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        return [d["logits"] for d in out] if mine else None
+
+    # --- checkpoints (megatron torch_dist; optimizer fully reshardable) --------------------------------
+
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        sd = {}
+        for i, chunk in enumerate(self.model):
+            sd["model" if len(self.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
+        model_sd = {k: v for part in (sd[k] for k in sd) for k, v in part.items()} if len(self.model) > 1 else sd["model"]
+        sd["optimizer"] = self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return sd
+
+    def save(self, path: Path, step: int = 0) -> None:
+        from megatron.core import dist_checkpointing
+        path = Path(path)
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "toolkit_megatron.json").write_text(json.dumps(self.describe(), indent=2))
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
+        dist.barrier()
+
+    def load(self, path: Path) -> None:
+        from megatron.core import dist_checkpointing
+        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
+        for i, chunk in enumerate(self.model):
+            chunk.module.load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"], strict=True)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def describe(self) -> dict:
+        """What a reader of the checkpoint needs: true vocab, layer spec, layout."""
+        return {"format": "megatron-core torch_dist", "family": self.family.model_type,
+                "vocab_size": self.hf_config.vocab_size, "padded_vocab_size": self.plan["padded_vocab"],
+                "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
+                "layout": self.layout()}
+
+    # --- export ---------------------------------------------------------------------------------------
+
+    def full_mcore_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+        """Full (unsharded, global layer numbers) mcore tensors, on global rank 0; None elsewhere.
+        ``attr="main_grad"``: the gradients instead of the weights (complete only at dp=1)."""
+        local = {}
+        for chunk in self.model:
+            offset = layer_offset(chunk.module)
+            for name, t in _local_params(chunk.module).items():
+                t = getattr(t, attr) if attr else t
+                local[_global_name(name, offset)] = t.detach().to("cpu", torch.float32).clone()
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((self.dp_rank, self.tp_rank, local), gathered, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        return self._merge(gathered)
+
+    def _merge(self, gathered) -> dict[str, torch.Tensor]:
+        from toolkit.families import unshard
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for dp_rank, tp_rank, local in gathered:
+            if dp_rank == 0:
+                for name, t in local.items():
+                    parts.setdefault(name, {})[tp_rank] = t
+        full = {}
+        for name, by_rank in parts.items():
+            if name == "output_layer.weight" and self.family.tied(self.hf_config):
+                continue  # the last stage's copy of the tied embedding
+            full[name] = unshard(self.family, self.hf_config, name, [by_rank[r] for r in sorted(by_rank)])
+        return full
+
+    def hf_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The current weights (or ``attr`` of them) as an HF state dict on rank 0, strict through
+        the family table."""
+        from toolkit.families import mcore_to_hf
+        full = self.full_mcore_state(attr)
+        return None if full is None else mcore_to_hf(self.family, self.hf_config, full, self.plan["padded_vocab"])
+
+    def export_hf(self, path: Path, tokenizer) -> None:
+        state = self.hf_state()
+        if dist.get_rank() == 0:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+            model.load_state_dict(state, strict=True)
+            model.save_pretrained(str(path), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(path))
+        dist.barrier()
+
+    def layout(self) -> dict:
+        m = self.cfg.megatron
+        return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "format": "torch_dist"}
+
+
+def build_engine(cfg: RunConfig, plan: dict, run_dir: Path, rank: int) -> MegatronEngine:
+    """The worker's entry: record the layout plan, build the engine from the run's HF model."""
+    from toolkit.adapters.hf import load_hf_config
+    if rank == 0:
+        (Path(run_dir) / "megatron_layout.json").write_text(json.dumps(plan, indent=2))
+    return MegatronEngine(cfg, load_hf_config(cfg.model.name_or_path))
