@@ -23,8 +23,10 @@ def resolve_for_world(cfg: RunConfig, world_size: int):
     if cfg.backend == "deepspeed":
         from toolkit.adapters.deepspeed import resolve_ds_config
         backend_config = resolve_ds_config(cfg, world_size, hf_config.hidden_size)
-    else:
-        raise ConfigError("backend=megatron is not available in this release yet; use backend=deepspeed")
+    else:  # megatron
+        from toolkit.adapters.megatron import apply_preset, check_layout
+        apply_preset(cfg)
+        backend_config = check_layout(cfg, hf_config, world_size)
     cfg.check_layout(world_size)
     return hf_config, backend_config
 
@@ -59,6 +61,9 @@ def _prepare_data_rank0_first(cfg: RunConfig, rank: int):
 
 
 def _build_engine(cfg: RunConfig, backend_config, run_dir: Path, rank: int):
+    if cfg.backend == "megatron":
+        from toolkit.adapters.megatron import build_engine
+        return build_engine(cfg, backend_config, run_dir, rank)
     from toolkit.adapters.deepspeed import DeepSpeedEngine
     if rank == 0:
         import json

@@ -17,6 +17,7 @@ cross entropy, so they never reach the loss.
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 from pathlib import Path
 from typing import Mapping
@@ -215,6 +216,25 @@ def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp
                                    f"expects {tuple(param.shape)}")
             param.copy_(part)
     _copy_rope(chunk, family, hf_config)
+    _padding_idx_without_grad(chunk, family.padding_idx(hf_config))
+
+
+def _padding_idx_without_grad(chunk, pad: int | None) -> None:
+    """HF's ``nn.Embedding(padding_idx=pad)``: the lookup of ``pad`` sends no gradient to its row
+    (the output layer still does when embeddings are tied). Megatron's embedding has no such
+    option, so the looked-up vectors at ``pad`` positions are detached."""
+    emb = getattr(getattr(chunk, "embedding", None), "word_embeddings", None)
+    if pad is None or emb is None:
+        return
+
+    def hook(module, args, output):
+        ids = args[0]
+        if output.shape[:2] != ids.shape:
+            raise NotImplementedError("padding_idx with sequence-parallel embeddings; set "
+                                      "megatron.sequence_parallel=false")
+        return torch.where((ids == pad).unsqueeze(-1), output.detach(), output)
+
+    emb.register_forward_hook(hook)
 
 
 def _copy_rope(chunk, family, hf_config) -> None:
@@ -380,12 +400,27 @@ class MegatronEngine:
     def train_step(self, micro_batches, loss_tokens, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        tic = time.perf_counter()
         totals = self.forward_backward(micro_batches, loss_tokens)
+        compute_s = time.perf_counter() - tic  # includes pipeline waits: megatron interleaves them
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (inf/nan gradients)")
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
-        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm))
+        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm), compute_s=compute_s)
+
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_group()
+
+    def replica_checksum(self) -> float:
+        """Order-sensitive float64 checksum of this rank's parameters (equal across its DP group)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for chunk in self.model:
+            for i, p in enumerate(chunk.module.parameters()):
+                total += (i + 1) * p.detach().double().sum().cpu()
+        return total.item()
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches):

@@ -206,6 +206,12 @@ class Family:
     activation_field: str = "hidden_act"
     checks: tuple[Check, ...] = ()
     tied_field: str = "tie_word_embeddings"
+    padding_idx_field: str | None = None
+    """HF config field naming the embedding's ``padding_idx`` (its row gets no gradient from the
+    lookup, as in ``nn.Embedding(padding_idx=...)``); None when the HF model has none."""
+
+    def padding_idx(self, hf_config) -> int | None:
+        return getattr(hf_config, self.padding_idx_field, None) if self.padding_idx_field else None
 
     def extend(self, **changes) -> "Family":
         """A derived family; ``layer``/``top`` replace entries with the same mcore name, or append."""

@@ -18,6 +18,7 @@ FAMILY = Family(
            Rename("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", REPLICATED),
            FuseGLU(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight"),
            Rename("mlp.down_proj.weight", "mlp.linear_fc2.weight", ROW)),
+    padding_idx_field="pad_token_id",
     checks=(Check("attention_bias", bool, "qkv/o biases are a different family (qwen2 has qkv bias only)"),
             Check("mlp_bias", bool, "MLP biases are not in the llama table"),
             Check("pretraining_tp", lambda v: v not in (None, 1), "set pretraining_tp=1 (same weights)")),
