@@ -483,12 +483,63 @@ class MegatronEngine:
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 
+    def _materialize_optimizer_state(self) -> None:
+        """A fresh torch Adam has no state (no ``step``) for the checkpoint template to describe;
+        one step at lr=0 on zero grads creates it without changing a weight. Loading overwrites it."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            if inner.state:
+                continue
+            saved_lr = [g["lr"] for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for g, lr in zip(inner.param_groups, saved_lr):
+                g["lr"] = lr
+                for p in g["params"]:
+                    p.grad = None
+
+    def _tolerate_step_state(self) -> None:
+        """megatron-core 0.16 with torch's Adam (no Apex/TE): loading the fully reshardable format
+        sets ``step`` from the param groups, then copies every state key of each parameter from the
+        checkpoint, where ``step`` is not stored per parameter (KeyError). On our instances only,
+        copy what the checkpoint has and keep the ``step`` already set."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                continue
+
+            def set_states(model_param, tensors, opt=opt):
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+                dst = {"param": main_param, **opt.optimizer.state[main_param]}
+                missing = set(dst) - set(tensors) - {"step"}
+                if missing:
+                    raise RuntimeError(f"checkpoint lacks optimizer state {sorted(missing)}")
+                for key, value in tensors.items():
+                    dst[key].copy_(value)
+
+            opt._set_main_param_and_optimizer_states = set_states
+
     def load(self, path: Path) -> None:
         from megatron.core import dist_checkpointing
+        self._materialize_optimizer_state()
+        self._tolerate_step_state()
         loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"], strict=True)
         self.optimizer.load_state_dict(loaded["optimizer"])
+        self._unshare_step_tensors()
+
+    def _unshare_step_tensors(self) -> None:
+        """megatron-core 0.16 gives every parameter the *same* ``step`` tensor when it loads a torch
+        Adam state; torch increments each parameter's step in place, so a shared one would advance
+        once per parameter per step (wrong bias correction). Give each its own copy."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
 
     def describe(self) -> dict:
         """What a reader of the checkpoint needs: true vocab, layer spec, layout."""
