@@ -105,8 +105,14 @@ def _run_supervised(spec, entrypoint: str, args: list[str]) -> int:
     from toolkit.launch import launch_workers
     from toolkit.restart.agent import PREEMPTED_EXIT
     from toolkit.restart.events import emit
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     try:
         launch_workers(spec, entrypoint, args)
+    except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved
+        emit(spec.run_dir, "preempted", signal=exc.sigval.name, rank=None)
+        print(f"toolkit: stopped by {exc.sigval.name}; ranks saved a checkpoint - run the same command to resume",
+              file=sys.stderr)
+        return PREEMPTED_EXIT
     except ChildFailedError as exc:
         if getattr(exc, "preempted", False):
             print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)

@@ -146,7 +146,9 @@ class RestartConfig(_Section):
     straggler_every: int = 50
     """Compare per-rank compute time every N steps (0 = off)."""
     straggler_factor: float = 1.5
-    """A rank slower than this factor x the median of its peers is named a straggler."""
+    """A rank slower than this factor x the median of its peers is named a straggler..."""
+    straggler_min_gap_s: float = 0.05
+    """...and by at least this many seconds per step (tiny steps are all noise)."""
     divergence_every: int = 100
     """Compare a checksum of DP-replicated parameters every N steps (0 = off)."""
 

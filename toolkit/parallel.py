@@ -47,7 +47,24 @@ def init_process_group(timeout_s: float = 600) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group(comm_backend(), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(comm_backend(), timeout=timeout)
+        else:
+            dist.init_process_group(comm_backend(), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _attempt_store(timeout: timedelta):
+    """Under torch elastic the agent's TCP store outlives a restart; without a per-attempt prefix the
+    new ranks read the dead ranks' gloo addresses and hang connecting to them."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"toolkit/attempt_{attempt}", client)
 
 
 def _free_port() -> int:

@@ -157,7 +157,7 @@ class Trainer:
         self.hf_config.to_json_file(str(stage / "config.json"))
 
     def resume(self) -> None:
-        found = find_latest_complete(self.run_dir, log=self.metrics.note) if self.rank == 0 else None
+        found = find_latest_complete(self.run_dir, log=self._checkpoint_skipped) if self.rank == 0 else None
         box = [str(found) if found else None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
@@ -170,6 +170,10 @@ class Trainer:
         set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
         self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")
         self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name})
+
+    def _checkpoint_skipped(self, message: str) -> None:
+        self.metrics.note(message)
+        emit(self.run_dir, "checkpoint_skipped", reason=message)
 
     def _check_layout_matches(self, ckpt: Path) -> None:
         saved = json.loads((ckpt / "meta.json").read_text())["layout"]

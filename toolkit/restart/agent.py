@@ -49,6 +49,12 @@ class ToolkitAgent(LocalElasticAgent):
             self._record_failure(result)
         return result
 
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop a failed group with SIGKILL: SIGTERM means "preempt: save and exit" to our ranks, and a
+        rank blocked in a collective would sit out the timeout. Checkpoints are atomic, so nothing
+        is lost. (A signal to the agent itself still reaches the ranks as that signal.)"""
+        self._shutdown(death_sig=signal.SIGKILL, timeout=5)
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.attempt += 1
         delay = min(30.0, self.backoff_s * 2 ** (self.attempt - 1))

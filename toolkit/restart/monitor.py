@@ -67,7 +67,8 @@ class RankMonitor:
         self._busy_s = 0.0
         for rank, t in enumerate(times):
             peers = statistics.median(x for r, x in enumerate(times) if r != rank)
-            if peers > 0 and t > self.policy.straggler_factor * peers and self.rank == 0:
+            slow = t > self.policy.straggler_factor * peers and t - peers > self.policy.straggler_min_gap_s
+            if slow and self.rank == 0:
                 emit(self.run_dir, "straggler", rank=rank, step=step, busy_s_per_step=round(t, 4),
                      peers_median_s=round(peers, 4), factor=round(t / peers, 2))
                 self.log(f"straggler: rank {rank} took {t:.3f}s/step vs {peers:.3f}s for its peers (step {step})")
