@@ -80,7 +80,7 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
                           f"choose tp x pp in {_divisors(world_size)} or nproc a multiple of {m.tp * m.pp}")
     for name, value in (("num_attention_heads", dims.heads), ("num_key_value_heads", dims.groups)):
         if value % m.tp:
-            valid = [t for t in _divisors(dims.groups) if dims.heads % t == 0 and world_size % t == 0]
+            valid = [t for t in _divisors(dims.groups) if dims.heads % t == 0]
             raise ConfigError(f"{name}={value} is not divisible by megatron.tp={m.tp}; choose tp in {valid}")
     chunks = m.pp * (m.vpp or 1)
     if layers % chunks:
@@ -288,6 +288,18 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: i
     return (losses * valid).sum(), valid.sum()
 
 
+def _in_process_write_results() -> None:
+    """Our saves are synchronous: megatron's writer runs in this process and reads its own results
+    back, so a plain queue does. Megatron's default is a multiprocessing Manager, a server process
+    that outlives a rank killed by SIGKILL/SIGTERM and keeps the job's stdout open (the launcher's
+    caller then waits forever)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 # --- engine -----------------------------------------------------------------------------------------
 
 class MegatronEngine:
@@ -480,6 +492,7 @@ class MegatronEngine:
             path.mkdir(parents=True, exist_ok=True)
             (path / "toolkit_megatron.json").write_text(json.dumps(self.describe(), indent=2))
         dist.barrier()
+        _in_process_write_results()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 

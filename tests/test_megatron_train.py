@@ -1,0 +1,111 @@
+"""Megatron path end to end through `toolkit train`: same losses as the DeepSpeed path, kill -9 and
+resume exact, HF export loads, bad layouts fail before launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import train
+from toolkit.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+
+MEGATRON = "backend=megatron"
+LAYOUTS = {  # name: (overrides, nproc)
+    "tp2": (["megatron.tp=2"], 2),
+    "pp2": (["megatron.pp=2"], 2),
+    "dp2": ([], 2),  # DDP + distributed optimizer over 2 replicas
+    "tp2_pp2": (["megatron.preset=tp2_pp2"], 4),
+}
+
+
+def losses(run_dir, key="loss"):
+    return [r[key] for _, r in sorted(read_metrics(run_dir).items()) if key in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    cache: dict[str, object] = {}
+    root = tmp_path_factory.mktemp("mcore_runs")
+
+    def get(name: str, *overrides: str, nproc: int = 2):
+        if name not in cache:
+            run_dir = root / name
+            train(run_dir, data_cache, "checkpoint.every=3", "train.eval_every=3", *overrides, nproc=nproc)
+            cache[name] = run_dir
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def deepspeed_reference(runs):
+    """The DeepSpeed path, single process, no ZeRO: the same global batch of 8 in 4 micro-batches."""
+    return runs("ds_reference", "zero.stage=0", nproc=1)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_loss_trajectory_matches_deepspeed(layout, runs, deepspeed_reference):
+    overrides, nproc = LAYOUTS[layout]
+    run_dir = runs(f"mcore_{layout}", MEGATRON, *overrides, nproc=nproc)
+    ref, got = losses(deepspeed_reference), losses(run_dir)
+    gap = max(abs(a - b) / b for a, b in zip(got, ref))
+    print(f"\n{layout}: losses {['%.6f' % x for x in got]}; max relative gap to DeepSpeed {gap:.2e}")
+    assert len(got) == len(ref) == 6
+    assert got[0] == pytest.approx(ref[0], rel=1e-6), "same weights and data must give the same initial loss"
+    assert got == pytest.approx(ref, rel=1e-4)
+    assert losses(run_dir, "eval_loss") == pytest.approx(losses(deepspeed_reference, "eval_loss"), rel=1e-4)
+    assert losses(run_dir, "grad_norm") == pytest.approx(losses(deepspeed_reference, "grad_norm"), rel=1e-3)
+
+
+def test_checkpoint_describes_itself_and_export_loads_in_hf(runs):
+    from transformers import AutoModelForCausalLM
+    run_dir = runs("mcore_tp2", MEGATRON, "megatron.tp=2")
+    ckpt = run_dir / "checkpoints" / "step_00000006"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["format"] == "toolkit-megatron" and meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1
+    engine_meta = json.loads((ckpt / "engine" / "toolkit_megatron.json").read_text())
+    assert engine_meta["vocab_size"] == 2048 and engine_meta["padded_vocab_size"] == 2048
+    assert engine_meta["optimizer_sharding"] == "fully_reshardable"
+    assert (ckpt / "engine" / "metadata.json").is_file()  # megatron's torch_dist
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
+    uninterrupted = losses(runs("mcore_tp2", MEGATRON, "megatron.tp=2"))
+    run_dir = tmp_path / "crashed"
+    crashed = train(run_dir, data_cache, "checkpoint.every=3", "train.eval_every=3", MEGATRON, "megatron.tp=2",
+                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1"}, check=False)
+    assert crashed.returncode != 0
+    assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
+    resumed = train(run_dir, data_cache, "checkpoint.every=3", "train.eval_every=3", MEGATRON, "megatron.tp=2")
+    assert "resumed from step_00000003 at step 3" in resumed.stdout
+    assert losses(run_dir) == uninterrupted
+
+
+@pytest.mark.parametrize("overrides,nproc,expected", [
+    (["megatron.tp=3"], 3, "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
+    (["megatron.tp=4"], 4, "num_key_value_heads=2 is not divisible by megatron.tp=4; choose tp in [1, 2]"),
+    (["megatron.pp=3"], 3, "num_hidden_layers=4 is not divisible by megatron.pp=3"),
+    (["megatron.tp=2"], 3, "world size 3 is not divisible by megatron.tp=2 x megatron.pp=1"),
+    (["megatron.pp=2", "megatron.vpp=4"], 2, "choose pp in [1]"),
+    (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
+])
+def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):
+    proc = train(tmp_path / "r", data_cache, MEGATRON, *overrides, nproc=nproc, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert expected in proc.stderr
+    assert "toolkit: megatron on" not in proc.stdout
+
+
+def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
+    model_dir = tmp_path / "bert"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 2048}))
+    proc = train(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}", check=False)
+    assert proc.returncode == 2
+    assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'qwen2']" in proc.stderr
