@@ -17,6 +17,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo pari
 
 FAMILIES = sorted(TINY)
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp, megatron.* fields)
+    "pp2_vpp2_full_recompute": (1, 2, {"vpp": 2, "recompute": "full"}),
+    "tp2_selective_recompute": (2, 1, {"recompute": "selective"}),
+}
 LOGIT_TOL = 2e-5  # float32 rounding of different matmul shapes and reduction orders
 GRAD_TOL = 2e-5
 
@@ -47,19 +51,19 @@ def hf_reference(model, micro_batches):
     return logits, grads, tokens
 
 
-def run_config(tp: int, pp: int):
-    return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+def run_config(tp: int, pp: int, **megatron):
+    return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **megatron},
                      "train": {"global_batch_size": 4, "micro_batch_size": 2}})
 
 
-def _rank_parity(rank, world, tp, pp):
+def _rank_parity(rank, world, tp, pp, extra=None):
     from toolkit.adapters.megatron import MegatronEngine
     results = {}
     for family in FAMILIES:
         model = tiny_model(family)
         micro = batches(model.config.vocab_size)
         ref_logits, ref_grads, tokens = hf_reference(model, micro)
-        engine = MegatronEngine(run_config(tp, pp), model.config, model.state_dict())
+        engine = MegatronEngine(run_config(tp, pp, **(extra or {})), model.config, model.state_dict())
         got = engine.logits(micro)
         engine.forward_backward(micro, tokens)
         grads = engine.hf_state(attr="main_grad")
@@ -73,20 +77,34 @@ def _rank_parity(rank, world, tp, pp):
     return results
 
 
+def _run_layout(tmp_path_factory, name, tp, pp, extra=None):
+    results = run_ranks(_rank_parity, tp * pp, tmp_path_factory.mktemp(name), tp, pp, extra, timeout=600)
+    merged = {}
+    for r in results:
+        for fam, d in r.items():
+            merged.setdefault(fam, {}).update(d)
+    print(f"\n  {name}: " + ", ".join(f"{f} logits {d['logits']:.2e} grads "
+                                      f"{max(x[0] for x in d['grads'].values()):.2e}" for f, d in sorted(merged.items())))
+    return merged
+
+
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    out = {}
-    for tp, pp in LAYOUTS:
-        results = run_ranks(_rank_parity, tp * pp, tmp_path_factory.mktemp(f"tp{tp}pp{pp}"), tp, pp, timeout=600)
-        merged = {}
-        for r in results:
-            for fam, d in r.items():
-                merged.setdefault(fam, {}).update(d)
-        out[(tp, pp)] = merged
-    print("\nmax |logit diff| (HF vs megatron) per family and layout:")
-    for (tp, pp), fams in out.items():
-        print(f"  tp={tp} pp={pp}: " + ", ".join(f"{f}={d['logits']:.2e}" for f, d in sorted(fams.items())))
-    return out
+    print("\nmax |diff| HF vs megatron per family and layout:")
+    return {(tp, pp): _run_layout(tmp_path_factory, f"tp{tp}_pp{pp}", tp, pp) for tp, pp in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def parity_extra(tmp_path_factory):
+    return {name: _run_layout(tmp_path_factory, name, tp, pp, extra) for name, (tp, pp, extra) in EXTRA.items()}
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA))
+def test_vpp_and_recompute_change_nothing(parity_extra, name):
+    for family, d in parity_extra[name].items():
+        assert d["logits"] < LOGIT_TOL, family
+        assert d["missing_grads"] == []
+        assert all(diff <= GRAD_TOL * max(scale, 1.0) for diff, scale in d["grads"].values()), family
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)

@@ -15,6 +15,8 @@ megatron-core does                                     while enabled
 ``torch.cuda.{get,set}_rng_state``, ``manual_seed``    the CPU default generator (so megatron's RNG
 and megatron's ``_{get,set}_cuda_rng_state``           tracker forks the generator CPU ops use)
 ``torch.cuda.synchronize()``                           no-op
+activation recomputation's backward (megatron's         runs inside the mode too (autograd does not
+``CheckpointFunction``)                                carry torch-function modes into backward)
 ``cpu_float_tensor.type()`` (no argument)              ``"torch.cuda.FloatTensor"`` (and Half/BFloat16)
 =====================================================  ==========================================
 
@@ -95,7 +97,17 @@ def _patches() -> list[tuple[object, str, object]]:
     def set_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
+    recompute = mcore_random.CheckpointFunction
+    recompute_backward = recompute.backward
+
+    def backward_in_mode(ctx, *grads):
+        # The autograd engine does not carry Python torch-function modes into backward, where
+        # activation recomputation re-runs forward code that allocates on "cuda".
+        with _CudaToCpu():
+            return recompute_backward(ctx, *grads)
+
     return [
+        (recompute, "backward", staticmethod(backward_in_mode)),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda device=None: None),
         (torch.cuda, "get_rng_state", get_rng_state),
