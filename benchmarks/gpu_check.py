@@ -49,14 +49,15 @@ def flops_per_token(c: dict, seq_len: int) -> float:
     return 6 * param_count(c)[1] + 12 * c["num_hidden_layers"] * c["hidden_size"] * seq_len
 
 
-def peak_tflops(override: float | None) -> float:
+def peak_tflops(override: float | None) -> float | None:
+    """Dense bf16 peak of this GPU (None when unknown: MFU is then not reported)."""
     if override:
         return override
     import torch
     if not torch.cuda.is_available():
-        return float("nan")
+        return None
     name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def run_backend(name: str, overrides: list[str], model_dir: Path, args, work: Path) -> dict:
@@ -104,11 +105,12 @@ def main() -> int:
                    "deepspeed": run_backend("deepspeed", ["backend=deepspeed", "zero.stage=1"], model_dir, args, work)}
     fpt, peak = flops_per_token(config, args.seq_len), peak_tflops(args.peak_tflops)
     for r in results.values():
-        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12)
+        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
     summary = {"model_params": param_count(config)[0], "flops_per_token": fpt, "peak_tflops": peak,
                "seq_len": args.seq_len, "micro_batch": args.micro_batch, "dtype": args.dtype, **results}
     for name, r in results.items():
-        print(f"{name:9s} {r['tokens_per_s']:10.0f} tokens/s  MFU {r['mfu']:.1%}  first losses {r['first_losses']}")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (no GPU peak known)"
+        print(f"{name:9s} {r['tokens_per_s']:10.0f} tokens/s  MFU {mfu}  first losses {r['first_losses']}")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2))
     return 0

@@ -86,3 +86,22 @@ def test_hf_to_megatron_to_hf_export_is_exact(tmp_path, family):
     assert sorted(loaded) == sorted(original)
     for name, t in original.items():
         assert torch.equal(loaded[name], t), name
+
+
+def _from_pretrained(rank, world, tp, pp, model_dir):
+    from toolkit.adapters.hf import load_hf_config
+    from toolkit.adapters.megatron import MegatronEngine
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+                    "model": {"name_or_path": str(model_dir), "init": "pretrained"},
+                    "train": {"global_batch_size": 4, "micro_batch_size": 2}})
+    return MegatronEngine(cfg, load_hf_config(str(model_dir))).hf_state()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_pretrained_safetensors_load_lazily_and_exactly(tmp_path, family):
+    """model.init=pretrained: ranks read the safetensors tensors they need (tied lm_head absent)."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    got = run_ranks(_from_pretrained, 2, tmp_path, 1, 2, tmp_path / "hf")[0]
+    for name, t in model.state_dict().items():
+        assert torch.equal(got[name], t), name

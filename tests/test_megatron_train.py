@@ -109,3 +109,9 @@ def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
     proc = train(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}", check=False)
     assert proc.returncode == 2
     assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'qwen2']" in proc.stderr
+
+
+def test_bf16_trains(runs, deepspeed_reference):
+    got = losses(runs("mcore_bf16", MEGATRON, "megatron.tp=2", "model.dtype=bf16"))
+    assert got[0] == pytest.approx(losses(deepspeed_reference)[0], rel=2e-2)  # bf16 rounding of the same model
+    assert got[-1] < got[0]
