@@ -38,3 +38,23 @@ def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env:
     for s in sets:
         args += ["--set", s]
     return run_cli(args, env=env, check=check)
+
+
+def losses(run_dir: Path) -> list[float]:
+    from toolkit.metrics import read_metrics
+    return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, data_cache):
+    """Runs by name, each trained once per session and shared by the tests that compare them."""
+    cache: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("runs")
+
+    def get(name: str, *overrides: str, nproc: int = 2) -> Path:
+        if name not in cache:
+            run_dir = root / name
+            train(run_dir, data_cache, "checkpoint.every=3", *overrides, nproc=nproc)
+            cache[name] = run_dir
+        return cache[name]
+    return get

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, padded_vocab_size, shard,
-                              supported, unshard)
+from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, padded_vocab_size, read_shard,
+                              shard, supported, unshard)
 
 # Tiny configs of every family, shaped to exercise GQA, biases, tying and vocab padding (vocab 250
 # is not a multiple of 128 * tp). Shared with the megatron parity tests.
@@ -61,6 +61,19 @@ def test_round_trip_exact_through_tp_shards(family, tp):
     assert sorted(back) == sorted(hf)
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_reading_only_a_ranks_slices_equals_sharding_the_full_tensor(family, tp):
+    model = tiny_model(family)
+    cfg, fam = model.config, get_family(family)
+    hf = model.state_dict()
+    padded = padded_vocab_size(cfg.vocab_size, 128, tp)
+    for name, full in hf_to_mcore(fam, cfg, hf, padded).items():
+        for rank in range(tp):
+            assert torch.equal(read_shard(fam, cfg, name, hf, padded, tp, rank),
+                               shard(fam, cfg, name, full, tp, rank)), (name, rank)
 
 
 def test_qkv_is_grouped_per_kv_head_and_glu_per_rank():

@@ -54,7 +54,7 @@ def test_loss_trajectory_matches_deepspeed(layout, runs, deepspeed_reference):
     print(f"\n{layout}: losses {['%.6f' % x for x in got]}; max relative gap to DeepSpeed {gap:.2e}")
     assert len(got) == len(ref) == 6
     assert got[0] == pytest.approx(ref[0], rel=1e-6), "same weights and data must give the same initial loss"
-    assert got == pytest.approx(ref, rel=1e-4)
+    assert got == pytest.approx(ref, rel=2e-5)  # measured: <= 6.8e-6
     assert losses(run_dir, "eval_loss") == pytest.approx(losses(deepspeed_reference, "eval_loss"), rel=1e-4)
     assert losses(run_dir, "grad_norm") == pytest.approx(losses(deepspeed_reference, "grad_norm"), rel=1e-3)
 

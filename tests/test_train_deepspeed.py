@@ -4,29 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import train
-from toolkit.metrics import read_metrics
+from tests.conftest import losses, train
 
 pytestmark = pytest.mark.slow
-
-
-def losses(run_dir):
-    return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
-    """Runs by name, each trained once per session and shared by the tests that compare them."""
-    cache: dict[str, object] = {}
-    root = tmp_path_factory.mktemp("ds_runs")
-
-    def get(name: str, *overrides: str, nproc: int = 2):
-        if name not in cache:
-            run_dir = root / name
-            train(run_dir, data_cache, "checkpoint.every=3", *overrides, nproc=nproc)
-            cache[name] = run_dir
-        return cache[name]
-    return get
 
 
 @pytest.fixture(scope="module")

@@ -98,14 +98,17 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
         """Ask every rank for its Python stacks (faulthandler on SIGUSR2, see trainer)."""
-        pids = self._pcontext.pids()
-        for pid in pids.values():
+        paths = {w.global_rank: self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
+                 for w in worker_group.workers}
+        offsets = {r: p.stat().st_size if p.exists() else 0 for r, p in paths.items()}
+        for pid in self._pcontext.pids().values():
             _kill(pid, signal.SIGUSR2)
         time.sleep(1.0)
         stacks = {}
-        for w in worker_group.workers:
-            path = self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
-            stacks[w.global_rank] = path.read_text() if path.exists() else ""
+        for rank, path in paths.items():  # the files accumulate across attempts: read this dump only
+            with open(path) if path.exists() else open(os.devnull) as f:
+                f.seek(offsets[rank])
+                stacks[rank] = f.read()
         return stacks
 
 

@@ -42,7 +42,7 @@ class RankMonitor:
 
     def _register_stack_dump(self):
         (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)
-        f = open(self.run_dir / STACKS_DIR / f"rank_{self.rank:05d}.txt", "w")
+        f = open(self.run_dir / STACKS_DIR / f"rank_{self.rank:05d}.txt", "a")  # kept across restarts
         faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
         return f  # kept open: faulthandler writes to its descriptor from a signal handler
 

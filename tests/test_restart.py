@@ -1,0 +1,99 @@
+"""Fault tolerance end to end (DeepSpeed path): each fault kind, the job completes, and its losses
+equal the uninterrupted run's bit for bit; events.jsonl records what happened."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import REPO, losses, run_cli, train
+
+pytestmark = pytest.mark.slow
+
+RESTART = ["restart.max_restarts=3", "restart.backoff_s=0.2", "checkpoint.every=2", "zero.stage=2"]
+
+
+def events(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def kinds(run_dir):
+    return [e["kind"] for e in events(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    return losses(runs("zero2", "zero.stage=2"))
+
+
+def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uninterrupted):
+    run_dir = tmp_path / "run"
+    faults = "kill:step=3:rank=1;diverge:step=4:rank=1;raise:step=5:rank=0"
+    train(run_dir, data_cache, *RESTART, "restart.divergence_every=1", env={"TOOLKIT_FAULT": faults})
+    assert losses(run_dir) == uninterrupted
+    ev = events(run_dir)
+    assert kinds(run_dir).count("restart") == 3 and "divergence" in kinds(run_dir)
+    killed = [e for e in ev if e["kind"] == "failure" and e["signal"] == "SIGKILL"]
+    assert killed and killed[0]["rank"] == 1 and killed[0]["step"] == 3
+    divergence = next(e for e in ev if e["kind"] == "divergence")
+    assert divergence["replica_groups"] == [[0], [1]]
+    recovered = [e["time_to_recover_s"] for e in ev if e["kind"] == "recovered"]
+    assert len(recovered) == 3 and all(t < 60 for t in recovered)
+
+
+def test_hang_is_detected_named_and_restarted(tmp_path, data_cache, uninterrupted):
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, *RESTART, "restart.hang_timeout_s=8", env={"TOOLKIT_FAULT": "hang:step=3:rank=1"})
+    assert losses(run_dir) == uninterrupted
+    hang = next(e for e in events(run_dir) if e["kind"] == "hang")
+    assert hang["stuck_ranks"] == [1] and hang["step"] == 3
+    assert "faults.py" in (run_dir / "stacks" / "rank_00001.txt").read_text()
+
+
+def test_sigterm_saves_and_exits_then_resumes(tmp_path, data_cache, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = train(run_dir, data_cache, *RESTART, env={"TOOLKIT_FAULT": "sigterm:step=3:rank=0"}, check=False)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
+    assert "preempt_saved" in kinds(run_dir) and "restart" not in kinds(run_dir)
+    train(run_dir, data_cache, *RESTART)
+    assert losses(run_dir) == uninterrupted
+
+
+def test_kill_during_save_and_corrupt_checkpoint(tmp_path, data_cache, uninterrupted):
+    """step 2 is committed then corrupted; step 4's save is killed half-way: the restart must skip
+    both (one incomplete, one failing its checksum) and start over, not load poison."""
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, *RESTART, env={"TOOLKIT_FAULT": "corrupt:step=2:rank=0;kill_in_save:step=4:rank=1"})
+    assert losses(run_dir) == uninterrupted
+    skipped = [e for e in events(run_dir) if e["kind"] == "checkpoint_skipped"]
+    assert any("step_00000002" in e["reason"] and "corrupted" in e["reason"] for e in skipped)
+    assert not any((run_dir / "checkpoints").glob(".staging-step_00000004"))  # redone and committed
+
+
+def test_exhausted_budget_fails_clearly_and_keeps_checkpoints(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = train(run_dir, data_cache, "restart.max_restarts=0", "checkpoint.every=1",
+                 env={"TOOLKIT_FAULT": "kill:step=2:rank=0"}, check=False)
+    assert proc.returncode == 1 and "job failed after 0 restart(s) allowed" in proc.stderr
+    assert kinds(run_dir)[-1] == "gave_up"
+    assert (run_dir / "checkpoints" / "step_00000001" / "COMPLETE").exists()  # killed before step 2's save
+
+
+def test_resume_with_another_layout_is_refused(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, "train.steps=2", "checkpoint.every=2", "zero.stage=2")
+    proc = train(run_dir, data_cache, "train.steps=3", "zero.stage=3", check=False)
+    assert proc.returncode == 1 and "was written with layout" in proc.stderr
+    assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+
+
+def test_supervise_restarts_any_script(tmp_path):
+    run_dir = tmp_path / "sup"
+    proc = run_cli(["supervise", "--nproc", "2", "--run-dir", str(run_dir), "--max-restarts", "1",
+                    "--backoff-s", "0.1", "--", str(REPO / "tests" / "scripts" / "flaky_ddp.py")],
+                   env={"PYTHONPATH": str(REPO)}, timeout=300)
+    assert "rank 0 done, attempt 1" in proc.stdout
+    ev = events(run_dir)
+    assert [e["kind"] for e in ev].count("restart") == 1
+    assert any(e["kind"] == "failure" and e["exit_code"] == 13 and e["rank"] == 1 for e in ev)
