@@ -102,6 +102,6 @@ def test_pretrained_safetensors_load_lazily_and_exactly(tmp_path, family):
     """model.init=pretrained: ranks read the safetensors tensors they need (tied lm_head absent)."""
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    got = run_ranks(_from_pretrained, 2, tmp_path, 1, 2, tmp_path / "hf")[0]
+    got = run_ranks(_from_pretrained, 2, tmp_path, 2, 1, tmp_path / "hf")[0]  # TP slices from safetensors
     for name, t in model.state_dict().items():
         assert torch.equal(got[name], t), name

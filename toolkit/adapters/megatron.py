@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import IGNORE_INDEX, StepStats
+from toolkit.families.base import Reader
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -104,8 +105,10 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
 
 # --- HF weights ---------------------------------------------------------------------------------------
 
-class _LazyHFWeights(Mapping):
-    """An HF checkpoint directory as a read-on-demand mapping (safetensors: one tensor at a time)."""
+class SafetensorsReader(Reader, Mapping):
+    """An HF checkpoint directory read on demand: whole tensors by name (a Mapping), or just a
+    range along one dim (a ``families.Reader``) through safetensors slices, so a TP rank reads only
+    its own part of each tensor."""
 
     def __init__(self, model_dir: Path):
         from safetensors import safe_open
@@ -125,12 +128,24 @@ class _LazyHFWeights(Mapping):
     def __len__(self):
         return len(self._where)
 
+    def shape(self, name):
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def dtype(self, name):
+        return self._where[name].get_slice(name)[0:0].dtype
+
+    def slice(self, name, dim=None, start=0, stop=None):
+        part = self._where[name].get_slice(name)
+        if dim is None:
+            return part[:]
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
 
 def hf_weights(cfg: RunConfig) -> Mapping[str, torch.Tensor]:
     """HF tensors by name: the checkpoint (lazily) or the seeded random init of ``build_model``."""
     if cfg.model.init == "pretrained":
         path = Path(cfg.model.name_or_path)
-        return _LazyHFWeights(path.parent if path.is_file() else path)
+        return SafetensorsReader(path.parent if path.is_file() else path)
     from toolkit.adapters.hf import build_model
     return build_model(cfg).state_dict()
 
@@ -196,8 +211,9 @@ def layer_offset(chunk) -> int:
 
 
 def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp: int, tp_rank: int) -> None:
-    """Copy this rank's slices of the HF tensors into ``chunk``; every parameter exactly once."""
-    from toolkit.families import hf_to_mcore, shard, table
+    """Copy this rank's slices of the HF tensors into ``chunk``; every parameter exactly once,
+    reading only those slices (``hf_state``: a state dict, or a ``SafetensorsReader``)."""
+    from toolkit.families import MappingReader, Reader, read_shard, table
     offset, tied = layer_offset(chunk), family.tied(hf_config)
     local = _local_params(chunk)
     source = {n: _global_name(n, offset) for n in local}
@@ -207,10 +223,10 @@ def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp
     unknown = sorted(g for g in source.values() if g not in known)
     if unknown:
         raise RuntimeError(f"{family.model_type}: megatron parameters missing from the weight table: {unknown}")
-    full = hf_to_mcore(family, hf_config, hf_state, padded_vocab, names=set(source.values()), strict=False)
+    reader = hf_state if isinstance(hf_state, Reader) else MappingReader(hf_state)
     with torch.no_grad():
-        for name, param in local.items():
-            part = shard(family, hf_config, source[name], full[source[name]], tp, tp_rank)
+        for name, param in local.items():  # one slice at a time: memory bounded by the largest
+            part = read_shard(family, hf_config, source[name], reader, padded_vocab, tp, tp_rank)
             if part.shape != param.shape:
                 raise RuntimeError(f"{name}: converted slice has shape {tuple(part.shape)}, the model "
                                    f"expects {tuple(param.shape)}")

@@ -14,10 +14,11 @@ from typing import Iterable, Mapping
 
 import torch
 
-from toolkit.families.base import Family, FamilyError, padded_vocab_size, rope_parameters
+from toolkit.families.base import (Family, FamilyError, MappingReader, Reader, padded_vocab_size,
+                                   rope_parameters)
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
-           "unshard", "padded_vocab_size", "rope_parameters", "table"]
+           "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table"]
 
 
 @lru_cache(maxsize=1)
@@ -101,6 +102,34 @@ def mcore_to_hf(family: Family, hf_config, mcore_state: Mapping[str, torch.Tenso
         emb = next(hp + e.hf for n, (e, hp) in entries.items() if n == "embedding.word_embeddings.weight")
         out["lm_head.weight"] = out[emb]
     return out
+
+
+def read_shard(family: Family, hf_config, name: str, hf_tensors, padded_vocab: int, tp: int,
+               rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s tensor ``name`` (global layer numbers) read straight from HF tensors,
+    touching only its slices. ``hf_tensors``: a Mapping, or a ``Reader`` (e.g. safetensors slices).
+    Equal to ``shard(..., hf_to_mcore(...)[name], ...)``."""
+    entry, prefix = table(family, hf_config, _layer_of(name))[name]
+    reader = hf_tensors if isinstance(hf_tensors, Reader) else MappingReader(hf_tensors)
+    return entry.read_shard(_Prefixed(reader, prefix), family.dims(hf_config, padded_vocab), tp, rank)
+
+
+class _Prefixed(Reader):
+    def __init__(self, reader: Reader, prefix: str):
+        self.reader, self.prefix = reader, prefix
+
+    def shape(self, name):
+        return self.reader.shape(self.prefix + name)
+
+    def dtype(self, name):
+        return self.reader.dtype(self.prefix + name)
+
+    def slice(self, name, dim=None, start=0, stop=None):
+        return self.reader.slice(self.prefix + name, dim, start, stop)
+
+
+def _layer_of(name: str) -> list[int]:
+    return [int(name.split(".")[2])] if name.startswith("decoder.layers.") else []
 
 
 def shard(family: Family, hf_config, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:

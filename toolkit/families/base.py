@@ -78,6 +78,23 @@ class Rename:
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return _join(parts, self.split)
 
+    def read_shard(self, reader: "Reader", dims: Dims, tp: int, rank: int) -> torch.Tensor:
+        """TP rank ``rank``'s tensor, reading only its slice of the HF tensor."""
+        if self.split == VOCAB:
+            per = dims.padded_vocab // tp
+            lo, hi = rank * per, min((rank + 1) * per, dims.vocab)
+            rows = reader.slice(self.hf, 0, lo, hi) if lo < hi else None
+            width = reader.shape(self.hf)[1]
+            pad = torch.zeros(per - max(hi - lo, 0), width, dtype=reader.dtype(self.hf))
+            return pad if rows is None else torch.cat([rows, pad]) if len(pad) else rows
+        if self.split == REPLICATED or tp == 1:
+            x = reader.slice(self.hf)
+        else:
+            mdim = 1 if self.split == ROW else 0
+            hdim = 1 - mdim if self.transpose else mdim
+            x = reader.slice(self.hf, hdim, *_range(reader.shape(self.hf)[hdim], tp, rank))
+        return x.t().contiguous() if self.transpose else x
+
 
 @dataclass(frozen=True)
 class FuseQKV:
@@ -95,11 +112,24 @@ class FuseQKV:
 
     def to_mcore(self, t: dict[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         q, k, v = self._qkv(t, dims)
+        return _fuse_groups(q, k, v, dims.groups, dims.head_dim)
+
+    def read_shard(self, reader: "Reader", dims: Dims, tp: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s KV groups only: q rows of its groups, then k and v rows of them."""
         g, d = dims.groups, dims.head_dim
-        rest = q.shape[1:]
-        q = q.reshape(g, dims.heads // g * d, *rest)
-        k, v = k.reshape(g, d, *rest), v.reshape(g, d, *rest)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+        qd = dims.heads // g * d
+        g_lo, g_hi = _range(g, tp, rank)
+        if len(self.hf) == 3:
+            q = reader.slice(self.hf[0], 0, g_lo * qd, g_hi * qd)
+            k = reader.slice(self.hf[1], 0, g_lo * d, g_hi * d)
+            v = reader.slice(self.hf[2], 0, g_lo * d, g_hi * d)
+        else:  # packed [q; k; v] rows (columns of a Conv1D)
+            dim, base_k, base_v = (1 if self.transpose else 0), dims.heads * d, dims.heads * d + g * d
+            parts = [reader.slice(self.hf[0], dim, a, b) for a, b in
+                     ((g_lo * qd, g_hi * qd), (base_k + g_lo * d, base_k + g_hi * d),
+                      (base_v + g_lo * d, base_v + g_hi * d))]
+            q, k, v = (p.t() for p in parts) if self.transpose else parts
+        return _fuse_groups(q, k, v, g_hi - g_lo, d)
 
     def _qkv(self, t, dims):
         if len(self.hf) == 3:
@@ -147,12 +177,55 @@ class FuseGLU:
         gate, up = torch.chunk(x, 2, dim=0)
         return torch.cat([_split(gate, COLUMN, tp, rank), _split(up, COLUMN, tp, rank)], dim=0)
 
+    def read_shard(self, reader: "Reader", dims: Dims, tp: int, rank: int) -> torch.Tensor:
+        rows = _range(reader.shape(self.hf[0])[0], tp, rank)
+        return torch.cat([reader.slice(self.hf[0], 0, *rows), reader.slice(self.hf[1], 0, *rows)])
+
     def unshard(self, parts):
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
 
 
 Entry = Rename | FuseQKV | FuseGLU
+
+
+class Reader:
+    """Read access to HF tensors by name: whole, or a ``[start, stop)`` range along one dim.
+    ``MappingReader`` serves a state dict; the megatron adapter serves safetensors slices."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def slice(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
+class MappingReader(Reader):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str = ""):
+        self.tensors, self.prefix = tensors, prefix
+
+    def shape(self, name):
+        return tuple(self.tensors[self.prefix + name].shape)
+
+    def dtype(self, name):
+        return self.tensors[self.prefix + name].dtype
+
+    def slice(self, name, dim=None, start=0, stop=None):
+        t = self.tensors[self.prefix + name]
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+def _range(size: int, tp: int, rank: int) -> tuple[int, int]:
+    if size % tp:
+        raise FamilyError(f"cannot split a dimension of {size} into tp={tp} equal parts")
+    per = size // tp
+    return rank * per, (rank + 1) * per
+
+
+def _fuse_groups(q, k, v, groups: int, d: int) -> torch.Tensor:
+    """``[groups * (h + 2) * d, ...]``: per group its q heads, then k, then v."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k, v = k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def _pad_vocab(x: torch.Tensor, padded: int) -> torch.Tensor:
