@@ -17,8 +17,8 @@ FAMILY = "qwen2"  # tied embeddings (shared across pipeline stages), QKV biases,
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _config(tp, pp):
-    return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+def _config(tp, pp, vpp=None):
+    return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "vpp": vpp},
                      "train": {"global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2, "weight_decay": 0.1}})
 
 
@@ -31,20 +31,20 @@ def _steps(engine, first, count):
     return losses
 
 
-def _train_and_save(rank, world, tp, pp, path):
+def _train_and_save(rank, world, tp, pp, path, vpp=None):
     from toolkit.adapters.megatron import MegatronEngine
     model = tiny_model(FAMILY)
-    engine = MegatronEngine(_config(tp, pp), model.config, model.state_dict())
+    engine = MegatronEngine(_config(tp, pp, vpp), model.config, model.state_dict())
     _steps(engine, 0, STEPS_BEFORE)
     engine.save(path, STEPS_BEFORE)
     weights = engine.hf_state()
     return {"weights": weights, "after": _steps(engine, STEPS_BEFORE, STEPS_AFTER)}
 
 
-def _load_and_continue(rank, world, tp, pp, path):
+def _load_and_continue(rank, world, tp, pp, path, vpp=None):
     from toolkit.adapters.megatron import MegatronEngine
     model = tiny_model(FAMILY, seed=99)  # different init: everything must come from the checkpoint
-    engine = MegatronEngine(_config(tp, pp), model.config, model.state_dict())
+    engine = MegatronEngine(_config(tp, pp, vpp), model.config, model.state_dict())
     engine.load(path)
     weights = engine.hf_state()
     return {"weights": weights, "after": _steps(engine, STEPS_BEFORE, STEPS_AFTER)}
@@ -66,6 +66,16 @@ def test_reshard_on_load_and_continue(saved_tp2, tmp_path, tp, pp):
     # the optimizer state (Adam moments, step) came along too: the next steps are the same
     assert got["after"] == pytest.approx(saved["after"], rel=1e-5)
     assert (path / "toolkit_megatron.json").is_file()
+
+
+def test_interleaved_checkpoint_loads_without_interleaving(tmp_path):
+    """Saved with pp=2 x vpp=2 (model0/model1 chunks per rank), loaded at pp=1 and continued."""
+    path = tmp_path / "engine"
+    saved = run_ranks(_train_and_save, 2, tmp_path, 1, 2, path, 2)[0]
+    got = run_ranks(_load_and_continue, 1, tmp_path, 1, 1, path)[0]
+    for name, t in saved["weights"].items():
+        assert torch.equal(got["weights"][name], t), name
+    assert got["after"] == pytest.approx(saved["after"], rel=1e-5)
 
 
 def _export(rank, world, tp, pp, family, out):

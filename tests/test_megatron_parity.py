@@ -20,6 +20,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp, megatron.* fields)
     "pp2_vpp2_full_recompute": (1, 2, {"vpp": 2, "recompute": "full"}),
     "tp2_selective_recompute": (2, 1, {"recompute": "selective"}),
+    "pp2_uneven_1_3": (1, 2, {"first_stage_layers": 1}),
 }
 LOGIT_TOL = 2e-5  # float32 rounding of different matmul shapes and reduction orders
 GRAD_TOL = 2e-5

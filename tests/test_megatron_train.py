@@ -90,9 +90,11 @@ def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
 @pytest.mark.parametrize("overrides,nproc,expected", [
     (["megatron.tp=3"], 3, "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
     (["megatron.tp=4"], 4, "num_key_value_heads=2 is not divisible by megatron.tp=4; choose tp in [1, 2]"),
-    (["megatron.pp=3"], 3, "num_hidden_layers=4 is not divisible by megatron.pp=3"),
+    (["megatron.pp=3"], 3, "num_hidden_layers=4 is not divisible by megatron.pp=3 x megatron.vpp=1 (= 3 model "
+                           "chunks); choose pp in [1], or split unevenly"),
     (["megatron.tp=2"], 3, "world size 3 is not divisible by megatron.tp=2 x megatron.pp=1"),
     (["megatron.pp=2", "megatron.vpp=4"], 2, "choose pp in [1]"),
+    (["megatron.pp=2", "megatron.first_stage_layers=4"], 2, "leaves 0 layers for the other 1 stage(s) of pp=2"),
     (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
 ])
 def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):

@@ -110,6 +110,10 @@ class MegatronConfig(_Section):
     """Pipeline parallel degree: layers split over pp stages (1F1B schedule)."""
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); layers must divide by pp x vpp."""
+    first_stage_layers: int | None = None
+    """Uneven pipeline split: layers on the first stage (the rest divide evenly over the others)."""
+    last_stage_layers: int | None = None
+    """Uneven pipeline split: layers on the last stage."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions (needs tp >= 2; a GPU feature)."""
     make_vocab_size_divisible_by: int = 128

@@ -33,7 +33,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "megatron_configs"
-PRESET_KEYS = ("tp", "pp", "vpp", "sequence_parallel", "make_vocab_size_divisible_by", "recompute")
+PRESET_KEYS = ("tp", "pp", "vpp", "first_stage_layers", "last_stage_layers", "sequence_parallel",
+               "make_vocab_size_divisible_by", "recompute")
 
 
 # --- presets and layout checks (no megatron import: run in the launcher before any rank starts) -----
@@ -83,12 +84,15 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
         if value % m.tp:
             valid = [t for t in _divisors(dims.groups) if dims.heads % t == 0]
             raise ConfigError(f"{name}={value} is not divisible by megatron.tp={m.tp}; choose tp in {valid}")
-    chunks = m.pp * (m.vpp or 1)
-    if layers % chunks:
+    if m.first_stage_layers is not None or m.last_stage_layers is not None:
+        _check_uneven_split(m, layers)
+    elif layers % (m.pp * (m.vpp or 1)):
+        chunks = m.pp * (m.vpp or 1)
         valid = [p for p in _divisors(layers) if world_size % (p * m.tp) == 0 and layers % (p * (m.vpp or 1)) == 0]
         raise ConfigError(f"num_hidden_layers={layers} is not divisible by megatron.pp={m.pp} x megatron.vpp="
                           f"{m.vpp or 1} (= {chunks} model chunks); choose pp in {valid}"
-                          + (" or a vpp that divides layers / pp" if m.vpp else ""))
+                          + (" or a vpp that divides layers / pp" if m.vpp else
+                             ", or split unevenly with megatron.first_stage_layers / last_stage_layers"))
     if m.vpp and m.pp < 2:
         raise ConfigError(f"megatron.vpp={m.vpp} needs megatron.pp >= 2 (got pp={m.pp}); unset vpp or raise pp")
     dp = world_size // (m.tp * m.pp)
@@ -101,6 +105,21 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
     from toolkit.families import padded_vocab_size
     return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "dp": dp, "sequence_parallel": m.sequence_parallel,
             "padded_vocab": padded_vocab_size(hf_config.vocab_size, m.make_vocab_size_divisible_by, m.tp)}
+
+
+def _check_uneven_split(m, layers: int) -> None:
+    first, last = m.first_stage_layers, m.last_stage_layers
+    if m.pp < 2 or m.vpp:
+        raise ConfigError(f"megatron.first_stage_layers/last_stage_layers need pp >= 2 and no vpp (got pp={m.pp}, "
+                          f"vpp={m.vpp}); unset them or change the layout")
+    fixed = [n for n in (first, last) if n is not None]
+    if any(n < 1 for n in fixed):
+        raise ConfigError(f"megatron.first_stage_layers={first}, last_stage_layers={last}: each stage needs >= 1 layer")
+    middle, rest = m.pp - len(fixed), layers - sum(fixed)
+    if rest < middle or (middle == 0 and rest != 0) or (middle and rest % middle):
+        raise ConfigError(f"num_hidden_layers={layers} minus first_stage_layers={first} and last_stage_layers={last} "
+                          f"leaves {rest} layers for the other {middle} stage(s) of pp={m.pp}; they must divide "
+                          "evenly with at least one layer each")
 
 
 # --- HF weights ---------------------------------------------------------------------------------------
@@ -160,6 +179,8 @@ def transformer_config(cfg: RunConfig, hf_config, family):
     kw = family.transformer_config(hf_config)
     kw.update(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
               virtual_pipeline_model_parallel_size=m.vpp, sequence_parallel=m.sequence_parallel,
+              num_layers_in_first_pipeline_stage=m.first_stage_layers,
+              num_layers_in_last_pipeline_stage=m.last_stage_layers,
               params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
               calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -493,12 +514,13 @@ class MegatronEngine:
     # --- checkpoints (megatron torch_dist; optimizer fully reshardable) --------------------------------
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:
+        """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them) and
+        ``optimizer``; tensors are keyed by global layer numbers, so any layout can load them."""
         sd = {}
         for i, chunk in enumerate(self.model):
             sd["model" if len(self.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
-        model_sd = {k: v for part in (sd[k] for k in sd) for k, v in part.items()} if len(self.model) > 1 else sd["model"]
         sd["optimizer"] = self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            dict(sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         return sd
 
     def save(self, path: Path, step: int = 0) -> None:
