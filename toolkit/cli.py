@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--rdzv-endpoint")
     s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     s.set_defaults(func=cmd_supervise)
+
+    d = sub.add_parser("doctor", help="versions, devices, DeepSpeed ops; non-zero exit when something is wrong")
+    d.set_defaults(func=lambda args: __import__("toolkit.doctor", fromlist=["main"]).main())
     return p
 
 
