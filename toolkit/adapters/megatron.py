@@ -173,8 +173,6 @@ def hf_weights(cfg: RunConfig) -> Mapping[str, torch.Tensor]:
 
 def transformer_config(cfg: RunConfig, hf_config, family):
     from megatron.core.transformer import TransformerConfig
-
-    from toolkit.compat import megatron_cpu
     m, dtype = cfg.megatron, DTYPES[cfg.model.dtype]
     kw = family.transformer_config(hf_config)
     kw.update(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
@@ -185,7 +183,8 @@ def transformer_config(cfg: RunConfig, hf_config, family):
               calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, **_recompute(m.recompute))
-    if megatron_cpu.needed():
+    if not torch.cuda.is_available():
+        from toolkit.compat import megatron_cpu
         kw.update(megatron_cpu.TRANSFORMER_CONFIG)
     return TransformerConfig(**kw)
 
@@ -343,9 +342,10 @@ class MegatronEngine:
     """The Engine protocol over megatron-core GPTModel chunks, DDP and the distributed optimizer."""
 
     def __init__(self, cfg: RunConfig, hf_config, hf_state: Mapping[str, torch.Tensor] | None = None):
-        from toolkit.compat import megatron_cpu
         from toolkit.families import get_family
-        megatron_cpu.enable()  # no-op with a GPU; stays on for the process (megatron allocates lazily)
+        if not torch.cuda.is_available():  # never imported on a GPU machine
+            from toolkit.compat import megatron_cpu
+            megatron_cpu.enable()  # stays on for the process: megatron allocates lazily, also in backward
         self.cfg, self.hf_config = cfg, hf_config
         self.family = get_family(hf_config.model_type)
         self.plan = check_layout(cfg, hf_config, dist.get_world_size())
