@@ -1,5 +1,5 @@
 """Llama (and the base of Mistral and Qwen2): RMSNorm, SwiGLU, GQA, RoPE (default/linear/llama3)."""
-from toolkit.families.base import COLUMN, REPLICATED, ROW, VOCAB, Check, Family, FuseGLU, FuseQKV, Rename
+from toolkit.families.base import REPLICATED, ROW, VOCAB, Check, Family, FuseGLU, FuseQKV, Rename
 
 FAMILY = Family(
     model_type="llama",
