@@ -103,6 +103,7 @@ def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
     (["megatron.tp=2"], 3, "world size 3 is not divisible by megatron.tp=2 x megatron.pp=1"),
     (["megatron.pp=2", "megatron.vpp=4"], 2, "choose pp in [1]"),
     (["megatron.pp=2", "megatron.first_stage_layers=4"], 2, "leaves 0 layers for the other 1 stage(s) of pp=2"),
+    (["megatron.tp=2", "megatron.sequence_parallel=true"], 2, "needs Transformer Engine (or Apex) layer norms"),
     (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
 ])
 def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):

@@ -115,7 +115,7 @@ class MegatronConfig(_Section):
     last_stage_layers: int | None = None
     """Uneven pipeline split: layers on the last stage."""
     sequence_parallel: bool = False
-    """Shard activations along the sequence in TP regions (needs tp >= 2; a GPU feature)."""
+    """Shard activations along the sequence in TP regions (needs TE layer norms: not in this release)."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
     recompute: Literal["none", "selective", "full"] = "none"

@@ -100,8 +100,10 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
     if m.vpp and n_micro % m.pp:
         raise ConfigError(f"interleaved pipeline (megatron.vpp={m.vpp}) needs micro-batches per step ({n_micro} = "
                           f"global_batch_size / (micro_batch_size x dp={dp})) divisible by pp={m.pp}")
-    if m.sequence_parallel and m.tp < 2:
-        raise ConfigError("megatron.sequence_parallel=true needs megatron.tp >= 2; set tp or turn it off")
+    if m.sequence_parallel:  # megatron's WrappedTorchNorm asserts against it
+        raise ConfigError("megatron.sequence_parallel=true needs Transformer Engine (or Apex) layer norms; this "
+                          "release builds the local layer spec (torch norms), which megatron-core does not allow "
+                          "with sequence parallelism; set megatron.sequence_parallel=false")
     from toolkit.families import padded_vocab_size
     return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "dp": dp, "sequence_parallel": m.sequence_parallel,
             "padded_vocab": padded_vocab_size(hf_config.vocab_size, m.make_vocab_size_divisible_by, m.tp)}
