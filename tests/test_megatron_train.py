@@ -95,6 +95,18 @@ def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
     assert losses(run_dir) == uninterrupted
 
 
+@pytest.mark.parametrize("new_layout,nproc", [("megatron.tp=1", 1), ("megatron.pp=2", 2)])
+def test_resume_at_another_layout_continues(new_layout, nproc, runs, tmp_path, data_cache):
+    """Saved at TP=2, resumed through the trainer at TP=1 or PP=2: megatron reshards on load."""
+    uninterrupted = losses(runs("mcore_tp2", MEGATRON, "megatron.tp=2"))
+    run_dir = tmp_path / "reshard"
+    train(run_dir, data_cache, "checkpoint.every=3", MEGATRON, "megatron.tp=2",
+          env={"TOOLKIT_FAULT": "kill:step=4:rank=0"}, check=False)
+    resumed = train(run_dir, data_cache, "checkpoint.every=3", MEGATRON, new_layout, nproc=nproc)
+    assert "resharding step_00000003" in resumed.stdout
+    assert losses(run_dir) == pytest.approx(uninterrupted, rel=2e-5)
+
+
 @pytest.mark.parametrize("overrides,nproc,expected", [
     (["megatron.tp=3"], 3, "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
     (["megatron.tp=4"], 4, "num_key_value_heads=2 is not divisible by megatron.tp=4; choose tp in [1, 2]"),

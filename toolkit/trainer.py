@@ -23,7 +23,7 @@ from toolkit.data import (PackedData, count_loss_tokens, eval_micro_batches, glo
                           rank_micro_batches)
 from toolkit.engine import Engine
 from toolkit.metrics import MetricsLogger
-from toolkit.parallel import rng_state, set_rng_state
+from toolkit.parallel import rng_state, seed_everything, set_rng_state
 from toolkit.restart.agent import PREEMPTED_EXIT
 from toolkit.restart.events import emit, read_events
 from toolkit.restart.faults import FaultInjector
@@ -164,10 +164,13 @@ class Trainer:
             self.metrics.note("no complete checkpoint found: starting fresh")
             return
         ckpt = Path(box[0])
-        self._check_layout_matches(ckpt)
+        same_layout = self._check_layout_matches(ckpt)
         self.engine.load(ckpt / "engine")
         self.step = json.loads((ckpt / "trainer.json").read_text())["step"]
-        set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
+        if same_layout:  # per-rank RNG streams only mean something for the same ranks
+            set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
+        else:
+            seed_everything(self.cfg.train.seed + self.step)
         self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")
         self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name})
 
@@ -175,9 +178,16 @@ class Trainer:
         self.metrics.note(message)
         emit(self.run_dir, "checkpoint_skipped", reason=message)
 
-    def _check_layout_matches(self, ckpt: Path) -> None:
+    def _check_layout_matches(self, ckpt: Path) -> bool:
+        """True when the checkpoint has this run's layout; a different one is accepted only by an
+        engine that reshards on load (Megatron's torch_dist), else a clear error."""
         saved = json.loads((ckpt / "meta.json").read_text())["layout"]
-        if saved != self.engine.layout():
+        if saved == self.engine.layout():
+            return True
+        can_reshard = getattr(self.engine, "can_load_layout", None)
+        if can_reshard is None or not can_reshard(saved):
             raise RuntimeError(f"checkpoint {ckpt} was written with layout {saved}, this run is "
                                f"{self.engine.layout()}; run with the saved layout, or convert it with "
                                "`toolkit convert` to the new one")
+        self.metrics.note(f"resharding {ckpt.name} from {saved} to {self.engine.layout()} on load")
+        return False

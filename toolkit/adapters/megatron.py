@@ -650,6 +650,10 @@ class MegatronEngine:
                 tokenizer.save_pretrained(str(path))
         dist.barrier()
 
+    def can_load_layout(self, saved: dict) -> bool:
+        """torch_dist with a fully reshardable optimizer: megatron reshards any TP/PP/DP on load."""
+        return saved.get("format") == "torch_dist"
+
     def layout(self) -> dict:
         m = self.cfg.megatron
         return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "format": "torch_dist"}
