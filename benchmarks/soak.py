@@ -61,7 +61,8 @@ def summarize(run_dir: Path, baseline: Path, steps: int) -> dict:
             "steps_lost": computed - steps,
             "time_to_recover_s": {"mean": round(statistics.mean(recover), 2) if recover else None,
                                   "max": round(max(recover), 2) if recover else None},
-            "losses_equal_uninterrupted": final == base}
+            "losses_equal_uninterrupted": final == base,
+            "max_rel_loss_diff": max(abs(final[k] - base[k]) / abs(base[k]) for k in base)}
 
 
 def main() -> None:
@@ -70,9 +71,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", help="parent of the temporary run directories")
     args = p.parse_args()
     faults = random_faults(args.faults, args.steps, args.every, random.Random(args.seed))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         base_s = train(Path(tmp) / "base", args.steps, args.every, "", 0)
         soak_s = train(Path(tmp) / "soak", args.steps, args.every, faults, args.faults + 2)
         result = {"faults": faults, "wall_s": {"uninterrupted": round(base_s, 1), "with_faults": round(soak_s, 1)},
