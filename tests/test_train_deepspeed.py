@@ -112,3 +112,16 @@ def test_torchrun_entry_matches_own_launcher(runs, tmp_path, data_cache):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert losses(run_dir) == losses(runs("zero2", "zero.stage=2"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_export_equals_deepspeeds_zero_to_fp32(stage, runs):
+    """Our HF export of the final step vs DeepSpeed's own reconstruction of the same checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    run_dir = runs(f"zero{stage}", f"zero.stage={stage}")
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000006" / "engine"))
+    exported = load_file(run_dir / "hf_final" / "model.safetensors")
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor.float()), name
