@@ -3,6 +3,7 @@ equal the uninterrupted run's bit for bit; events.jsonl records what happened.""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -28,8 +29,9 @@ def uninterrupted(runs):
 
 def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uninterrupted):
     run_dir = tmp_path / "run"
-    faults = "kill:step=3:rank=1;diverge:step=4:rank=1;raise:step=5:rank=0"
-    train(run_dir, data_cache, *RESTART, "restart.divergence_every=1", env={"TOOLKIT_FAULT": faults})
+    faults = "kill:step=3:rank=1;diverge:step=4:rank=1;raise:step=5:rank=0;slow:step=1:rank=1:ms=300"
+    train(run_dir, data_cache, *RESTART, "restart.divergence_every=1", "restart.straggler_every=2",
+          env={"TOOLKIT_FAULT": faults})
     assert losses(run_dir) == uninterrupted
     ev = events(run_dir)
     assert kinds(run_dir).count("restart") == 3 and "divergence" in kinds(run_dir)
@@ -37,6 +39,8 @@ def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uni
     assert killed and killed[0]["rank"] == 1 and killed[0]["step"] == 3
     divergence = next(e for e in ev if e["kind"] == "divergence")
     assert divergence["replica_groups"] == [[0], [1]]
+    stragglers = [e for e in ev if e["kind"] == "straggler"]
+    assert stragglers and {e["rank"] for e in stragglers} == {1}
     recovered = [e["time_to_recover_s"] for e in ev if e["kind"] == "recovered"]
     assert len(recovered) == 3 and all(t < 60 for t in recovered)
 
@@ -97,3 +101,27 @@ def test_supervise_restarts_any_script(tmp_path):
     ev = events(run_dir)
     assert [e["kind"] for e in ev].count("restart") == 1
     assert any(e["kind"] == "failure" and e["exit_code"] == 13 and e["rank"] == 1 for e in ev)
+
+
+def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninterrupted):
+    """What a scheduler does on preemption: SIGTERM to `toolkit train` itself."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import TINY
+    run_dir = tmp_path / "run"
+    sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", *RESTART] for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", "2", *sets]
+    env = {**os.environ, "TOOLKIT_FAULT": "slow:step=1:rank=0:ms=1500"}  # slow steps: time to signal
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out[-3000:]
+    assert "preempt_saved" in kinds(run_dir)
+    train(run_dir, data_cache, *RESTART)
+    assert losses(run_dir) == uninterrupted
