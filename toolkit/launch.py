@@ -36,6 +36,11 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
 
     from toolkit.restart.agent import ToolkitAgent
 
+    # torch's opt-out of sharing the rendezvous store with the ranks: with it shared, the store
+    # outlives a restart and a plain script's new ranks can read the dead ranks' gloo addresses
+    # (seen as "Connection refused" in connectFullMesh). Opted out, every attempt gets a fresh
+    # store hosted by rank 0 on a free port, as with torchrun's static rendezvous.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     single_node = spec.nnodes == 1 and spec.rdzv_endpoint is None
     rdzv = RendezvousParameters(
         backend="c10d",
