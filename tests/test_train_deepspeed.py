@@ -127,10 +127,12 @@ def test_hf_export_equals_deepspeeds_zero_to_fp32(stage, runs):
         assert torch.equal(exported[name], tensor.float()), name
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: resumed at step 12, losses drift from the uninterrupted run "
-                   "by ~1e-8 relative from step 14-15 on (ZeRO 0, 2 and 3 alike); short windows are bit-exact")
-def test_resume_exact_over_a_long_window(tmp_path, data_cache):
-    long = ["train.steps=20", "checkpoint.every=4", "zero.stage=2"]
+@pytest.mark.parametrize("zero", [["zero.stage=2"], ["zero.stage=3", "zero.offload_optimizer=true"]],
+                         ids=["zero2", "zero3_offload"])
+def test_resume_exact_over_a_long_window(zero, tmp_path, data_cache):
+    """Past step 14, DeepSpeed's CPU Adam kernels (FusedAdam on CPU; DeepSpeedCPUAdam under offload)
+    drift unless the adapter replays their hidden beta^t state on load (test_cpu_adam_resume.py)."""
+    long = ["train.steps=20", "checkpoint.every=4", *zero]
     train(tmp_path / "a", data_cache, *long)
     train(tmp_path / "b", data_cache, *long, "restart.max_restarts=1", "restart.backoff_s=0.2",
           env={"TOOLKIT_FAULT": "kill:step=14:rank=1"})
