@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for multi-node jobs")
     t.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     t.add_argument("--max-restarts", type=int, help="restart budget (config key restart.max_restarts)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config, DeepSpeed JSON or Megatron layout, and the estimate; start nothing")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("supervise", help="run any torchrun-style script under the restart policy")
@@ -53,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="versions, devices, DeepSpeed ops; non-zero exit when something is wrong")
     d.set_defaults(func=lambda args: __import__("toolkit.doctor", fromlist=["main"]).main())
+
+    e = sub.add_parser("estimate", help="memory per rank, whether it fits, layouts that fit, step time; starts nothing")
+    e.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--device-memory", type=float, metavar="GiB", help="per device (default: GPU 0 here, else 80)")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--gpus-per-node", type=int, help="ranks per node (default: config key nproc)")
+    e.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
+                   help="intra_gbps, inter_gbps, intra_latency_us, inter_latency_us, peak_tflops, mfu")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.set_defaults(func=cmd_estimate)
     return p
 
 
@@ -70,6 +83,9 @@ def cmd_train(args) -> int:
     from toolkit.worker import resolve_for_world, run_worker
 
     cfg = _config_from_args(args)
+    if args.dry_run:
+        from toolkit.estimate import dry_run
+        return dry_run(cfg, args.nnodes)
     if launched_externally():  # torchrun / srun / deepspeed made this process one rank
         run_worker(cfg)
         return 0
@@ -79,6 +95,14 @@ def cmd_train(args) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     return _launch(cfg, args, run_dir / "config.yaml")
+
+
+def cmd_estimate(args) -> int:
+    """Exit 0 when the layout fits the device memory, 3 when it does not."""
+    from toolkit.estimate import parse_cluster, run_estimate
+    cfg = load_config(args.config, args.overrides)
+    cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
+    return run_estimate(cfg, cluster, args.device_memory, args.json)
 
 
 def _check_data_before_launch(cfg: RunConfig) -> None:
