@@ -1,0 +1,93 @@
+"""Which format a path holds, and its reader. A toolkit run directory means its newest complete
+checkpoint; a toolkit checkpoint directory means its ``engine/``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.convert.canonical import Source
+from toolkit.convert.errors import ConvertError
+from toolkit.convert.staging import check_manifest
+
+FORMATS = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN/ or the folder holding " \
+          "'latest'), a megatron-core torch_dist directory, a Megatron-LM legacy mp_rank_XX checkpoint, or a " \
+          "toolkit run/checkpoint directory"
+
+
+def open_source(path, hf_config: str | None = None) -> Source:
+    path = Path(path)
+    if not path.exists():
+        raise ConvertError(f"{path}: no such file or directory")
+    path = _resolve_run_dir(path)
+    check_manifest(path)
+    from toolkit.convert import hf, megatron, zero
+    config = _explicit_config(hf_config)
+    if hf.is_hf_dir(path):
+        return hf.HFSource(path, config)
+    mdir = megatron.find_dist_dir(path)
+    if mdir is not None:
+        return megatron.MegatronSource(mdir, config or _config_near(mdir), **_toolkit_extras(mdir))
+    legacy = megatron.find_legacy_dir(path)
+    if legacy is not None:
+        return megatron.LegacySource(legacy, config or _config_near(legacy))
+    tag = zero.find_tag_dir(path)
+    if tag is not None:
+        cls = zero.UniversalSource if (tag / "zero" / "optimizer_state.pt").is_file() else zero.ZeroSource
+        return cls(tag, config or _config_near(tag), **_toolkit_extras(tag))
+    raise ConvertError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+
+
+def _resolve_run_dir(path: Path) -> Path:
+    if (path / "checkpoints").is_dir() and not (path / "engine").exists():
+        from toolkit.checkpoint import find_latest_complete
+        found = find_latest_complete(path, log=lambda m: None)
+        if found is None:
+            raise ConvertError(f"{path}: a run directory without a complete checkpoint")
+        return found
+    return path
+
+
+def _explicit_config(hf_config: str | None) -> dict | None:
+    if hf_config is None:
+        return None
+    p = Path(hf_config)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ConvertError(f"--hf-config {hf_config}: no config.json there")
+    return json.loads(p.read_text())
+
+
+def _config_near(path: Path) -> dict:
+    """config.json beside the checkpoint: in it, or up to two levels above (engine/, step dir,
+    an HF Trainer ``checkpoint-N/`` holding ``global_stepN/``)."""
+    for cand in (path, path.parent, path.parent.parent):
+        if (cand / "config.json").is_file():
+            return json.loads((cand / "config.json").read_text())
+    raise ConvertError(f"{path}: no config.json beside the checkpoint, so the model architecture is unknown; "
+                       "pass --hf-config PATH (the model's config.json or its directory)")
+
+
+def _toolkit_extras(path: Path) -> dict:
+    """trainer.json of a toolkit checkpoint (step, samples, seed) when SRC is one."""
+    for cand in (path.parent, path.parent.parent):
+        if (cand / "trainer.json").is_file():
+            return {"trainer_state": json.loads((cand / "trainer.json").read_text())}
+    return {}
+
+
+def inspect(path, hf_config: str | None = None) -> dict:
+    """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
+    state, completeness (a manifest that verifies, or none to check)."""
+    from toolkit.checkpoint.manager import MANIFEST
+    src = open_source(path, hf_config)
+    try:
+        root = Path(path)
+        size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+        dtypes = sorted({str(i.dtype).removeprefix("torch.") for i in src.infos.values()})
+        manifest = next((c for c in (root, root.parent, root.parent.parent) if (c / MANIFEST).is_file()), None)
+        return {"path": str(root), "format": src.format, "family": src.model_type, "layout": src.layout,
+                "step": src.step, "parameters": src.num_params(), "tensors": len(src.infos), "dtypes": dtypes,
+                "bytes_on_disk": size, "optimizer_state": src.has_optimizer, "tied_embeddings": src.tied,
+                "complete": True, "manifest": str(manifest / MANIFEST) if manifest else None}
+    finally:
+        src.close()

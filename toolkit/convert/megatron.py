@@ -1,0 +1,350 @@
+"""Megatron-core ``torch_dist`` checkpoints (and Megatron-LM's legacy per-rank files, read only).
+
+torch_dist (PyTorch DCP underneath) stores *global* tensors, whatever the TP/PP/DP that wrote
+them; a loader at any layout reads the regions it needs. Storage keys and shapes:
+  ``embedding.word_embeddings.weight``  ``[padded_vocab, H]`` (padded_vocab depends on the TP
+      it is written for: megatron pads to a multiple of ``make_vocab_size_divisible_by * tp``)
+  ``decoder.layers.<name>``  ``[L, *full mcore shape]``, stacked over *global* layer numbers;
+      the local spec's norms appear under TE names (``input_layernorm.`` ->
+      ``self_attention.linear_qkv.layer_norm_``, as its ``sharded_state_dict_keys_map`` says)
+  ``decoder.layers.<linear>._extra_state/shard_<i>_<L>``  one pickled object per layer
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``  fp32 main weights and Adam moments in the
+      model's layout (distributed optimizer, ``fully_reshardable``); ``common.pt`` holds the
+      optimizer's param groups (hyperparameters and ``step``)
+The "full mcore" layout of a tensor (fused QKV per KV group, GLU as ``[gate; up]``) is exactly the
+family table's TP=1 form, so reading is ``family.to_hf`` and writing is ``family.to_mcore``.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+
+from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
+from toolkit.convert.errors import ConvertError
+from toolkit.convert.safeload import safe_load
+
+KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""megatron-core's local layer spec ``sharded_state_dict_keys_map`` (a test checks it against the
+spec itself; importing megatron here would cost seconds for a constant)."""
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+"""Layer modules with an ``_extra_state`` entry in the checkpoint."""
+OPT_PREFIX = "optimizer.state."
+TOOLKIT_JSON = "toolkit_megatron.json"
+
+
+def find_dist_dir(path: Path) -> Path | None:
+    for cand in (path, path / "engine"):
+        meta = cand / "metadata.json"
+        if meta.is_file():
+            try:
+                if json.loads(meta.read_text()).get("sharded_backend") == "torch_dist":
+                    return cand
+            except ValueError:
+                raise ConvertError(f"{meta}: not valid JSON; the checkpoint is damaged") from None
+    return None
+
+
+def find_legacy_dir(path: Path) -> Path | None:
+    """Megatron-LM's ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (the folder holding them)."""
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
+    if any(path.glob("mp_rank_*/model_optim_rng.pt")):
+        return path
+    return None
+
+
+def storage_key(mcore_name: str) -> tuple[str, int | None]:
+    """Full mcore name with a global layer number -> (storage key, layer) or (name, None)."""
+    if not mcore_name.startswith("decoder.layers."):
+        return mcore_name, None
+    _, _, layer, rest = mcore_name.split(".", 3)
+    for old, new in KEYS_MAP.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+    return f"decoder.layers.{rest}", int(layer)
+
+
+class _Layout:
+    """The family table of one HF config: mcore name -> entry; HF name -> mcore name."""
+
+    def __init__(self, hf_config: dict, padded_vocab: int):
+        from toolkit.families import FamilyError, get_family, table
+        self.config = hf_config_object(hf_config)
+        try:
+            self.family = get_family(self.config.model_type)
+        except FamilyError as exc:
+            raise ConvertError(str(exc)) from None
+        self.dims = self.family.dims(self.config, padded_vocab)
+        self.padded_vocab = padded_vocab
+        self.entries = table(self.family, self.config)  # mcore name -> (entry, hf prefix)
+        self.owner = {hp + n: m for m, (e, hp) in self.entries.items() for n in e.hf_names()}
+
+    def hf_names(self) -> list[str]:
+        return list(self.owner)
+
+    def to_mcore(self, mcore_name: str, read) -> torch.Tensor:
+        entry, hp = self.entries[mcore_name]
+        return entry.to_mcore({n: read(hp + n) for n in entry.hf_names()}, self.dims)
+
+    def to_hf(self, mcore_name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        entry, hp = self.entries[mcore_name]
+        return {hp + k: v for k, v in entry.to_hf(x, self.dims).items()}
+
+
+# --- reader --------------------------------------------------------------------------------------------
+
+class _RegionPlanner:
+    """DCP load planner that places the requested regions into one preallocated tensor."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def resolve_tensor(self, read_item):
+        return self.target[tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+    def load_bytes(self, read_item, value):
+        self.bytes = value.read()
+
+
+class MegatronSource(Source):
+    """A torch_dist directory; each tensor is read as the one region (a layer) it occupies."""
+
+    def __init__(self, path: Path, hf_config: dict, **kw):
+        super().__init__(path=path, format="megatron-torch_dist", hf_config=hf_config, **kw)
+        from torch.distributed.checkpoint import FileSystemReader
+        self._reader = FileSystemReader(str(path))
+        try:
+            self._md = self._reader.read_metadata()
+        except Exception as exc:
+            raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is damaged") from None
+        self._reader.set_up_storage_reader(self._md, True)
+        tk = json.loads((path / TOOLKIT_JSON).read_text()) if (path / TOOLKIT_JSON).is_file() else {}
+        self._check_family(tk)
+        emb = self._md.state_dict_metadata.get("embedding.word_embeddings.weight")
+        if emb is None:
+            raise ConvertError(f"{path}: no embedding.word_embeddings.weight; not a GPT model checkpoint")
+        self.layout_ = _Layout(hf_config, int(emb.size[0]))
+        self._check_keys()
+        self.layout = {k: v for k, v in tk.get("layout", {}).items() if k != "format"}
+        self.has_optimizer = any(k.startswith(OPT_PREFIX + "exp_avg.") for k in self._md.state_dict_metadata)
+        common = safe_load(path / "common.pt", mmap=False) if (path / "common.pt").is_file() else {}
+        groups = common.get("optimizer", {}).get("optimizer", {}).get("param_groups", [])
+        self.param_groups = groups
+        self.step = int(groups[0].get("step", 0)) if groups else (kw.get("trainer_state") or {}).get("step")
+        self.optimizer_hparams = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")
+                                  if groups and k in groups[0]}
+        for name in self.layout_.hf_names():
+            self.infos[name] = TensorInfo(self._hf_shape(name), self._dtype(name))
+        self._cache: tuple | None = None
+
+    def _check_family(self, tk: dict) -> None:
+        fam = tk.get("family")
+        if fam and fam != self.hf_config.get("model_type"):
+            raise ConvertError(f"{self.path}: written for family {fam!r}, but the HF config says "
+                               f"model_type={self.hf_config.get('model_type')!r}; pass the matching --hf-config")
+        vocab = tk.get("vocab_size")
+        if vocab and vocab != self.hf_config.get("vocab_size"):
+            raise ConvertError(f"{self.path}: written with vocab_size={vocab}, the HF config says "
+                               f"{self.hf_config.get('vocab_size')}; pass the matching --hf-config")
+
+    def _check_keys(self) -> None:
+        """Strict: the stored model tensors are exactly the family table's, with its shapes."""
+        want = {}
+        for m in self.layout_.entries:
+            key, layer = storage_key(m)
+            want.setdefault(key, set()).add(layer)
+        have = {k for k, v in self._md.state_dict_metadata.items()
+                if hasattr(v, "size") and not k.startswith("optimizer.")}
+        missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
+        if missing or unexpected:
+            raise ConvertError(f"{self.path}: tensors do not match the {self.layout_.family.model_type} family table "
+                               f"(wrong family or --hf-config?); missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+    def _region(self, key: str, layer: int | None) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+        md = self._md.state_dict_metadata[key]
+        size = list(md.size)
+        offsets = [0] * len(size)
+        if layer is not None:
+            offsets[0], size[0] = layer, 1
+        target = torch.empty(size, dtype=md.properties.dtype)
+        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(size))])
+        self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
+        return target[0] if layer is not None else target
+
+    def _hf_shape(self, name: str) -> tuple[int, ...]:
+        m = self.layout_.owner[name]
+        key, layer = storage_key(m)
+        size = list(self._md.state_dict_metadata[key].size)
+        meta = torch.empty(size[1:] if layer is not None else size, device="meta")
+        return tuple(self.layout_.to_hf(m, meta)[name].shape)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        key, _ = storage_key(self.layout_.owner[name])
+        opt = self._md.state_dict_metadata.get(f"{OPT_PREFIX}param.{key}")
+        return (opt or self._md.state_dict_metadata[key]).properties.dtype
+
+    def _stored(self, key: str, state: str) -> str:
+        """Weights come from the fp32 main copy when the optimizer state holds one."""
+        if state == "param":
+            main = f"{OPT_PREFIX}param.{key}"
+            return main if main in self._md.state_dict_metadata else key
+        return f"{OPT_PREFIX}{state}.{key}"
+
+    def read(self, name: str, state: str = "param") -> torch.Tensor:
+        """One HF tensor; an entry's other HF tensors (q of k, v) come from the same decoded region."""
+        m = self.layout_.owner[name]
+        key, layer = storage_key(m)
+        stored = self._stored(key, state)
+        if self._cache is None or self._cache[0] != (m, stored):
+            self._cache = ((m, stored), self.layout_.to_hf(m, self._region(stored, layer)))
+        return self._cache[1][name].float().clone()
+
+
+class LegacySource(Source):
+    """Megatron-LM legacy per-rank files; refused for now with the way out."""
+
+    def __init__(self, path: Path, hf_config: dict):
+        raise ConvertError(f"{path}: Megatron-LM legacy mp_rank_XX checkpoints are not read by this release; convert "
+                           "them to torch_dist with Megatron-LM (--ckpt-convert-format torch_dist) first")
+
+
+# --- writer --------------------------------------------------------------------------------------------
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    from toolkit.families import padded_vocab_size
+    return padded_vocab_size(vocab, divisible_by, tp)
+
+
+class _StreamingSavePlanner:
+    """A DCP save planner whose items are per-layer regions computed from the source on demand:
+    DCP's writer resolves one item at a time, so memory holds one layer's tensor, not the model."""
+
+    def __new__(cls, *args, **kw):
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        class Planner(DefaultSavePlanner):
+            def __init__(self, items, resolve):
+                super().__init__()
+                self._items, self._resolve = items, resolve
+
+            def create_local_plan(self):
+                from torch.distributed.checkpoint.planner import SavePlan
+                self.plan = SavePlan(self._items, planner_data={})
+                return self.plan
+
+            def resolve_data(self, write_item):
+                return self._resolve(write_item)
+
+        return Planner(*args, **kw)
+
+
+def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, dtype: torch.dtype | None,
+                   weights_only: bool = False, progress=None, divisible_by: int = 128) -> dict:
+    """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` (the vocab padding
+    depends on it; pp and dp only go into the description - the tensors are global)."""
+    import torch.distributed.checkpoint as dcp
+    layout = _Layout(source.hf_config, padded_vocab(source.hf_config["vocab_size"], tp, divisible_by))
+    _check_names(source, layout)
+    moments = source.has_optimizer and not weights_only
+    items, resolvers = _plan(source, layout, dtype, moments)
+
+    def resolve(item):
+        value = resolvers[(item.index.fqn, tuple(item.index.offset or ()))]()
+        if progress and isinstance(value, torch.Tensor):
+            progress(item.index.fqn, value.nbytes)
+        return value
+
+    engine_dir.mkdir(parents=True)
+    writer = dcp.FileSystemWriter(str(engine_dir), single_file_per_rank=True, thread_count=1)
+    dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+    (engine_dir / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    torch.save(_common(source, moments), engine_dir / "common.pt")
+    describe = {"format": "megatron-core torch_dist", "family": layout.family.model_type,
+                "vocab_size": source.hf_config["vocab_size"], "padded_vocab_size": layout.padded_vocab,
+                "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
+                "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "format": "torch_dist"}}
+    (engine_dir / TOOLKIT_JSON).write_text(json.dumps(describe, indent=2))
+    return describe
+
+
+def _check_names(source: Source, layout: _Layout) -> None:
+    want, have = set(layout.hf_names()), set(source.names())
+    if want != have:
+        raise ConvertError(f"{source.path}: tensors do not match the {layout.family.model_type} family table "
+                           f"(wrong family or --hf-config?); missing {sorted(want - have)[:8]}, "
+                           f"unexpected {sorted(have - want)[:8]}")
+
+
+def _plan(source: Source, layout: _Layout, dtype, moments: bool):
+    """DCP write items (one per tensor, or per layer of a stacked key) and how to compute each."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    layers = source.hf_config.get("num_hidden_layers", source.hf_config.get("n_layer"))
+    items, resolvers = [], {}
+    states = [("param", dtype)] + ([("main", torch.float32), ("exp_avg", torch.float32),
+                                    ("exp_avg_sq", torch.float32)] if moments else [])
+    for m in layout.entries:
+        key, layer = storage_key(m)
+        shape = tuple(layout.to_mcore(m, lambda n: torch.empty(source.infos[n].shape, device="meta")).shape)
+        for state, dt in states:
+            dt = dt or torch.float32
+            fqn = key if state == "param" else f"{OPT_PREFIX}{'param' if state == 'main' else state}.{key}"
+            full = (layers, *shape) if layer is not None else shape
+            offsets = (layer, *[0] * len(shape)) if layer is not None else (0,) * len(shape)
+            sizes = (1, *shape) if layer is not None else shape
+            items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=TensorWriteData(
+                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), TensorProperties(dtype=dt), torch.Size(full))))
+            resolvers[(fqn, offsets)] = _resolver(source, layout, m, "param" if state == "main" else state, dt, layer)
+    for i in range(layers):
+        for lin in LINEARS:
+            fqn = f"decoder.layers.{lin}._extra_state/shard_{i}_{layers}"
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+            resolvers[(fqn, ())] = _extra_state_bytes
+    return items, resolvers
+
+
+def _resolver(source, layout, mcore_name, state, dtype, layer):
+    def compute():
+        x = layout.to_mcore(mcore_name, lambda n: source.read(n, state)).to(dtype).contiguous()
+        return x.unsqueeze(0) if layer is not None else x
+    return compute
+
+
+def _extra_state_bytes() -> io.BytesIO:
+    """A local-spec linear's extra state: nothing (megatron stores its ShardedObject as ``[None]``)."""
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    buf.seek(0)
+    return buf
+
+
+def _common(source: Source, moments: bool) -> dict:
+    """common.pt: the optimizer's two param groups (decayed, not decayed) as megatron-core's
+    distributed optimizer writes them, with the source's hyperparameters and step."""
+    if not moments:
+        return {}
+    groups = getattr(source, "param_groups", None)
+    if groups:  # megatron -> megatron: the groups as they were
+        return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}}
+    hp = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **source.optimizer_hparams}
+    base = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": hp["lr"], "min_lr": 0.0, "lr": hp["lr"], "betas": tuple(hp["betas"]), "eps": hp["eps"],
+            "weight_decay": hp["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
+            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+            "step": float(source.step or 0)}
+    groups = [{**base, "wd_mult": 1.0}, {**base, "wd_mult": 0.0}]
+    return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}}

@@ -1,0 +1,141 @@
+"""``convert``: open SRC, pick the writer, stage the output, describe it for the toolkit's resume."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from toolkit.convert.canonical import Source
+from toolkit.convert.errors import ConvertError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TARGETS = ("hf", "zero", "megatron")
+
+
+def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 2,
+            dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
+            max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
+    """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source).
+    Returns a summary: formats, tensors, bytes, seconds."""
+    from toolkit.convert.detect import open_source
+    from toolkit.convert.staging import staged
+    tic = time.perf_counter()
+    source = open_source(src, hf_config)
+    to = to or ("zero" if source.format == "hf" else "hf")
+    _check_request(source, to, tp, pp, dp, zero_stage, dtype)
+    try:
+        with staged(Path(dst)) as stage, _progress(source, show_progress) as progress:
+            _write(source, stage, to, tp, pp, dp, zero_stage, DTYPES.get(dtype) if dtype else None, weights_only,
+                   max_shard_bytes, progress)
+    finally:
+        source.close()
+    return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
+            "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
+            "seconds": round(time.perf_counter() - tic, 3)}
+
+
+def _check_request(source: Source, to: str, tp: int, pp: int, dp: int, stage: int, dtype: str | None) -> None:
+    if to not in TARGETS:
+        raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
+    if min(tp, pp, dp) < 1:
+        raise ConvertError(f"--tp {tp} --pp {pp} --dp {dp}: each must be >= 1")
+    if to == "zero" and stage not in (1, 2, 3):
+        raise ConvertError(f"--zero-stage {stage}: choose 1, 2 or 3")
+    if to != "megatron" and (tp, pp) != (1, 1):
+        raise ConvertError(f"--tp/--pp apply to --to megatron only (got --to {to})")
+    if to == "megatron":
+        _check_megatron_layout(source.hf_config, tp, pp)
+
+
+def _check_megatron_layout(config: dict, tp: int, pp: int) -> None:
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    groups = config.get("num_key_value_heads") or heads
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    if heads % tp or groups % tp:
+        valid = [t for t in range(1, groups + 1) if groups % t == 0 and heads % t == 0]
+        raise ConvertError(f"--tp {tp}: num_attention_heads={heads} and num_key_value_heads={groups} must both be "
+                           f"divisible by tp; choose tp in {valid}")
+    if layers % pp:
+        raise ConvertError(f"--pp {pp}: num_hidden_layers={layers} is not divisible by pp; choose pp in "
+                           f"{[p for p in range(1, layers + 1) if layers % p == 0]}")
+
+
+def _write(source, stage: Path, to, tp, pp, dp, zero_stage, dtype, weights_only, max_shard_bytes, progress) -> None:
+    if to == "hf":
+        from toolkit.convert.hf import write_hf
+        write_hf(source, stage, dtype, max_shard_bytes, progress)
+        return
+    if to == "zero":
+        from toolkit.convert.zero import write_zero
+        write_zero(source, stage / "engine", zero_stage, dp, weights_only, progress)
+        layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
+    else:
+        from toolkit.convert.megatron import write_megatron
+        write_megatron(source, stage / "engine", tp, pp, dp, dtype, weights_only, progress)
+        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "format": "torch_dist"}
+    _describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
+
+
+def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int) -> None:
+    """meta.json, trainer.json, config.json and per-rank RNG files, as the trainer's checkpoints have
+    them, so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
+    from toolkit import __version__
+    from toolkit.parallel import rng_state, seed_everything
+    trainer = dict(source.trainer_state or {"step": source.step or 0})
+    step = trainer["step"]
+    (stage / "trainer.json").write_text(json.dumps(trainer, indent=2, sort_keys=True))
+    (stage / "meta.json").write_text(json.dumps({
+        "format": f"toolkit-{'deepspeed' if to == 'zero' else 'megatron'}", "family": source.model_type,
+        "step": step, "layout": layout, "vocab_size": source.hf_config.get("vocab_size"),
+        "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+        "toolkit_version": __version__, "torch_version": torch.__version__,
+        "converted_from": {"path": str(source.path), "format": source.format, "layout": source.layout}},
+        indent=2, sort_keys=True))
+    (stage / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
+    # RNG streams of the source ranks mean nothing at another layout: each rank gets the state a
+    # resharding resume would give it (seeded from seed + step), the converter's own RNG untouched.
+    saved = rng_state()
+    try:
+        (stage / "trainer").mkdir()
+        seed_everything(int(trainer.get("seed", 0)) + step)
+        state = rng_state()
+        for rank in range(world):
+            torch.save(state, stage / "trainer" / f"rank_{rank:05d}.pt")
+    finally:
+        from toolkit.parallel import set_rng_state
+        set_rng_state(saved)
+
+
+def _progress(source: Source, show: bool):
+    """A rich progress bar over bytes written and tensors done (a no-op when not shown)."""
+    if not show:
+        return nullcontext(None)
+    return _RichProgress(source)
+
+
+class _RichProgress:
+    def __init__(self, source: Source):
+        self.total = sum(i.nbytes for i in source.infos.values())
+        self.count = len(source.infos)
+
+    def __enter__(self):
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TransferSpeedColumn)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            TextColumn("{task.fields[tensors]} tensors"), TimeElapsedColumn(), transient=False)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("converting", total=self.total, tensors=0)
+        self.done = 0
+        return self
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        self.done += 1
+        self.bar.update(self.task, advance=nbytes, tensors=self.done, description=name[-40:])
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
