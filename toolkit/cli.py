@@ -66,7 +66,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="intra_gbps, inter_gbps, intra_latency_us, inter_latency_us, peak_tflops, mfu")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=cmd_estimate)
+    _add_convert_parsers(sub)
     return p
+
+
+def _add_convert_parsers(sub) -> None:
+    """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py)."""
+    c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
+    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, or a toolkit run/checkpoint")
+    c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
+    c.add_argument("--to", choices=["hf", "zero", "megatron"], help="default: hf (zero for an HF source)")
+    c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
+    c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
+    c.add_argument("--dp", type=int, default=1, help="data parallel size the output is described for")
+    c.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage the output is described for")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: as stored)")
+    c.add_argument("--weights-only", action="store_true", help="drop optimizer state (Adam restarts)")
+    c.add_argument("--verify", action="store_true", help="check tensors and logits of SRC vs DST; exit 1 on mismatch")
+    c.add_argument("--hf-config", help="config.json (or its dir) when none lies beside SRC")
+    c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
+    c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
+    i = sub.add_parser("inspect", help="format, family, layout, step, size and completeness of a checkpoint")
+    i.add_argument("path")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--hf-config", help="config.json (or its dir) when none lies beside PATH")
+    i.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args))
 
 
 def _config_from_args(args) -> RunConfig:

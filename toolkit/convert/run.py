@@ -33,7 +33,8 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int =
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
-            "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
+            "tensors": len(source.infos), "step": source.step,
+            "optimizer_state": to != "hf" and source.has_optimizer and not weights_only,
             "seconds": round(time.perf_counter() - tic, 3)}
 
 

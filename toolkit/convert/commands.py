@@ -1,0 +1,42 @@
+"""The ``toolkit convert`` and ``toolkit inspect`` commands (argument parsing lives in toolkit/cli.py)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from toolkit.convert.errors import ConvertError
+
+
+def cmd_convert(args) -> int:
+    from toolkit.convert import convert
+    try:
+        summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, dp=args.dp,
+                          zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,
+                          hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress)
+    except ConvertError as exc:
+        print(f"toolkit convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"converted {summary['from']} -> {summary['to']}: {summary['tensors']} tensors, step {summary['step']}, "
+          f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['seconds']} s -> {args.dst}")
+    if args.verify:
+        from toolkit.convert.verify import verify
+        report = verify(args.src, args.dst, args.hf_config)
+        print("\n".join(report.lines()))
+        return 0 if report.ok else 1
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from toolkit.convert import inspect
+    try:
+        info = inspect(args.path, args.hf_config)
+    except ConvertError as exc:
+        print(f"toolkit inspect: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for k, v in info.items():
+            print(f"{k:<{width}}  {v}")
+    return 0

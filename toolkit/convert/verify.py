@@ -1,0 +1,94 @@
+"""``--verify``: the destination holds the source's tensors exactly (in the destination's dtype), and
+an HF forward of a fixed batch from each gives the same logits (within that dtype's rounding)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.convert.canonical import Source, hf_config_object
+from toolkit.convert.detect import open_source
+
+LOGIT_TOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 5e-3}
+"""Max |logit difference| allowed per destination dtype: fp32 weights are bit-identical, so the
+forward is too; half types round each weight (relative 2^-8 / 2^-11)."""
+
+
+@dataclass
+class Report:
+    tensors: int = 0
+    moments: int = 0
+    mismatched: list[str] = field(default_factory=list)
+    logits_max_diff: float | None = None
+    logits_tol: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched and (self.logits_max_diff is None or self.logits_max_diff <= self.logits_tol)
+
+    def lines(self) -> list[str]:
+        out = [f"tensors: {self.tensors} compared, {len(self.mismatched)} differ"
+               + (f" ({', '.join(self.mismatched[:5])})" if self.mismatched else ""),
+               f"optimizer moments: {self.moments} compared"]
+        if self.logits_max_diff is not None:
+            out.append(f"logits: max |diff| {self.logits_max_diff:.3g} (allowed {self.logits_tol:g})")
+        out.append("verify: OK" if self.ok else "verify: MISMATCH")
+        return out
+
+
+def verify(src, dst, hf_config: str | None = None, logits: bool = True) -> Report:
+    a, b = open_source(src, hf_config), open_source(dst)
+    try:
+        report = compare_tensors(a, b)
+        if logits:
+            dtype = next(iter(b.infos.values())).dtype
+            report.logits_tol = LOGIT_TOL.get(dtype, 5e-2)
+            report.logits_max_diff = _logits_diff(a, b, dtype)
+        return report
+    finally:
+        a.close()
+        b.close()
+
+
+def compare_tensors(a: Source, b: Source) -> Report:
+    report = Report()
+    missing = sorted(set(a.names()) ^ set(b.names()))
+    report.mismatched += [f"{n} (only in one)" for n in missing]
+    moments = a.has_optimizer and b.has_optimizer
+    for name in a.names():
+        if name in missing:
+            continue
+        want = a.read(name)
+        got = b.read(name)
+        if not torch.equal(want.to(b.infos[name].dtype).float(), got.float()):
+            report.mismatched.append(name)
+        report.tensors += 1
+        if moments:
+            for state in ("exp_avg", "exp_avg_sq"):
+                if not torch.equal(a.read(name, state), b.read(name, state)):
+                    report.mismatched.append(f"{name}.{state}")
+                report.moments += 1
+    return report
+
+
+def _model(source: Source, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32)
+    state = {n: source.read(n).to(dtype).float() for n in source.names()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and source.tied)]
+    if missing or unexpected:
+        raise RuntimeError(f"{source.path}: the HF model does not take these tensors; missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if source.tied:
+        model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def _logits_diff(a: Source, b: Source, dtype: torch.dtype) -> float:
+    vocab = a.hf_config["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    la = _model(a, dtype)(input_ids=ids).logits
+    lb = _model(b, torch.float32)(input_ids=ids).logits
+    return float((la - lb).abs().max())
