@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,9 @@ class Engine(Protocol):
 
     def export_hf(self, path: Path, tokenizer) -> None:
         """Write the current weights as an HF ``save_pretrained`` directory; collective."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """This rank's model parameters (its shard under TP/PP; the full model below ZeRO-3)."""
 
     def layout(self) -> dict:
         """The parallel layout, recorded in checkpoint metadata (e.g. ``{"dp": 2, "zero_stage": 2}``)."""

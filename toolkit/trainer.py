@@ -74,7 +74,7 @@ class Trainer:
         """Health checks, eval, preemption and checkpoints at the step boundary."""
         self.monitor.heartbeat.beat(self.step)
         self._note_recovery()
-        self.faults.after_step(self.step, model=getattr(self.engine, "module", None))
+        self.faults.after_step(self.step, params=self.engine.parameters)
         self.monitor.check_stragglers(self.step)
         self.monitor.check_divergence(self.step, self.engine)
         t = self.cfg.train

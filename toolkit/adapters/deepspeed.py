@@ -233,11 +233,23 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={})
 
     def load(self, path: Path) -> None:
-        load_path, _ = self.engine.load_checkpoint(str(path), load_optimizer_states=True,
-                                                   load_lr_scheduler_states=False, load_module_strict=True)
+        load_path, _ = self._load_checkpoint(Path(path))
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint to load under {path}")
         replay_cpu_adam_step_counter(self.engine.basic_optimizer)
+
+    def _load_checkpoint(self, path: Path):
+        """DeepSpeed's load_checkpoint; a universal checkpoint (``toolkit convert --to zero`` writes
+        one: ``latest_universal``, per-parameter files) loads at any DP size and stage, but DeepSpeed
+        reads the layout from its config flag, so the flag is set for this load only."""
+        config = self.engine._config
+        saved = config.load_universal_checkpoint
+        config.load_universal_checkpoint = saved or (path / "latest_universal").is_file()
+        try:
+            return self.engine.load_checkpoint(str(path), load_optimizer_states=True,
+                                               load_lr_scheduler_states=False, load_module_strict=True)
+        finally:
+            config.load_universal_checkpoint = saved
 
     def export_hf(self, path: Path, tokenizer) -> None:
         import deepspeed
@@ -253,6 +265,9 @@ class DeepSpeedEngine:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    def parameters(self):
+        return self.engine.module.parameters()
 
     def replica_checksum(self) -> float | None:
         """Order-sensitive float64 checksum of the full parameters (identical on every DP replica

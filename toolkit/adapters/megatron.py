@@ -465,6 +465,9 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         return ps.get_data_parallel_group()
 
+    def parameters(self):
+        return (p for chunk in self.model for p in chunk.module.parameters())
+
     def replica_checksum(self) -> float:
         """Order-sensitive float64 checksum of this rank's parameters (equal across its DP group)."""
         total = torch.zeros((), dtype=torch.float64)

@@ -67,7 +67,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _record_failure(self, result: RunResult) -> None:
         codes = {rank: f.exitcode for rank, f in result.failures.items()}
-        self.preempted = bool(codes) and all(c == PREEMPTED_EXIT for c in codes.values())
+        self.preempted = _is_preemption(codes)
         beats = read_heartbeats(self.run_dir)
         for rank, failure in sorted(result.failures.items()):
             emit(self.run_dir, "preempted" if self.preempted else "failure", rank=rank,
@@ -126,3 +126,13 @@ def _signal_name(exitcode: int) -> str | None:
         except ValueError:
             return str(-exitcode)
     return None
+
+
+def _is_preemption(codes: dict[int, int]) -> bool:
+    """A rank exits PREEMPTED_EXIT only after the collective save committed, so one such rank means
+    the job saved and stopped on request; the others either exited the same way or were still
+    tearing down when the agent stopped the group (SIGTERM/SIGKILL)."""
+    stopped_by_agent = {-signal.SIGTERM, -signal.SIGKILL}
+    return PREEMPTED_EXIT in codes.values() and all(c == PREEMPTED_EXIT or c in stopped_by_agent
+                                                    for c in codes.values())
+

@@ -64,7 +64,8 @@ class FaultInjector:
             out.flush()
             os.fsync(out.fileno())
 
-    def after_step(self, step: int, model=None) -> None:
+    def after_step(self, step: int, params=None) -> None:
+        """``params``: a callable giving this rank's parameters (for ``diverge``)."""
         if not self.faults:
             return
         if self._take("kill", step):
@@ -76,10 +77,10 @@ class FaultInjector:
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
         if self._take("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
-        if model is not None and self._take("diverge", step):
+        if params is not None and self._take("diverge", step):
             import torch
             with torch.no_grad():
-                next(p for p in model.parameters() if p.numel() > 0).add_(1e-3)
+                next(p for p in params() if p.numel() > 0).add_(1e-3)
 
     def step_delay(self, step: int) -> None:
         for f in self.faults:

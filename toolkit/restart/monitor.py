@@ -81,13 +81,15 @@ class RankMonitor:
         value = checksum_fn()
         if value is None:  # parameters are sharded (ZeRO-3): nothing is replicated to compare
             return
+        # (global rank, checksum) from each replica, so the event names ranks a user can find in the
+        # logs, and the lowest rank of the replica group reports (rank 0 may be in another group).
         sums = [None] * engine.dp_size
-        dist.all_gather_object(sums, value, group=getattr(engine, "dp_group", None))
-        if len(set(sums)) > 1:
+        dist.all_gather_object(sums, (self.rank, value), group=getattr(engine, "dp_group", None))
+        if len({s for _, s in sums}) > 1:
             groups: dict[float, list[int]] = {}
-            for rank, s in enumerate(sums):
+            for rank, s in sums:
                 groups.setdefault(s, []).append(rank)
-            if self.rank == 0:
+            if self.rank == min(rank for rank, _ in sums):
                 emit(self.run_dir, "divergence", step=step, replica_groups=list(groups.values()))
             raise DivergenceError(f"step {step}: data-parallel replicas hold different parameters; ranks grouped "
                                   f"by identical checksums: {list(groups.values())}")
