@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -268,7 +269,9 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
 
     engine_dir.mkdir(parents=True)
     writer = dcp.FileSystemWriter(str(engine_dir), single_file_per_rank=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
     (engine_dir / "metadata.json").write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}))

@@ -1,0 +1,78 @@
+"""Rank functions and helpers for the converter tests: tiny models trained and saved by DeepSpeed's
+own engine, and loaded back by DeepSpeed / megatron-core's own loaders."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.test_families import tiny_model
+from toolkit.adapters.hf import param_groups
+
+FAMILIES = ("llama", "qwen2", "gpt2", "mistral")
+STAGES = (1, 2, 3)
+
+
+def ds_config(stage: int, world: int, universal: bool = False) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                     "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
+           "gradient_clipping": 1.0}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def _engine(family: str, stage: int, world: int, universal: bool = False, seed: int = 0):
+    import deepspeed
+    model = tiny_model(family, seed=seed).train()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
+                                      config=ds_config(stage, world, universal))
+    return engine
+
+
+def _step(engine, rank: int, vocab: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    ids = torch.randint(0, vocab, (1, 12), generator=g)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def save_zero_checkpoints(rank: int, world: int, root: str, combos, steps: int = 2):
+    """Each (family, stage) at this DP size: a few steps of DeepSpeed, then its save_checkpoint."""
+    for family, stage in combos:
+        engine = _engine(family, stage, world)
+        for s in range(steps):
+            _step(engine, rank, engine.module.config.vocab_size, s)
+        out = Path(root) / f"{family}-z{stage}-dp{world}"
+        engine.save_checkpoint(str(out), tag=f"global_step{steps}")
+        if rank == 0:  # an HF Trainer checkpoint-N/ has the model's config.json beside global_stepN/
+            engine.module.config.to_json_file(str(out / "config.json"))
+        engine.destroy()
+    return True
+
+
+def load_universal(rank: int, world: int, family: str, stage: int, ckpt: str):
+    """DeepSpeed's own load_checkpoint of a universal checkpoint at (stage, world); the full fp32
+    weights and Adam moments it then holds, gathered with DeepSpeed's own accessors."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    engine = _engine(family, stage, world, universal=True, seed=99)  # other init: all must come from ckpt
+    path, _ = engine.load_checkpoint(ckpt, load_optimizer_states=True, load_lr_scheduler_states=False)
+    assert path is not None
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = {"param": safe_get_full_fp32_param(p).clone(),
+                     "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+                     "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone()}
+    steps = {str(type(s.get("step"))) + str(s.get("step")) for s in engine.optimizer.optimizer.state.values()} \
+        if hasattr(engine.optimizer, "optimizer") else set()
+    _step(engine, rank, engine.module.config.vocab_size, 7)  # it trains on from there
+    return {"tensors": out if rank == 0 else None, "steps": steps}
+
+
+def write_config(path: Path, family: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(tiny_model(family).config.to_dict()))
