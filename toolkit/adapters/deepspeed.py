@@ -266,6 +266,9 @@ class DeepSpeedEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def parameters(self):
+        return self.engine.module.parameters()
+
     def replica_checksum(self) -> float | None:
         """Order-sensitive float64 checksum of the full parameters (identical on every DP replica
         below ZeRO-3); None at stage 3, where each rank holds only its own shard."""
