@@ -76,3 +76,16 @@ def load_universal(rank: int, world: int, family: str, stage: int, ckpt: str):
 def write_config(path: Path, family: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(tiny_model(family).config.to_dict()))
+
+
+def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str):
+    """megatron-core's own dist_checkpointing.load (through the toolkit's MegatronEngine.load) of a
+    converted torch_dist checkpoint at (tp, pp); the HF weights it then holds, and one more step."""
+    from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.config import validate
+    model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1}})
+    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    engine.load(Path(ckpt))
+    return {"weights": engine.hf_state()}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.convert_helpers import FAMILIES, STAGES, load_universal, save_zero_checkpoints
+from tests.conftest import run_cli
+from tests.convert_helpers import FAMILIES, STAGES, load_universal, megatron_load, save_zero_checkpoints
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
 
@@ -115,3 +116,115 @@ def test_deepspeed_load_checkpoint_resumes_universal_output_exactly(zero_ckpts, 
         for name in src.names():
             for state in ("param", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(loaded[name][state], src.read(name, state)), (world, stage, name, state)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_megatron_core_loads_converted_checkpoint(zero_ckpts, tmp_path, tp, pp):
+    """megatron-core's dist_checkpointing.load of our torch_dist output (converted from ZeRO-3,
+    tied embeddings) at TP/PP 1 and 2 gives exactly the source weights."""
+    src = open_source(zero_ckpts / "qwen2-z3-dp3")
+    convert(src.path, tmp_path / "meg", to="megatron", tp=tp, pp=pp)
+    weights = run_ranks(megatron_load, tp * pp, tmp_path, "qwen2", tp, pp, str(tmp_path / "meg" / "engine"))[0]["weights"]
+    for name in src.names():
+        assert torch.equal(weights[name], src.read(name)), name
+
+
+# --- refusals: each with its own message, DST never created -----------------------------------------------
+
+def _refused(src, dst, match, **kw):
+    with pytest.raises(ConvertError, match=match):
+        convert(src, dst, **kw)
+    assert not Path(dst).exists() and not list(Path(dst).parent.glob(f".staging-{Path(dst).name}*"))
+
+
+def test_unknown_format_refused(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "weights.npz").write_bytes(b"nothing")
+    _refused(tmp_path / "src", tmp_path / "dst", "unknown checkpoint format")
+
+
+def test_missing_and_truncated_files_refused(zero_ckpts, tmp_path):
+    src = tmp_path / "z"
+    shutil.copytree(zero_ckpts / "llama-z2-dp3", src)
+    tag = src / "global_step2"
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").rename(tmp_path / "kept.pt")
+    _refused(src, tmp_path / "dst", r"DP rank\(s\) \[1\] are missing")
+    data = (tmp_path / "kept.pt").read_bytes()
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(data[: len(data) // 2])
+    _refused(src, tmp_path / "dst", "truncated")
+    convert(zero_ckpts / "llama-z2-dp3", tmp_path / "hf", to="hf", max_shard_bytes=64 << 10)
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    shards[1].unlink()
+    _refused(tmp_path / "hf", tmp_path / "dst", "does not match its manifest: model-00002-of-.*: missing")
+    (tmp_path / "hf" / "manifest.json").unlink()  # an HF export as users have it: the index must catch it
+    _refused(tmp_path / "hf", tmp_path / "dst", r"shard\(s\) .* are missing")
+
+
+def test_truncated_safetensors_refused(zero_ckpts, tmp_path):
+    convert(zero_ckpts / "llama-z1-dp3", tmp_path / "hf", to="hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    (tmp_path / "hf" / "manifest.json").unlink()  # without a manifest the size check must catch it
+    _refused(tmp_path / "hf", tmp_path / "dst", "truncated", to="zero")
+
+
+def test_bit_flip_caught_by_manifest(zero_ckpts, tmp_path):
+    convert(zero_ckpts / "llama-z3-dp3", tmp_path / "meg", to="megatron")
+    f = next((tmp_path / "meg" / "engine").glob("*.distcp"))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    _refused(tmp_path / "meg", tmp_path / "dst", "sha256 differs")
+
+
+def test_wrong_family_refused(zero_ckpts, tmp_path):
+    convert(zero_ckpts / "llama-z3-dp3", tmp_path / "meg", to="megatron")
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text((zero_ckpts / "gpt2-z3-dp3" / "config.json").read_text())
+    _refused(tmp_path / "meg", tmp_path / "dst", "written for family 'llama'", hf_config=str(cfg))
+    (tmp_path / "meg" / "engine" / "toolkit_megatron.json").unlink()  # a bare megatron checkpoint
+    (tmp_path / "meg" / "manifest.json").unlink()
+    _refused(tmp_path / "meg", tmp_path / "dst", "do not match the gpt2 family table", hf_config=str(cfg))
+    _refused(zero_ckpts / "llama-z3-dp3", tmp_path / "dst", "do not match the gpt2 family table",
+             to="megatron", hf_config=str(cfg))
+
+
+def test_foreign_pickle_class_refused(zero_ckpts, tmp_path):
+    import argparse
+    src = tmp_path / "z"
+    shutil.copytree(zero_ckpts / "llama-z2-dp2", src)
+    model_file = src / "global_step2" / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "parser": argparse.ArgumentParser}, model_file)  # not a checkpoint class
+    _refused(src, tmp_path / "dst", r"refusing to unpickle argparse\.ArgumentParser.*TOOLKIT_TRUST_PICKLE_CLASSES")
+
+
+def test_existing_dst_untouched_and_interrupted_conversion_leaves_no_dst(zero_ckpts, tmp_path, monkeypatch):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("keep")
+    with pytest.raises(ConvertError, match="already exists"):
+        convert(zero_ckpts / "llama-z2-dp2", dst, to="hf")
+    assert [p.name for p in dst.iterdir()] == ["mine.txt"]
+    from toolkit.convert import hf
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt  # an interrupt half-way through the writes
+    monkeypatch.setattr(hf, "_write_shard", crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert(zero_ckpts / "llama-z2-dp2", tmp_path / "dst2", to="hf")
+    assert not (tmp_path / "dst2").exists() and not list(tmp_path.glob(".staging-*"))
+
+
+def test_cli_convert_verify_and_inspect(zero_ckpts, tmp_path):
+    ckpt = zero_ckpts / "qwen2-z2-dp2"
+    info = json.loads(run_cli(["inspect", str(ckpt), "--json"]).stdout)
+    assert (info["format"], info["family"], info["layout"]["dp"], info["layout"]["zero_stage"], info["step"],
+            info["optimizer_state"]) == ("zero", "qwen2", 2, 2, 2, True)
+    out = run_cli(["convert", str(ckpt), str(tmp_path / "meg"), "--to", "megatron", "--tp", "2", "--pp", "2",
+                   "--verify"]).stdout
+    assert "verify: OK" in out and "0 differ" in out
+    out = run_cli(["convert", str(tmp_path / "meg"), str(tmp_path / "hf"), "--dtype", "bf16", "--verify"]).stdout
+    assert "verify: OK" in out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    bad = run_cli(["convert", str(ckpt), str(tmp_path / "x"), "--to", "megatron", "--tp", "3"], check=False)
+    assert bad.returncode == 2 and "choose tp in [1, 2]" in bad.stderr and not (tmp_path / "x").exists()

@@ -27,9 +27,12 @@ def cmd_convert(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    import contextlib
+
     from toolkit.convert import inspect
-    try:
-        info = inspect(args.path, args.hf_config)
+    try:  # libraries imported on the way (DeepSpeed's logger) print to stdout: keep it for the answer
+        with contextlib.redirect_stdout(sys.stderr):
+            info = inspect(args.path, args.hf_config)
     except ConvertError as exc:
         print(f"toolkit inspect: error: {exc}", file=sys.stderr)
         return 2

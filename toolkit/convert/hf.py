@@ -17,6 +17,7 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.errors import ConvertError
+from toolkit.convert.pages import release
 
 INDEX = "model.safetensors.index.json"
 CARRY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -160,7 +161,21 @@ def _write_shard(source: Source, path: Path, names: list[str], dtype, progress) 
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for n in names:
-            t = source.read(n).to(dtype or source.infos[n].dtype).contiguous()
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            nbytes = 0
+            for piece in _pieces(source, n):
+                piece = piece.to(dtype or source.infos[n].dtype).contiguous()
+                f.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+                nbytes += piece.nbytes
             if progress:
-                progress(n, t.nbytes)
+                progress(n, nbytes)
+
+
+def _pieces(source: Source, name: str):
+    """The tensor's bytes in order: straight from a source's memory-mapped pieces when it has them
+    (no full copy; pages given back after each), else the whole tensor."""
+    if not hasattr(source, "pieces"):
+        yield source.read(name)
+        return
+    for piece in source.pieces(name):
+        yield piece
+        release(piece)

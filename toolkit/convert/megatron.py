@@ -261,10 +261,21 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     moments = source.has_optimizer and not weights_only
     items, resolvers = _plan(source, layout, dtype, moments)
 
+    written: list[torch.Tensor] = []
+
     def resolve(item):
+        # DCP's serial writer keeps a reference to every tensor it wrote (a dict for its safetensors
+        # format, unused here); it asks for item i+1 only after writing item i, so the storage of
+        # item i is freed here, keeping memory at one region instead of the whole model.
+        while written:
+            written.pop().untyped_storage().resize_(0)
         value = resolvers[(item.index.fqn, tuple(item.index.offset or ()))]()
-        if progress and isinstance(value, torch.Tensor):
-            progress(item.index.fqn, value.nbytes)
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().nbytes() != value.nbytes:
+                value = value.clone()  # exactly its own storage, so freeing it frees no one else's
+            written.append(value)
+            if progress:
+                progress(item.index.fqn, value.nbytes)
         return value
 
     engine_dir.mkdir(parents=True)

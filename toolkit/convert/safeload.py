@@ -15,13 +15,29 @@ import torch
 
 from toolkit.convert.errors import ConvertError
 
-ALLOWED = (
-    "deepspeed.runtime.zero.config.ZeroStageEnum",        # optim_states: zero_stage
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",      # optim_states: loss_scaler
-    "deepspeed.utils.tensor_fragment.fragment_address",   # stage 1/2 param_slice_mappings
-    "argparse.Namespace",                                 # Megatron-LM legacy checkpoints: args
-)
-"""Classes a DeepSpeed or Megatron checkpoint legitimately holds (``module.Class``)."""
+class Fields:
+    """Stand-in for a small object a checkpoint holds (LossScaler, fragment_address): keeps its
+    fields, runs none of its code, and needs no import of the library that defined it."""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    def __repr__(self):
+        return f"Fields({self.__dict__})"
+
+
+def _enum_value(value):
+    """Stand-in for an Enum class called with its value (``ZeroStageEnum(3)``): the value."""
+    return value
+
+
+STAND_INS = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _enum_value,      # optim_states: zero_stage
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": Fields,         # optim_states: loss_scaler
+    "deepspeed.utils.tensor_fragment.fragment_address": Fields,      # stage 1/2 param_slice_mappings
+}
+"""The classes a DeepSpeed checkpoint legitimately holds besides tensors and containers, each
+read as plain data (megatron-core's torch_dist files hold none). Nothing else is allowed."""
 
 TRUST_ENV = "TOOLKIT_TRUST_PICKLE_CLASSES"
 
@@ -35,7 +51,10 @@ def _resolve(qualname: str):
 
 
 def _allowed(extra: tuple[str, ...] = ()) -> list:
-    return [c for c in (_resolve(q) for q in (*ALLOWED, *extra)) if c is not None]
+    """The allowlist for torch's weights_only unpickler: stand-ins by name, plus classes the user
+    trusts explicitly (imported, and then really constructed)."""
+    trusted = [c for c in (_resolve(q) for q in extra) if c is not None]
+    return [(fn, name) for name, fn in STAND_INS.items()] + trusted
 
 
 def trusted_extra() -> tuple[str, ...]:

@@ -27,6 +27,7 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.errors import ConvertError
+from toolkit.convert.pages import release
 from toolkit.convert.safeload import safe_load
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -174,11 +175,27 @@ class ZeroSource(Source):
             return opt[key][group]
         return self._groups_state(rank)["state"][group][state]
 
+    def pieces(self, name: str, state: str = "param", start: int = 0, stop: int | None = None):
+        """1-D views into the memory-mapped partitions whose concatenation is elements
+        ``[start, stop)`` of the flattened tensor (padding excluded)."""
+        stop = math.prod(self.infos[name].shape) if stop is None else stop
+        pos = 0
+        for f in self._frags[name]:
+            lo, hi = max(start, pos), min(stop, pos + f.length)
+            if lo < hi:
+                yield self._flat(f.rank, f.group, state).narrow(0, f.start + lo - pos, hi - lo)
+            pos += f.length
+
     def read(self, name: str, state: str = "param") -> torch.Tensor:
+        """The full tensor, copied piece by piece; the pages read are given back at once."""
         info = self.infos[name]
-        parts = [self._flat(f.rank, f.group, state).narrow(0, f.start, f.length) for f in self._frags[name]]
-        numel = math.prod(info.shape)
-        return torch.cat(parts)[:numel].float().view(info.shape).clone()
+        out = torch.empty(math.prod(info.shape), dtype=torch.float32)
+        pos = 0
+        for piece in self.pieces(name, state):
+            out[pos:pos + piece.numel()].copy_(piece)
+            pos += piece.numel()
+            release(piece)
+        return out.view(info.shape)
 
 
 def _optimizer_step(groups_state: dict, default: int) -> int:

@@ -1,0 +1,162 @@
+"""Checkpoint conversion benchmark: ours vs DeepSpeed's zero_to_fp32 vs a plain copy.
+
+Builds (once, cached in --workdir) a real ZeRO-3 checkpoint of a Llama-shaped ~134M-parameter
+model written by DeepSpeed at DP=2 on CPU (one AdamW step, so Adam moments are in it), then runs,
+each in its own process, measuring wall time and peak RSS (``os.wait4``'s ru_maxrss of that process):
+  zero_to_fp32        python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization
+  ours_zero_to_hf     python -m toolkit convert CKPT OUT --to hf
+  ours_zero_to_mcore  python -m toolkit convert CKPT OUT --to megatron --tp 2 --pp 2
+  copy                cp -r CKPT OUT  (reading and writing the same bytes, nothing else)
+Each is run --repeats times; the best wall time and the largest peak RSS are reported. The HF
+output is checked tensor for tensor against zero_to_fp32's. Writes benchmarks/results/convert.json.
+
+  python benchmarks/convert.py [--workdir /tmp/toolkit_bench_convert] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+              num_attention_heads=12, num_key_value_heads=12, vocab_size=32000, max_position_embeddings=512,
+              tie_word_embeddings=False)
+
+
+def _rank(rank: int, world: int, port: int, ckpt: str) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    kw = dict(CONFIG)
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3},
+          "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(ckpt, tag="global_step1")
+    if rank == 0:  # as HF Trainer leaves it: config.json beside global_stepN/
+        config.to_json_file(os.path.join(ckpt, "config.json"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build(ckpt: Path) -> None:
+    if (ckpt / "latest").is_file():
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"building the ZeRO-3 DP=2 checkpoint in {ckpt} (DeepSpeed, CPU) ...", flush=True)
+    mp.start_processes(_rank, args=(2, port, str(ckpt)), nprocs=2, start_method="spawn", join=True)
+
+
+def measure(cmd: list[str], out: Path) -> dict:
+    """Wall time and peak RSS of one child process (its own ru_maxrss, from wait4)."""
+    if out.exists():
+        shutil.rmtree(out)
+    tic = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    stderr_tail = b""
+    while True:  # read stderr so a chatty child never blocks; wait4 gives this child's own rusage
+        chunk = proc.stderr.read(65536)
+        if not chunk:
+            break
+        stderr_tail = (stderr_tail + chunk)[-4000:]
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - tic
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr_tail.decode(errors='replace')}")
+    return {"wall_s": round(wall, 3), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+
+
+def check_equal(ours: Path, ref: Path) -> int:
+    """Tensors of our HF output vs zero_to_fp32's: names and values identical."""
+    import torch
+    from safetensors import safe_open
+    ref_files = sorted(ref.glob("*.safetensors"))
+    ref_where = {k: f for f in ref_files for k in safe_open(str(f), "pt").keys()}
+    ours_where = {k: f for f in sorted(ours.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()}
+    assert set(ref_where) == set(ours_where), sorted(set(ref_where) ^ set(ours_where))[:5]
+    for k in ref_where:
+        a = safe_open(str(ours_where[k]), "pt").get_tensor(k)
+        b = safe_open(str(ref_where[k]), "pt").get_tensor(k)
+        assert torch.equal(a, b.to(a.dtype)), k
+    return len(ref_where)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/toolkit_bench_convert")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "convert.json"))
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "checkpoint-1"
+    build(ckpt)
+    size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    py = sys.executable
+    cases = {
+        "zero_to_fp32": [py, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(work / "out_zero_to_fp32"),
+                         "--safe_serialization"],
+        "ours_zero_to_hf": [py, "-m", "toolkit", "convert", str(ckpt), str(work / "out_ours_zero_to_hf"), "--to", "hf"],
+        "ours_zero_to_megatron_tp2_pp2": [py, "-m", "toolkit", "convert", str(ckpt),
+                                          str(work / "out_ours_zero_to_megatron_tp2_pp2"), "--to", "megatron",
+                                          "--tp", "2", "--pp", "2"],
+        "copy": ["cp", "-r", str(ckpt), str(work / "out_copy")],
+    }
+    runs = {name: [] for name in cases}
+    for _ in range(args.repeats):  # interleaved, so a busy moment on the shared machine hits all alike
+        for name, cmd in cases.items():
+            runs[name].append(measure(cmd, work / f"out_{name}"))
+    results = {name: {"wall_s": min(r["wall_s"] for r in rs), "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                      "runs": rs} for name, rs in runs.items()}
+    tensors = check_equal(work / "out_ours_zero_to_hf", work / "out_zero_to_fp32")
+    ref = results["zero_to_fp32"]
+    for name, r in results.items():
+        r["wall_vs_zero_to_fp32"] = round(r["wall_s"] / ref["wall_s"], 3)
+        r["rss_vs_zero_to_fp32"] = round(r["peak_rss_mb"] / ref["peak_rss_mb"], 3)
+    import torch
+    record = {"benchmark": "convert", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                          "torch": torch.__version__},
+              "checkpoint": {"model": CONFIG, "zero_stage": 3, "dp": 2, "bytes": size},
+              "hf_output_equals_zero_to_fp32": True, "tensors_compared": tensors, "repeats": args.repeats,
+              "results": results,
+              "targets": {"rss_le_quarter": results["ours_zero_to_hf"]["rss_vs_zero_to_fp32"] <= 0.25,
+                          "wall_le_half": results["ours_zero_to_hf"]["wall_vs_zero_to_fp32"] <= 0.5}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print(f"checkpoint: {size / 1e9:.2f} GB on disk (ZeRO-3, DP=2, {tensors} tensors)")
+    print(f"{'case':<32}{'wall s':>9}{'x z2fp32':>10}{'peak RSS MB':>13}{'x z2fp32':>10}")
+    for name, r in results.items():
+        print(f"{name:<32}{r['wall_s']:>9.2f}{r['wall_vs_zero_to_fp32']:>10.2f}{r['peak_rss_mb']:>13.0f}"
+              f"{r['rss_vs_zero_to_fp32']:>10.2f}")
+    print(f"targets (ours ZeRO->HF): RSS <= 1/4: {record['targets']['rss_le_quarter']}, "
+          f"wall <= 1/2: {record['targets']['wall_le_half']}; written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
