@@ -6,11 +6,11 @@ Memory, per rank, in bytes (Φ = parameters this rank holds, D = data-parallel s
 part            DeepSpeed ZeRO (model built in fp32)         Megatron-core (distributed optimizer)
 ==============  ==========================================  ==========================================
 weights         Φ·w, /D at stage 3 (w = 4 fp32, 2 bf16/fp16) Φ·w (Φ: this rank's TP/PP share)
-gradients       Φ·w at stage 0-1, /D at stage 2-3            Φ·4 (grads reduced in fp32)
+gradients       Φ·w at stage 0, /D at stage 1-3              Φ·4 (grads reduced in fp32)
 optimizer       Adam m, v (8Φ) + fp32 master (4Φ) /D;        Adam m, v (8Φ) + fp32 master when bf16
                 stage 0: no master in fp32, nothing sharded  (4Φ), /D
-buffers         stage 2: reduce bucket; stage 3: two layers  -
-                gathered (the prefetched one and current)
+buffers         stage 1-3: reduce_bucket_size x w; stage 3:  -
+                + two layers gathered (current, prefetched)
 ==============  ==========================================  ==========================================
 
 ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition) to host memory;
@@ -194,23 +194,28 @@ class Memory:
         return self.model_state + self.buffers + self.activations
 
 
-def memory(cfg: RunConfig, shape: Shape, lay: Layout) -> Memory:
-    """Per-rank memory of the fullest rank; the formulas are in this module's docstring."""
+def memory(cfg: RunConfig, shape: Shape, lay: Layout, bucket: int | None = None) -> Memory:
+    """Per-rank memory of the fullest rank; the formulas are in this module's docstring.
+
+    ``bucket``: DeepSpeed's zero_optimization.reduce_bucket_size (elements) from the resolved JSON;
+    default hidden^2, what "auto" resolves to."""
     w = DTYPE_BYTES[cfg.model.dtype]
     if lay.backend == "deepspeed":
-        return _deepspeed_memory(cfg, shape, lay, w)
+        return _deepspeed_memory(cfg, shape, lay, w, bucket or shape.hidden ** 2)
     return max((_megatron_stage_memory(cfg, shape, lay, w, i) for i in range(lay.pp)), key=lambda m: m.total)
 
 
-def _deepspeed_memory(cfg: RunConfig, shape: Shape, lay: Layout, w: int) -> Memory:
+def _deepspeed_memory(cfg: RunConfig, shape: Shape, lay: Layout, w: int, bucket: int) -> Memory:
     phi, d, stage = shape.total, lay.dp, lay.zero_stage
     weights = phi * w / (d if stage == 3 else 1)
-    grads = phi * w / (d if stage >= 2 else 1)
+    # Measured (tests/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
+    # rank's partition as backward goes, so after any backward only the partition is left.
+    grads = phi * w / (d if stage >= 1 else 1)
     master = 4 if (w != 4 or stage >= 1) else 0  # ZeRO 1-3 keep an fp32 partition even of fp32 weights
     optim = (8 + master) * phi / (d if stage >= 1 else 1)
-    hidden = shape.hidden
-    buffers = {0: 0, 1: 0, 2: hidden * hidden * 4,
-               3: 2 * max(shape.per_layer, default=0) * w}[stage]
+    # ZeRO 1-3 reduce gradients through a reduce_bucket_size bucket (2 GB in fp32 at DeepSpeed's
+    # 5e8 default: it matters); stage 3 also gathers the current and the prefetched layer.
+    buffers = 0 if stage == 0 else bucket * w + (2 * max(shape.per_layer, default=0) * w if stage == 3 else 0)
     host = 0.0
     if lay.offload_optimizer:
         host += optim + (grads if stage >= 2 else 0)
@@ -290,10 +295,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def suggestions(cfg: RunConfig, shape: Shape, world: int, device_gib: float, limit: int = 3) -> list[tuple[Layout, Memory]]:
+def suggestions(cfg: RunConfig, shape: Shape, world: int, device_gib: float, bucket: int | None = None,
+                limit: int = 3) -> list[tuple[Layout, Memory]]:
     found = []
     for lay in candidate_layouts(cfg, shape, world):
-        mem = memory(cfg, shape, lay)
+        mem = memory(cfg, shape, lay, bucket)
         if fits(mem, device_gib):
             found.append((lay, mem))
         if len(found) == limit:
@@ -411,10 +417,12 @@ def estimate(cfg: RunConfig, cluster: Cluster, device_gib: float) -> dict:
     """Memory per rank, fit, smallest fitting layouts and step time at ``cluster``; JSON-able."""
     from toolkit.worker import resolve_for_world
     world = cluster.world
-    hf_config, _ = resolve_for_world(cfg, world)  # the same layout checks and messages as a launch
+    hf_config, backend_config = resolve_for_world(cfg, world)  # the same checks and messages as a launch
     shape = model_shape(hf_config)
     lay = layout_of(cfg, world)
-    mem = memory(cfg, shape, lay)
+    bucket = int((backend_config or {}).get("zero_optimization", {}).get("reduce_bucket_size", 0)) \
+        if cfg.backend == "deepspeed" else None
+    mem = memory(cfg, shape, lay, bucket)
     return {
         "model": {"model_type": hf_config.model_type, "params": shape.total, "layers": shape.layers,
                   "hidden": shape.hidden, "vocab": shape.vocab, "tied": shape.tied},
@@ -422,7 +430,7 @@ def estimate(cfg: RunConfig, cluster: Cluster, device_gib: float) -> dict:
         "memory": {**asdict(mem), "model_state": mem.model_state, "total": mem.total},
         "device_gib": device_gib, "fits": fits(mem, device_gib),
         "suggestions": [{"layout": fit.describe(), "total_gib": m.total / GiB}
-                        for fit, m in suggestions(cfg, shape, world, device_gib)],
+                        for fit, m in suggestions(cfg, shape, world, device_gib, bucket)],
         "step": _step_dict(step_time(cfg, shape, lay, cluster)),
         "scaling": _scaling(cfg, shape, lay, cluster),
     }

@@ -1,0 +1,170 @@
+"""toolkit estimate and toolkit train --dry-run: formulas, CLI, errors, and the model-state figures
+against what real engines hold (tests/scripts/measure_memory.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from transformers import LlamaConfig
+
+from tests.conftest import REPO, run_cli
+from toolkit.cli import main
+from toolkit.config import load_config
+from toolkit.estimate import (GiB, Cluster, collective_seconds, layout_of, memory, model_shape, step_time,
+                              suggestions)
+
+LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000)
+BIG_RUN = ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batch_size=1", "model.dtype=bf16"]
+
+
+def test_parameter_count_is_hf_own():
+    shape = model_shape(LLAMA_7B)
+    assert shape.total == 6_738_415_616  # what HF's Llama-2-7B reports
+    assert len(shape.per_layer) == 32 and shape.embedding == shape.output == 32000 * 4096
+
+
+def test_zero_stages_and_offload_shrink_the_device_share():
+    shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
+    states = []
+    for stage in range(4):
+        cfg.zero.stage = stage
+        states.append(memory(cfg, shape, layout_of(cfg, 8)).model_state)
+    phi = shape.total
+    assert states[0] == pytest.approx(16 * phi)  # bf16 weights + grads + fp32 master, m, v
+    assert states[3] == pytest.approx(16 * phi / 8)  # the ZeRO paper's (2 + 2 + 12) / N_d
+    assert states[0] > states[1] == states[2] > states[3]  # ZeRO-1 partitions gradients too (measured)
+    cfg.zero.offload_optimizer = True
+    off = memory(cfg, shape, layout_of(cfg, 8))
+    assert off.optimizer == 0 and off.host == pytest.approx(16 * phi / 8 - 2 * phi / 8)
+
+
+def test_activation_checkpointing_and_tp_cut_activations():
+    shape = model_shape(LLAMA_7B)
+    cfg = load_config(None, BIG_RUN)
+    mem = memory(cfg, shape, layout_of(cfg, 8))
+    assert mem.activations_ckpt < mem.activations_no_ckpt / 5
+    mcfg = load_config(None, [*BIG_RUN, "backend=megatron", "megatron.tp=8"])
+    tp8 = memory(mcfg, shape, layout_of(mcfg, 8))
+    assert tp8.activations_no_ckpt < mem.activations_no_ckpt / 2 and tp8.params < shape.total / 7
+
+
+def test_suggestions_are_the_least_sharded_layouts_that_fit():
+    shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
+    found = suggestions(cfg, shape, 8, device_gib=80)
+    assert found and found[0][0].describe() == "ZeRO-1 dp=8 ckpt=none"  # ZeRO-0: 16 B/param, 100 GiB
+    assert all(m.total <= 0.92 * 80 * GiB for _, m in found)
+    # 8 GiB at seq 4096: only with everything sharded, the optimizer on the host and checkpointing
+    assert [lay.describe() for lay, _ in suggestions(cfg, shape, 8, device_gib=8)][0] == "ZeRO-3+offload_opt dp=8 ckpt=full"
+    assert suggestions(cfg, shape, 8, device_gib=2) == []
+
+
+def test_collectives_follow_the_alpha_beta_formulas():
+    alpha, beta, n = 1e-5, 1e10, 1e9
+    assert collective_seconds("all-reduce", 8, n, alpha, beta) == pytest.approx(14 * alpha + 2 * 7 / 8 * n / beta)
+    assert collective_seconds("all-gather", 8, n, alpha, beta) == pytest.approx(7 * alpha + 7 / 8 * n / beta)
+    assert collective_seconds("p2p", 2, n, alpha, beta) == pytest.approx(alpha + n / beta)
+    assert collective_seconds("all-reduce", 1, n, alpha, beta) == 0
+
+
+def test_communication_share_grows_when_dp_crosses_nodes():
+    shape = model_shape(LLAMA_7B)
+    cfg = load_config(None, [*BIG_RUN, "zero.stage=3"])
+    one = step_time(cfg, shape, layout_of(cfg, 8), Cluster(nodes=1))
+    four = step_time(cfg, shape, layout_of(cfg, 32), Cluster(nodes=4))
+    assert not any(c.inter_node for c in one.collectives) and all(c.inter_node for c in four.collectives)
+    assert four.comm_share > one.comm_share and math.isclose(four.compute_s * 4, one.compute_s)
+
+
+def test_estimate_cli_json_and_exit_codes():
+    fits = run_cli(["estimate", "--json", "--device-memory", "16"])
+    result = json.loads(fits.stdout)
+    assert result["fits"] and result["layout_text"] == "ZeRO-2 dp=2 ckpt=none" and result["model"]["params"] == 1_262_720
+    tight = run_cli(["estimate", "--device-memory", "0.001", "--set", "zero.stage=3"], check=False)
+    assert tight.returncode == 3 and "does NOT fit in 0.001 GiB" in tight.stdout
+    bad = run_cli(["estimate", "--cluster", "inter_gbs=50"], check=False)
+    assert bad.returncode == 2 and "--cluster 'inter_gbs=50': expected KEY=VALUE with KEY one of nodes" in bad.stderr
+
+
+def test_dry_run_prints_resolved_deepspeed_json_and_starts_nothing(capsys, tmp_path):
+    run_dir = tmp_path / "never"
+    assert main(["train", "--dry-run", "--run-dir", str(run_dir), "--set", "zero.ds_config=zero3_offload"]) == 0
+    out = capsys.readouterr().out
+    ds = json.loads(out.split("# DeepSpeed config (RUN_DIR/ds_config.json)\n")[1].split("\n# estimate")[0])
+    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "stage: 3" in out and "ZeRO-3+offload_opt+offload_params dp=2" in out and "no process group was started" in out
+    assert not run_dir.exists()
+
+
+def test_dry_run_megatron_prints_the_layout(capsys):
+    assert main(["train", "--dry-run", "--nproc", "4", "--set", "backend=megatron", "--set", "megatron.preset=tp2_pp2"]) == 0
+    out = capsys.readouterr().out
+    layout = json.loads(out.split("# Megatron layout\n")[1].split("\n# estimate")[0])
+    assert layout == {"tp": 2, "pp": 2, "vpp": None, "dp": 1, "sequence_parallel": False, "padded_vocab": 2048}
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["backend=megatron", "megatron.tp=3", "nproc=3"], "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
+    (["backend=megatron", "megatron.tp=3"], "world size 2 is not divisible by megatron.tp=3 x megatron.pp=1; choose tp x pp in [1, 2]"),
+    (["train.micro_batch_size=3"], "train.global_batch_size=16 is not divisible by train.micro_batch_size=3 x dp=2"),
+    (["zero.offload_params=true"], "zero.offload_params needs ZeRO stage 3, got zero.stage=2"),
+    (["train.steps=0"], "train.steps=0 must be >= 1"),
+])
+def test_dry_run_errors_name_field_value_constraint_and_fix(capsys, sets, message):
+    args = ["train", "--dry-run"] + [a for s in sets for a in ("--set", s)]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_model_state_within_15_percent_of_what_real_engines_hold(tmp_path):
+    """ZeRO 0-3 (DeepSpeed's own JSON with "auto" buckets) and Megatron TP2 / PP2, 2 ranks each."""
+    model = tmp_path / "model"
+    model.mkdir()
+    hf = json.loads((REPO / "toolkit/demo/tiny-llama/config.json").read_text())
+    hf.update(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    (model / "config.json").write_text(json.dumps(hf))
+    base = [f"model.name_or_path={model}", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1"]
+    configs = [base + [f"zero.stage={s}", f"zero.ds_config={_auto_buckets(tmp_path, s)}"] for s in range(4)]
+    configs += [base + ["backend=megatron", "megatron.tp=2"], base + ["backend=megatron", "megatron.pp=2"]]
+    rows = _measure(tmp_path, configs)
+    for overrides, rank, measured in rows:
+        cfg = load_config(None, overrides)
+        lay = layout_of(cfg, 2)
+        est = memory(cfg, model_shape(_hf(cfg)), lay) if lay.pp == 1 else _stage_memory(cfg, lay, rank)
+        ratio = measured / est.model_state
+        print(f"{lay.describe():32s} rank {rank}: estimated {est.model_state / 2**20:7.2f} MiB, "
+              f"measured {measured / 2**20:7.2f} MiB ({ratio:.3f})")
+        assert 0.85 <= ratio <= 1.15, (overrides, rank, est.model_state, measured)
+
+
+def _auto_buckets(tmp_path, stage: int) -> str:
+    ds = json.loads((REPO / f"ds_configs/zero{stage}.json").read_text())
+    ds["zero_optimization"]["reduce_bucket_size"] = "auto"  # hidden^2, not DeepSpeed's 2 GB default
+    path = tmp_path / f"zero{stage}.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+def _measure(tmp_path, configs: list[list[str]]) -> list[tuple[list[str], int, int]]:
+    (tmp_path / "configs.json").write_text(json.dumps(configs))
+    out = tmp_path / "measured.json"
+    run_cli(["supervise", "--nproc", "2", "--run-dir", str(tmp_path / "sup"), "--",
+             str(REPO / "tests/scripts/measure_memory.py"), str(out), str(tmp_path / "configs.json")])
+    rows = []
+    for rank in (0, 1):
+        for r in json.loads(out.with_name(f"{out.name}.{rank}").read_text()):
+            rows.append((r["overrides"], rank, r["step_bytes"]))
+    return rows
+
+
+def _hf(cfg):
+    from toolkit.adapters.hf import load_hf_config
+    return load_hf_config(cfg.model.name_or_path)
+
+
+def _stage_memory(cfg, lay, rank: int):
+    from toolkit.estimate import DTYPE_BYTES, _megatron_stage_memory
+    return _megatron_stage_memory(cfg, model_shape(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
