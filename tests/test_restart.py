@@ -84,11 +84,26 @@ def test_exhausted_budget_fails_clearly_and_keeps_checkpoints(tmp_path, data_cac
     assert (run_dir / "checkpoints" / "step_00000001" / "COMPLETE").exists()  # killed before step 2's save
 
 
-def test_resume_with_another_layout_is_refused(tmp_path, data_cache):
+def test_resume_at_another_zero_stage_converts_and_continues(tmp_path, data_cache, runs):
+    """A ZeRO-2 checkpoint resumed by a ZeRO-3 run: converted (toolkit convert, DeepSpeed's universal
+    layout) and loaded; the losses go on as the ZeRO-3 run's own, optimizer state included."""
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, "checkpoint.every=2", "zero.stage=2", "train.steps=2")
+    resumed = train(run_dir, data_cache, "checkpoint.every=2", "zero.stage=3")
+    assert losses(run_dir)[2:] == pytest.approx(losses(runs("zero3", "zero.stage=3"))[2:], rel=1e-6)
+    assert "converting step_00000002" in resumed.stdout
+    assert not any((run_dir / "resharded").iterdir())  # the conversion is dropped once loaded
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     train(run_dir, data_cache, "train.steps=2", "checkpoint.every=2", "zero.stage=2")
-    proc = train(run_dir, data_cache, "train.steps=3", "zero.stage=3", check=False)
-    assert proc.returncode == 1 and "was written with layout" in proc.stderr
+    config = json.loads((REPO / "toolkit" / "demo" / "tiny-llama" / "config.json").read_text())
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    proc = train(run_dir, data_cache, "train.steps=3", "zero.stage=2", f"model.name_or_path={other}", check=False)
+    assert proc.returncode == 1 and "holds another model (num_hidden_layers: checkpoint" in proc.stderr
     assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
 
 

@@ -21,6 +21,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class NodeRange(argparse.Action):
+    """torchrun's ``--nnodes``: ``N``, or ``MIN:MAX`` for an elastic job. Sets ``nnodes`` (the most)
+    and ``min_nnodes``."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        low, _, high = str(value).partition(":")
+        try:
+            low_n, high_n = int(low), int(high or low)
+        except ValueError:
+            parser.error(f"{option_string} {value!r}: give a node count N or a range MIN:MAX, e.g. 1:4")
+        if not 1 <= low_n <= high_n:
+            parser.error(f"{option_string} {value!r}: need 1 <= MIN <= MAX")
+        namespace.nnodes, namespace.min_nnodes = high_n, low_n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolkit", description=__doc__)
     sub = p.add_subparsers(dest="command")
@@ -31,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="run directory (config key run_dir)")
     t.add_argument("--nproc", type=int, help="local ranks to start (config key nproc)")
     t.add_argument("--resume", choices=["auto", "never"], help="auto: continue from the newest complete checkpoint")
-    t.add_argument("--nnodes", type=int, default=1, help="nodes in the job (c10d rendezvous)")
+    t.add_argument("--nnodes", action=NodeRange, default=1,
+                   help="nodes in the job (c10d rendezvous); MIN:MAX lets it continue on fewer nodes after a loss, "
+                        "resharding the checkpoint to the new data-parallel size")
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for multi-node jobs")
     t.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -47,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--backoff-s", type=float, default=1.0)
     s.add_argument("--hang-timeout-s", type=float, default=300.0,
                    help="restart when no rank beat for this long (the script calls toolkit.restart.heartbeat.beat)")
-    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--nnodes", action=NodeRange, default=1, help="N, or MIN:MAX (elastic)")
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint")
     s.add_argument("command_line", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
@@ -113,7 +130,8 @@ def cmd_train(args) -> int:
     if launched_externally():  # torchrun / srun / deepspeed made this process one rank
         run_worker(cfg)
         return 0
-    resolve_for_world(cfg, cfg.nproc * args.nnodes)
+    for nodes in sorted({_min_nnodes(args), args.nnodes}):  # an elastic job may run at either end
+        resolve_for_world(cfg, cfg.nproc * nodes)
     _check_data_before_launch(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +156,8 @@ def _check_data_before_launch(cfg: RunConfig) -> None:
 def _launch(cfg: RunConfig, args, config_path: Path) -> int:
     from toolkit.launch import LaunchSpec, python_module
     r = cfg.restart
-    spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, node_rank=args.node_rank,
+    spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
+                      node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=r.max_restarts, backoff_s=r.backoff_s,
                       hang_timeout_s=r.hang_timeout_s)
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
@@ -175,6 +194,10 @@ def _run_supervised(spec, entrypoint: str, args: list[str]) -> int:
     return 0
 
 
+def _min_nnodes(args) -> int:
+    return getattr(args, "min_nnodes", None) or args.nnodes
+
+
 def cmd_supervise(args) -> int:
     """Any torchrun-style script under the same agent, restart policy, hang watchdog and event log."""
     from toolkit.launch import LaunchSpec
@@ -183,7 +206,8 @@ def cmd_supervise(args) -> int:
         raise ConfigError("toolkit supervise needs a command after --, e.g. toolkit supervise --nproc 2 -- train.py")
     script, *script_args = command
     entrypoint, lead = (sys.executable, ["-u", script]) if script.endswith(".py") else (script, [])
-    spec = LaunchSpec(nproc=args.nproc, run_dir=Path(args.run_dir), nnodes=args.nnodes, node_rank=args.node_rank,
+    spec = LaunchSpec(nproc=args.nproc, run_dir=Path(args.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
+                      node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                       backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+ELASTIC_WAIT_S = 10
+
+
 @dataclass
 class LaunchSpec:
     nproc: int
     run_dir: Path
     nnodes: int = 1
+    min_nnodes: int | None = None  # below nnodes: elastic, continues on fewer nodes after a loss
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     run_id: str | None = None
@@ -47,8 +51,10 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
         # Like torchrun --standalone: a private store on a free loopback port.
         endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
         run_id=spec.run_id or (uuid.uuid4().hex if single_node else "toolkit"),
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes,
+        min_nodes=spec.min_nnodes or spec.nnodes, max_nodes=spec.nnodes,
         local_addr="127.0.0.1" if single_node else None,
+        # After a node is lost, wait this long for it before continuing with the nodes present.
+        last_call_timeout=ELASTIC_WAIT_S,
         **({} if single_node else {"rank": spec.node_rank}))
     worker_spec = WorkerSpec(
         role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=tuple(args),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from toolkit import __version__
 from toolkit.checkpoint import CheckpointManager, find_latest_complete
 from toolkit.checkpoint.manager import write_json_durable
+from toolkit.checkpoint.reshard import check_same_model, drop_conversion, engine_state_dir
 from toolkit.config import RunConfig
 from toolkit.data import (PackedData, count_loss_tokens, eval_micro_batches, global_batch_indices,
                           rank_micro_batches)
@@ -164,8 +165,13 @@ class Trainer:
             self.metrics.note("no complete checkpoint found: starting fresh")
             return
         ckpt = Path(box[0])
-        same_layout = self._check_layout_matches(ckpt)
-        self.engine.load(ckpt / "engine")
+        check_same_model(ckpt, self.hf_config)
+        saved_layout = json.loads((ckpt / "meta.json").read_text())["layout"]
+        same_layout = saved_layout == self.engine.layout()
+        engine_dir = engine_state_dir(ckpt, saved_layout, self.engine, self.cfg.backend, self.run_dir, self.rank,
+                                      note=self.metrics.note)
+        self.engine.load(engine_dir)
+        drop_conversion(engine_dir, self.run_dir, self.rank)
         self.step = json.loads((ckpt / "trainer.json").read_text())["step"]
         if same_layout:  # per-rank RNG streams only mean something for the same ranks
             set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
@@ -177,17 +183,3 @@ class Trainer:
     def _checkpoint_skipped(self, message: str) -> None:
         self.metrics.note(message)
         emit(self.run_dir, "checkpoint_skipped", reason=message)
-
-    def _check_layout_matches(self, ckpt: Path) -> bool:
-        """True when the checkpoint has this run's layout; a different one is accepted only by an
-        engine that reshards on load (Megatron's torch_dist), else a clear error."""
-        saved = json.loads((ckpt / "meta.json").read_text())["layout"]
-        if saved == self.engine.layout():
-            return True
-        can_reshard = getattr(self.engine, "can_load_layout", None)
-        if can_reshard is None or not can_reshard(saved):
-            raise RuntimeError(f"checkpoint {ckpt} was written with layout {saved}, this run is "
-                               f"{self.engine.layout()}; run with the saved layout, or convert it with "
-                               "`toolkit convert` to the new one")
-        self.metrics.note(f"resharding {ckpt.name} from {saved} to {self.engine.layout()} on load")
-        return False

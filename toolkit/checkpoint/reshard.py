@@ -1,0 +1,73 @@
+"""Resume from a checkpoint written at another layout (DP size, ZeRO stage, TP/PP, even the other
+backend): the engine reshards on load where it can (megatron's torch_dist), otherwise the
+converter writes the checkpoint at this run's layout first. Also refuses another model's checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+# Config fields that fix the shapes of the weights: a checkpoint differing in any is another model.
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+TARGET_FORMAT = {"deepspeed": "zero", "megatron": "megatron"}
+
+
+def check_same_model(ckpt: Path, hf_config) -> None:
+    """Raise naming every field where the checkpoint's model differs from this run's."""
+    saved = json.loads((ckpt / "config.json").read_text())
+    ours = hf_config.to_dict()
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}" for k in SHAPE_FIELDS
+            if k in saved and k in ours and saved[k] != ours[k]]
+    if diff:
+        raise RuntimeError(f"checkpoint {ckpt} holds another model ({'; '.join(diff)}); point run_dir at this "
+                           "model's run, or start fresh with --resume never (nothing was deleted)")
+
+
+def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_dir: Path, rank: int,
+                     note=print) -> Path:
+    """Where this run's engine should load from: the checkpoint itself when the layout matches or the
+    engine reshards on load, else a conversion to this layout under ``RUN_DIR/resharded/`` (made once
+    by rank 0 with the converter; collective)."""
+    layout = engine.layout()
+    if saved_layout == layout:
+        return ckpt / "engine"
+    native = getattr(engine, "can_load_layout", None)
+    if native is not None and native(saved_layout):
+        note(f"resharding {ckpt.name} from {saved_layout} to {layout} on load")
+        return ckpt / "engine"
+    out = run_dir / "resharded" / f"{ckpt.name}-{_tag(layout)}"
+    error = None
+    if rank == 0 and not out.exists():  # the converter stages its output: `out` exists only complete
+        note(f"converting {ckpt.name} from {saved_layout} to {layout} (toolkit convert) before loading")
+        error = _convert(ckpt, out, backend, layout)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RuntimeError(box[0])
+    return out / "engine"
+
+
+def drop_conversion(engine_dir: Path, run_dir: Path, rank: int) -> None:
+    """Remove a conversion once every rank has loaded it (the next checkpoint supersedes it)."""
+    dist.barrier()
+    if rank == 0 and engine_dir.parent.parent == run_dir / "resharded":
+        shutil.rmtree(engine_dir.parent, ignore_errors=True)
+
+
+def _convert(ckpt: Path, out: Path, backend: str, layout: dict) -> str | None:
+    from toolkit.convert import ConvertError, convert
+    try:
+        convert(ckpt, out, to=TARGET_FORMAT[backend], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
+                dp=layout["dp"], zero_stage=layout.get("zero_stage") or 2)
+    except ConvertError as exc:
+        return (f"checkpoint {ckpt} was written with another layout and cannot be converted to this run's "
+                f"{layout}: {exc}")
+    return None
+
+
+def _tag(layout: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in sorted(layout.items()) if v is not None)
