@@ -9,6 +9,7 @@ read back by safetensors' own ``safe_open`` in the tests.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.errors import ConvertError
-from toolkit.convert.pages import release
 
 INDEX = "model.safetensors.index.json"
 CARRY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -157,17 +157,38 @@ def _write_shard(source: Source, path: Path, names: list[str], dtype, progress) 
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    with open(path, "wb", buffering=0) as f:  # unbuffered: kernel copies and writes share the offset
+        f.write(struct.pack("<Q", len(blob)) + blob)
         for n in names:
             nbytes = 0
             for piece in _pieces(source, n):
                 piece = piece.to(dtype or source.infos[n].dtype).contiguous()
-                f.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+                _write_piece(f, piece, getattr(source, "maps", None))
                 nbytes += piece.nbytes
             if progress:
                 progress(n, nbytes)
+
+
+def _write_piece(f, piece: torch.Tensor, maps) -> None:
+    """A tensor's bytes appended to ``f``: copied file to file inside the kernel when the tensor is
+    a view into a memory-mapped checkpoint (``os.copy_file_range``, the bytes never enter this
+    process), else written from memory."""
+    where = maps.location(piece) if maps is not None and hasattr(os, "copy_file_range") else None
+    if where is not None:
+        done = 0
+        try:
+            with open(where[0], "rb", buffering=0) as src:
+                while done < piece.nbytes:
+                    n = os.copy_file_range(src.fileno(), f.fileno(), piece.nbytes - done, where[1] + done)
+                    if n == 0:
+                        raise OSError("short copy")
+                    done += n
+            return
+        except OSError:  # another filesystem on an old kernel, or a short file: write from memory
+            f.seek(-done, os.SEEK_CUR)
+    data = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
+    while data:
+        data = data[f.write(data):]
 
 
 def _pieces(source: Source, name: str):
@@ -178,4 +199,4 @@ def _pieces(source: Source, name: str):
         return
     for piece in source.pieces(name):
         yield piece
-        release(piece)
+        source.maps.release(piece)

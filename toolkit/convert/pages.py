@@ -1,10 +1,14 @@
-"""Give back the pages of a memory-mapped checkpoint once a tensor has been read from them.
+"""Memory-mapped checkpoint files: give pages back after reading, and find a tensor's file bytes.
 
 A memory-mapped file's pages stay mapped (and count in the process's RSS) after they are read, so
 reading every partition of a ZeRO checkpoint would end with the whole file resident.
 ``MADV_DONTNEED`` unmaps them now; they stay in the page cache, and a clean page of a private file
 mapping is simply re-read on the next touch. On anonymous memory it would zero the data, so it is
-applied only inside a mapping of a file (checked against /proc/self/maps). Linux; elsewhere a no-op.
+applied only inside a mapping of a file.
+
+``FileMaps`` is a snapshot of this process's file mappings (/proc/self/maps), taken by a reader
+right after it has mapped its files and used only for tensors it holds: those mappings live as long
+as the reader, so no entry it looks up can be stale. Linux; elsewhere every call is a no-op.
 """
 from __future__ import annotations
 
@@ -18,38 +22,44 @@ import torch
 MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_file_maps: list[tuple[int, int]] = []
 
 
-def _read_file_maps() -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of regular files (inode != 0)."""
-    ranges = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                ranges.append((lo, hi))
-    return sorted(ranges)
+class FileMaps:
+    def __init__(self):
+        self.ranges: list[tuple[int, int, int, str]] = []
+        """(start, end, file offset, path) of each mapping of a regular file (inode != 0)."""
+        if _libc is None:
+            return
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    self.ranges.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+        self.ranges.sort()
 
+    def _find(self, start: int, end: int):
+        i = bisect.bisect_right(self.ranges, (start, float("inf"))) - 1
+        if i >= 0 and self.ranges[i][0] <= start and end <= self.ranges[i][1]:
+            return self.ranges[i]
+        return None
 
-def _in_file_map(start: int, end: int) -> bool:
-    global _file_maps
-    for attempt in range(2):
-        i = bisect.bisect_right(_file_maps, (start, float("inf"))) - 1
-        if i >= 0 and _file_maps[i][0] <= start and end <= _file_maps[i][1]:
-            return True
-        if attempt == 0:
-            _file_maps = _read_file_maps()
-    return False
+    def location(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(path, byte offset) of a contiguous tensor lying in a mapped file, so the kernel can copy
+        its bytes file to file; None for anything else."""
+        if t.numel() == 0 or not t.is_contiguous():
+            return None
+        found = self._find(t.data_ptr(), t.data_ptr() + t.nbytes)
+        if found is None:
+            return None
+        start, _, offset, path = found
+        return path, offset + t.data_ptr() - start
 
-
-def release(t: torch.Tensor) -> None:
-    """Unmap the pages under ``t`` (a view into a memory-mapped file); a no-op for anything else.
-    Only whole pages inside ``t`` are released, so neighbouring data is never touched."""
-    if _libc is None or t.numel() == 0:
-        return
-    start = -(-t.data_ptr() // _PAGE) * _PAGE
-    end = (t.data_ptr() + t.nbytes) // _PAGE * _PAGE
-    if end > start and _in_file_map(start, end):
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+    def release(self, t: torch.Tensor) -> None:
+        """Unmap the whole pages under ``t`` if it lies in a mapped file (neighbours untouched)."""
+        if _libc is None or t.numel() == 0:
+            return
+        start = -(-t.data_ptr() // _PAGE) * _PAGE
+        end = (t.data_ptr() + t.nbytes) // _PAGE * _PAGE
+        if end > start and self._find(start, end) is not None:
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)

@@ -27,7 +27,7 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.errors import ConvertError
-from toolkit.convert.pages import release
+from toolkit.convert.pages import FileMaps
 from toolkit.convert.safeload import safe_load
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -85,6 +85,7 @@ class ZeroSource(Source):
         shapes = model["param_shapes"]
         (self._index_stage3 if self.stage == 3 else self._index_stage12)(shapes)
         self._add_shared(model.get("shared_params") or {})
+        self.maps = FileMaps()  # after every file is mapped: they live as long as this reader
         self.optimizer_hparams = _hparams(self._groups_state(0))
         self.step = _optimizer_step(self._groups_state(0), model.get("global_steps", 0))
 
@@ -194,7 +195,7 @@ class ZeroSource(Source):
         for piece in self.pieces(name, state):
             out[pos:pos + piece.numel()].copy_(piece)
             pos += piece.numel()
-            release(piece)
+            self.maps.release(piece)
         return out.view(info.shape)
 
 
