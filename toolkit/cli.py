@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="intra_gbps, inter_gbps, intra_latency_us, inter_latency_us, peak_tflops, mfu")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=cmd_estimate)
+
+    r = sub.add_parser("report", help="PNG plots (loss, LR, grad norm, tokens/s, restarts) and a markdown summary of a run")
+    r.add_argument("run_dir", help="a run directory written by toolkit train")
+    r.add_argument("--out", help="where to write (default: RUN_DIR/report)")
+    r.set_defaults(func=cmd_report)
     _add_convert_parsers(sub)
     return p
 
@@ -145,6 +150,13 @@ def cmd_estimate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(cfg, cluster, args.device_memory, args.json)
+
+
+def cmd_report(args) -> int:
+    from toolkit.report import write_report
+    out = write_report(args.run_dir, args.out)
+    print(f"toolkit: report written to {out}/report.md (loss.png, lr.png, grad_norm.png, throughput.png)")
+    return 0
 
 
 def _check_data_before_launch(cfg: RunConfig) -> None:

@@ -1,0 +1,86 @@
+"""toolkit report: plots and summary from metrics.jsonl / events.jsonl (a synthetic run: fast)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+from toolkit.config import ConfigError
+from toolkit.report import write_report
+
+T0 = 1_800_000_000.0
+PURPLE, RED = (0x94, 0x67, 0xBD), (0xD6, 0x27, 0x28)  # matplotlib's tab:purple, tab:red
+
+
+def _fake_run(run_dir, with_restart: bool = True):
+    """60 steps; a kill at step 37 and a resume from the step-30 checkpoint that re-logs 31..37."""
+    lines = []
+    for step in range(1, 61):
+        t = T0 + step * 0.5 + (20 if with_restart and step > 30 else 0)
+        lines.append({"step": step, "loss": 8 * math.exp(-step / 30) + 2, "lr": 1e-3 * min(1, step / 10),
+                      "grad_norm": 1 / math.sqrt(step), "tokens": 512, "tokens_per_s": 1000 + step, "step_s": 0.5,
+                      "elapsed_s": step * 0.5, "time": t})
+        if step % 20 == 0:
+            lines.append({"step": step, "eval_loss": 8 * math.exp(-step / 30) + 2.2, "eval_tokens": 1000, "time": t})
+        if with_restart and step == 37:  # the first attempt got this far; the resumed one re-logs 31..
+            lines += [{"event": "resume", "step": 30, "checkpoint": "step_00000030", "time": t + 15}]
+    run_dir.mkdir()
+    body = "\n".join(json.dumps(r) for r in lines)
+    (run_dir / "metrics.jsonl").write_text(body + '\n{"step": 61, "loss": 2.0, "lr"')  # cut by a kill -9
+    (run_dir / "config.yaml").write_text("backend: deepspeed\nnproc: 2\nmodel: {name_or_path: /m/tiny-llama, "
+                                         "dtype: fp32}\ntrain: {steps: 60}\nzero: {stage: 2}\n")
+    if with_restart:
+        events = [{"time": T0 + 19, "kind": "failure", "rank": 1, "exit_code": -9, "step": 37},
+                  {"time": T0 + 20, "kind": "restart", "attempt": 1},
+                  {"time": T0 + 33, "kind": "recovered", "time_to_recover_s": 14.2}]
+        (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+
+def _has_colour(png, rgb, tolerance=12) -> bool:
+    import matplotlib.image as mpimg
+    pixels = (mpimg.imread(png)[..., :3] * 255).astype(int)
+    return bool((np.abs(pixels - np.array(rgb)).max(axis=-1) <= tolerance).sum() > 50)
+
+
+def test_report_writes_plots_and_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir)
+    out = write_report(run_dir)
+    for name in ("loss", "lr", "grad_norm", "throughput"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report.md").read_text()
+    assert "- backend deepspeed (ZeRO-2), 2 rank(s) per node, model `tiny-llama` (fp32)" in md
+    assert "- steps logged: 60 (last 60 of 60)" in md
+    assert "- eval loss: best 3.2827 at step 60; last 3.2827 at step 60" in md
+    assert "events: failure x1, recovered x1, restart x1" in md and "time to recover: 14.2 s" in md
+    assert "resumed at step(s): 30" in md and "![loss](loss.png)" in md
+    assert _has_colour(out / "loss.png", PURPLE)  # the resume line
+    assert _has_colour(out / "throughput.png", RED) and _has_colour(out / "throughput.png", PURPLE)
+
+
+def test_report_of_a_clean_run_marks_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir, with_restart=False)
+    out = write_report(run_dir, tmp_path / "elsewhere")
+    assert "no failures, restarts or preemptions" in (out / "report.md").read_text()
+    assert not _has_colour(out / "loss.png", PURPLE) and not _has_colour(out / "throughput.png", RED)
+
+
+def test_report_errors_say_what_to_give(tmp_path):
+    with pytest.raises(ConfigError, match="has no metrics.jsonl: give a run directory written by toolkit train"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="holds no training step yet"):
+        write_report(tmp_path)
+
+
+def test_report_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir)
+    proc = run_cli(["report", str(run_dir)])
+    assert f"report written to {run_dir}/report/report.md" in proc.stdout
+    bad = run_cli(["report", str(tmp_path / "nope")], check=False)
+    assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
