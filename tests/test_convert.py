@@ -19,7 +19,7 @@ from tests.convert_helpers import FAMILIES, STAGES, load_universal, megatron_loa
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 DPS = (1, 2, 3)  # 3 is odd: flat partitions get padding
 FULL = os.environ.get("TOOLKIT_CONVERT_FULL_MATRIX") == "1"
 """Every family x stage x DP (36 DeepSpeed runs, ~4 min on 2 busy cores); by default every family

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import losses, run_cli, train
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 STEPS = ["train.steps=4", "checkpoint.every=2"]
 MEGATRON_TP2 = ["backend=megatron", "megatron.tp=2"]
 K = 2

@@ -271,8 +271,9 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
             written.pop().untyped_storage().resize_(0)
         value = resolvers[(item.index.fqn, tuple(item.index.offset or ()))]()
         if isinstance(value, torch.Tensor):
-            if value.untyped_storage().nbytes() != value.nbytes:
-                value = value.clone()  # exactly its own storage, so freeing it frees no one else's
+            storage = value.untyped_storage()
+            if storage.nbytes() != value.nbytes or not storage.resizable():
+                value = value.clone()  # its own storage, so freeing it frees no one else's
             written.append(value)
             if progress:
                 progress(item.index.fqn, value.nbytes)

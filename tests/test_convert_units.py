@@ -1,0 +1,50 @@
+"""Converter pieces that need no process group: HF <-> Megatron <-> ZeRO round trips of every family
+in process, the megatron key map against megatron-core's own spec, the pickle allowlist."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_families import tiny_model
+from toolkit.convert import ConvertError, convert, open_source
+from toolkit.convert.safeload import safe_load
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
+def test_hf_megatron_hf_zero_round_trip_exact(tmp_path, family):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    state = model.state_dict()
+    convert(tmp_path / "hf", tmp_path / "meg", to="megatron", tp=2, pp=2)
+    convert(tmp_path / "meg", tmp_path / "hf2", to="hf")
+    convert(tmp_path / "hf2", tmp_path / "zero", to="zero", dp=3, zero_stage=1)
+    for path in ("meg", "hf2", "zero"):
+        src = open_source(tmp_path / path)
+        for name in src.names():
+            assert torch.equal(src.read(name), state[name]), (path, name)
+        assert ("lm_head.weight" in src.names()) == (not model.config.tie_word_embeddings)
+    from transformers import AutoModelForCausalLM
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_keys_map_is_megatron_local_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from toolkit.convert.megatron import KEYS_MAP
+    for norm in ("RMSNorm", "LayerNorm"):
+        assert get_gpt_layer_local_spec(normalization=norm).submodules.sharded_state_dict_keys_map == KEYS_MAP
+
+
+def test_pickle_allowlist(tmp_path):
+    import argparse
+    torch.save({"w": torch.ones(2), "steps": [1, 2], "parser": argparse.ArgumentParser}, tmp_path / "x.pt")
+    with pytest.raises(ConvertError, match=r"refusing to unpickle argparse\.ArgumentParser"):
+        safe_load(tmp_path / "x.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
+    assert torch.equal(safe_load(tmp_path / "ok.pt")["w"], torch.ones(2))
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "ok.pt").read_bytes()[:100])
+    with pytest.raises(ConvertError, match="truncated"):
+        safe_load(tmp_path / "cut.pt")
