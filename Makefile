@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not container"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
