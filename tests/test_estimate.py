@@ -168,3 +168,30 @@ def _hf(cfg):
 def _stage_memory(cfg, lay, rank: int):
     from toolkit.estimate import DTYPE_BYTES, _megatron_stage_memory
     return _megatron_stage_memory(cfg, model_shape(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
+
+
+def test_activation_model_within_15_percent_of_what_autograd_saves():
+    """The demo Llama, one micro-batch of 4 x 256 tokens, fp32: bytes autograd saves for backward
+    (saved-tensor hooks; weights excluded) against the per-layer activation model."""
+    import torch
+
+    from toolkit.adapters.hf import build_model
+    from toolkit.engine import token_loss_sum
+    from toolkit.estimate import _activations
+    cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
+    model = build_model(cfg)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    ids = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(model(input_ids=ids).logits, ids)
+    log_softmax = 4 * 256 * 2048 * 4  # the loss's saved output; the model counts it in its 3 x logits
+    measured = sum(n for ptr, n in saved.items() if ptr not in weights) - log_softmax
+    shape = model_shape(_hf(cfg))
+    estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False, logits=False)
+    print(f"layers: estimated {estimated / 2**20:.1f} MiB, autograd saved {measured / 2**20:.1f} MiB")
+    assert 0.85 <= measured / estimated <= 1.15

@@ -17,11 +17,13 @@ ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition
 ``zero.offload_params`` moves the stage-3 weight partition there too.
 
 Activations (the model; documented, not fitted): for one micro-batch of b sequences of s tokens,
-per transformer layer, the tensors autograd keeps, in elements per token, with h hidden, h_kv the
-K/V width (GQA), I the MLP width, a heads and t the TP degree (sequence parallel off)::
+per transformer layer, the tensors autograd keeps, in elements per token, with h hidden, I the MLP
+width, a heads and t the TP degree (sequence parallel off)::
 
     4h                     norm inputs and outputs (replicated across TP ranks)
-    (2h + 2h_kv) / t       q, k, v after RoPE and the attention output
+    5h / t                 q, k, v after RoPE (K/V heads repeated to all heads: HF's sdpa path and
+                           Megatron's local attention both expand GQA), the attention output and
+                           its contiguous copy that feeds the output projection
     4I / t                 SwiGLU gate, up, act(gate), act(gate)*up   (2I for a plain GELU MLP)
     a·s / t                attention probabilities, only when they are materialized (Megatron's
                            local attention, HF eager); HF's sdpa/flash kernels keep none
@@ -253,9 +255,9 @@ def _activations(cfg: RunConfig, shape: Shape, layers: list[int], t: int, in_fli
                  w: int, materialized: bool, logits: bool = True) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring)."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
-    h, kv, mlp = shape.hidden, shape.kv_width, shape.mlp_width
+    h, mlp = shape.hidden, shape.mlp_width
     scores = shape.heads * s / t if materialized and recompute != "selective" else 0
-    per_token = 4 * h + (2 * h + 2 * kv) / t + (4 if shape.glu else 2) * mlp / t + scores
+    per_token = 4 * h + 5 * h / t + (4 if shape.glu else 2) * mlp / t + scores
     layer = per_token * b * s * w
     kept = len(layers) * (b * s * h * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
