@@ -26,6 +26,7 @@ MARKED = {"failure": "tab:red", "hang": "tab:red", "divergence": "tab:red", "pre
 @dataclass
 class Run:
     steps: dict[int, dict] = field(default_factory=dict)  # newest record per step (a resumed run appends)
+    timeline: list[dict] = field(default_factory=list)  # every step record, also those redone after a restart
     evals: dict[int, float] = field(default_factory=dict)
     resumes: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
@@ -51,6 +52,7 @@ def read_run(run_dir: Path) -> Run:
             continue  # a line cut by a kill -9 mid-write; the rest of the file is still good
         if "loss" in r:
             run.steps[r["step"]] = r
+            run.timeline.append(r)
         elif "eval_loss" in r:
             run.evals[r["step"]] = r["eval_loss"]
         elif r.get("event") == "resume":
@@ -101,6 +103,9 @@ def _plot_loss(run: Run, out: Path) -> Path:
     if run.evals:
         ev = sorted(run.evals)
         ax.plot(ev, [run.evals[s] for s in ev], "o-", ms=4, label="eval")
+    failed = sorted({e["step"] for e in run.events if e["kind"] == "failure" and e.get("step") is not None})
+    for i, step in enumerate(failed):  # steps between the resume and here were computed twice
+        ax.axvline(step, color="tab:red", ls=":", lw=1, label="failed" if i == 0 else None)
     for i, r in enumerate(run.resumes):  # where a restart picked the run up again
         ax.axvline(r["step"], color="tab:purple", ls="--", lw=1, label="resumed" if i == 0 else None)
     ax.legend()
@@ -117,11 +122,13 @@ def _plot_series(run: Run, out: Path, key: str, label: str) -> Path:
 def _plot_throughput(run: Run, out: Path) -> Path:
     fig, ax = _figure("throughput", "wall-clock minutes since start", "tokens / s")
     t0 = run.start
-    records = sorted(run.steps.values(), key=lambda r: r["time"])
+    records = sorted(run.timeline, key=lambda r: r["time"])
     minutes = [(r["time"] - t0) / 60 for r in records]
     ax.plot(minutes, [r["tokens_per_s"] for r in records], ".", ms=3, alpha=0.5, label="step")
     ax.plot(*_break_at_gaps(minutes, _rolling_median([r["tokens_per_s"] for r in records], 9)), lw=1.5,
             label="median of 9")
+    for i, (down, up) in enumerate(_outages(run.events)):
+        ax.axvspan((down - t0) / 60, (up - t0) / 60, color="tab:red", alpha=0.08, label="outage" if i == 0 else None)
     seen: set[str] = set()
     for e in run.events:
         if e["kind"] in MARKED:
@@ -130,6 +137,18 @@ def _plot_throughput(run: Run, out: Path) -> Path:
             seen.add(e["kind"])
     ax.legend(fontsize="small")
     return _save(fig, out / "throughput.png")
+
+
+def _outages(events: list[dict]) -> list[tuple[float, float]]:
+    """(first failure, recovery) time pairs: the wall-clock time a restart cost."""
+    spans, down = [], None
+    for e in sorted(events, key=lambda e: e["time"]):
+        if e["kind"] in ("failure", "hang", "divergence") and down is None:
+            down = e["time"]
+        elif e["kind"] == "recovered" and down is not None:
+            spans.append((down, e["time"]))
+            down = None
+    return spans
 
 
 def _break_at_gaps(minutes: list[float], values: list[float]) -> tuple[list[float], list[float]]:
