@@ -98,19 +98,43 @@ def test_bf16_trains(runs, reference):
     assert got[-1] < got[0]
 
 
-def test_torchrun_entry_matches_own_launcher(runs, tmp_path, data_cache):
-    """The same `toolkit train` as one rank of a torchrun job gives the same run."""
-    import subprocess
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_externally(launcher: str, toolkit_args: list[str]) -> list:
+    """Commands and environments that make `toolkit train` one rank of a job started by another launcher."""
+    import os
     import sys
+    env, port = {**os.environ, "PYTHONUNBUFFERED": "1"}, str(_free_port())
+    if launcher == "torchrun":
+        return [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  "-m", "toolkit", *toolkit_args], env)]
+    if launcher == "deepspeed":  # it inserts --local_rank=N after the module name
+        return [([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port,
+                  "--module", "toolkit", *toolkit_args], env)]
+    # srun: one task per rank, SLURM_* variables, MASTER_ADDR/PORT exported by the job script
+    return [([sys.executable, "-m", "toolkit", *toolkit_args],
+             {**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(2)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "srun"])
+def test_external_launchers_match_own_launcher(launcher, runs, tmp_path, data_cache):
+    """The same `toolkit train` as one rank of a torchrun, deepspeed-launcher or srun job: same run."""
+    import subprocess
 
     from tests.conftest import REPO, TINY
-    run_dir = tmp_path / "torchrun"
+    run_dir = tmp_path / launcher
     sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", "checkpoint.every=3", "zero.stage=2"]
             for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "toolkit", "train", "--run-dir", str(run_dir), *sets]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, env in _launch_externally(launcher, ["train", "--run-dir", str(run_dir), *sets])]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
     assert losses(run_dir) == losses(runs("zero2", "zero.stage=2"))
 
 

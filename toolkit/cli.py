@@ -38,6 +38,8 @@ class NodeRange(argparse.Action):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolkit", description=__doc__)
+    # The deepspeed launcher puts --local_rank=N right after the module name; LOCAL_RANK is in the env.
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train or fine-tune (no CONFIG: the embedded demo)")
     t.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
