@@ -6,9 +6,10 @@
 #    package's metadata must never be what picks the torch build (PyPI's Linux wheel is the
 #    multi-GB CUDA build). Its source: PIP_FIND_LINKS when set (a folder holding the wheel),
 #    else TORCH_INDEX_URL when set (the CPU image sets PyTorch's CPU index), else PyPI.
-# 2. the toolkit, editable (ds_configs/ and megatron_configs/ are read from the source tree),
+# 2. optional (any DS_BUILD_* set, as in the GPU image): DeepSpeed built against that torch with
+#    those ops prebuilt.
+# 3. the toolkit, editable (ds_configs/ and megatron_configs/ are read from the source tree),
 #    with every version from the same constraints file.
-# 3. optional: DeepSpeed rebuilt against that torch with the ops named by DS_BUILD_* prebuilt.
 #
 # Pip reads PIP_CERT, PIP_FIND_LINKS, PIP_CONSTRAINT from the environment; PIP overrides the pip
 # command (tests set PIP=echo to see the plan without installing).
@@ -32,12 +33,14 @@ if [ -z "${PIP_FIND_LINKS:-}" ] && [ -n "${TORCH_INDEX_URL:-}" ]; then
 fi
 "${pip[@]}" install --no-cache-dir "${torch_source[@]}" "$torch_pin"
 
+if env | grep -q '^DS_BUILD_'; then
+  # DeepSpeed ships as an sdist; its setup.py prebuilds the ops named by DS_BUILD_* only when it can
+  # import torch, which an isolated build environment lacks (and there it fails outright): build it
+  # here without isolation, before step 2 would build it the isolated way.
+  "${pip[@]}" install --no-cache-dir -c "$pins" setuptools wheel ninja packaging py-cpuinfo
+  "${pip[@]}" install --no-cache-dir --no-build-isolation -c "$pins" deepspeed
+fi
+
 target="$src"
 if [ -n "$extras" ]; then target="$src[$extras]"; fi
 "${pip[@]}" install --no-cache-dir -c "$pins" -e "$target"
-
-if env | grep -q '^DS_BUILD_'; then
-  # setup.py only prebuilds ops when it can import the installed torch: no build isolation.
-  "${pip[@]}" install --no-cache-dir -c "$pins" ninja packaging py-cpuinfo
-  "${pip[@]}" install --no-cache-dir --no-build-isolation --force-reinstall --no-deps -c "$pins" deepspeed
-fi

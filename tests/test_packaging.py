@@ -80,8 +80,11 @@ def test_install_sh_installs_pinned_torch_first_then_the_toolkit_with_constraint
     # A wheel folder (a proxy site's mirror, or /opt/wheels here) replaces the CPU index.
     local = _install_plan(TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu", PIP_FIND_LINKS="/opt/wheels")
     assert local[0] == f"install --no-cache-dir {torch_pin}"
+    # Prebuilt DeepSpeed ops: DeepSpeed is built against the installed torch before the toolkit
+    # would pull it in through an isolated build (which cannot see torch).
     gpu = _install_plan(DS_BUILD_FUSED_ADAM="1")
-    assert gpu[-1].startswith("install --no-cache-dir --no-build-isolation") and gpu[-1].endswith("deepspeed")
+    assert gpu[0].endswith(torch_pin) and gpu[-1].endswith(f"-e {REPO}[test]")
+    assert gpu[2] == f"install --no-cache-dir --no-build-isolation -c {REPO}/requirements/constraints.txt deepspeed"
 
 
 def test_dockerfiles_lint_clean():
