@@ -6,6 +6,8 @@ each in its own process, measuring wall time and peak RSS (``os.wait4``'s ru_max
   zero_to_fp32        python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization
   ours_zero_to_hf     python -m toolkit convert CKPT OUT --to hf
   ours_zero_to_mcore  python -m toolkit convert CKPT OUT --to megatron --tp 2 --pp 2
+                      (weights, fp32 main weights and both Adam moments: 4x the bytes of the others)
+  ..._weights_only    the same with --weights-only (what zero_to_fp32 writes: weights)
   copy                cp -r CKPT OUT  (reading and writing the same bytes, nothing else)
 Each is run --repeats times; the best wall time and the largest peak RSS are reported. The HF
 output is checked tensor for tensor against zero_to_fp32's. Writes benchmarks/results/convert.json.
@@ -124,6 +126,9 @@ def main() -> int:
         "ours_zero_to_megatron_tp2_pp2": [py, "-m", "toolkit", "convert", str(ckpt),
                                           str(work / "out_ours_zero_to_megatron_tp2_pp2"), "--to", "megatron",
                                           "--tp", "2", "--pp", "2"],
+        "ours_zero_to_megatron_tp2_pp2_weights_only": [py, "-m", "toolkit", "convert", str(ckpt),
+                                                       str(work / "out_ours_zero_to_megatron_tp2_pp2_weights_only"),
+                                                       "--to", "megatron", "--tp", "2", "--pp", "2", "--weights-only"],
         "copy": ["cp", "-r", str(ckpt), str(work / "out_copy")],
     }
     runs = {name: [] for name in cases}
@@ -149,9 +154,9 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
     print(f"checkpoint: {size / 1e9:.2f} GB on disk (ZeRO-3, DP=2, {tensors} tensors)")
-    print(f"{'case':<32}{'wall s':>9}{'x z2fp32':>10}{'peak RSS MB':>13}{'x z2fp32':>10}")
+    print(f"{'case':<44}{'wall s':>9}{'x z2fp32':>10}{'peak RSS MB':>13}{'x z2fp32':>10}")
     for name, r in results.items():
-        print(f"{name:<32}{r['wall_s']:>9.2f}{r['wall_vs_zero_to_fp32']:>10.2f}{r['peak_rss_mb']:>13.0f}"
+        print(f"{name:<44}{r['wall_s']:>9.2f}{r['wall_vs_zero_to_fp32']:>10.2f}{r['peak_rss_mb']:>13.0f}"
               f"{r['rss_vs_zero_to_fp32']:>10.2f}")
     print(f"targets (ours ZeRO->HF): RSS <= 1/4: {record['targets']['rss_le_quarter']}, "
           f"wall <= 1/2: {record['targets']['wall_le_half']}; written {args.out}")

@@ -228,3 +228,14 @@ def test_cli_convert_verify_and_inspect(zero_ckpts, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     bad = run_cli(["convert", str(ckpt), str(tmp_path / "x"), "--to", "megatron", "--tp", "3"], check=False)
     assert bad.returncode == 2 and "choose tp in [1, 2]" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_plain_deepspeed_checkpoint_without_config_needs_hf_config(zero_ckpts, tmp_path):
+    """A bare DeepSpeed save_checkpoint folder (no config.json beside it): refused until --hf-config."""
+    src = tmp_path / "bare"
+    shutil.copytree(zero_ckpts / "gpt2-z2-dp3", src)
+    (tmp_path / "model").mkdir()
+    (src / "config.json").rename(tmp_path / "model" / "config.json")
+    _refused(src, tmp_path / "dst", "pass --hf-config")
+    convert(src, tmp_path / "hf", to="hf", hf_config=str(tmp_path / "model"))
+    _equal_sources(open_source(zero_ckpts / "gpt2-z2-dp3"), open_source(tmp_path / "hf"))

@@ -86,10 +86,6 @@ class HFSource(Source):
             raise ConvertError(f"{self.path}: an HF directory holds no optimizer state ({state})")
         return self._where[name].get_tensor(name)
 
-    def slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        part = self._where[name].get_slice(name)
-        return part[start:stop] if dim == 0 else part[:, start:stop]
-
 
 def _dtype(name: str) -> torch.dtype:
     back = {v: k for k, v in _ST_DTYPES.items()}
