@@ -89,3 +89,31 @@ def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: st
     engine = MegatronEngine(cfg, model.config, model.state_dict())
     engine.load(Path(ckpt))
     return {"weights": engine.hf_state()}
+
+
+def save_legacy_megatron(rank: int, world: int, family: str, tp: int, pp: int, root: str):
+    """Megatron-LM's legacy layout written from megatron-core's own module state dicts:
+    ``iter_0000003/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` with ``model``, ``args``,
+    ``iteration``; returns the HF weights the engine holds (rank 0)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.config import validate
+    model = tiny_model(family, seed=3)
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1}})
+    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    name = f"mp_rank_{engine.tp_rank:02d}" + (f"_{engine.pp_rank:03d}" if pp > 1 else "")
+    out = Path(root) / "iter_0000003" / name
+    out.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(num_layers=model.config.num_hidden_layers, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp)
+    torch.save({"model": engine.model[0].module.state_dict(), "args": args, "iteration": 3,
+                "checkpoint_version": 3.0}, out / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text("3")
+    weights = engine.hf_state()
+    dist.barrier()
+    return {"weights": weights}

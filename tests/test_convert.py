@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.convert_helpers import FAMILIES, STAGES, load_universal, megatron_load, save_zero_checkpoints
+from tests.convert_helpers import (FAMILIES, STAGES, load_universal, megatron_load, save_legacy_megatron,
+                                    save_zero_checkpoints)
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
 
@@ -239,3 +240,19 @@ def test_plain_deepspeed_checkpoint_without_config_needs_hf_config(zero_ckpts, t
     _refused(src, tmp_path / "dst", "pass --hf-config")
     convert(src, tmp_path / "hf", to="hf", hf_config=str(tmp_path / "model"))
     _equal_sources(open_source(zero_ckpts / "gpt2-z2-dp3"), open_source(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_legacy_megatron_mp_rank_files_read(tmp_path, tp, pp):
+    """Megatron-LM's legacy per-rank layout (TP slices, stage-local layer numbers) read back to
+    exactly the weights the megatron-core model held; then converted to HF."""
+    from tests.convert_helpers import write_config
+    root = tmp_path / "legacy"
+    held = run_ranks(save_legacy_megatron, tp * pp, tmp_path, "qwen2", tp, pp, str(root))[0]["weights"]
+    write_config(root, "qwen2")
+    src = open_source(root)
+    assert (src.format, src.layout, src.step) == ("megatron-legacy", {"tp": tp, "pp": pp}, 3)
+    for name in src.names():
+        assert torch.equal(src.read(name), held[name]), name
+    convert(root, tmp_path / "hf", to="hf")
+    _equal_sources(src, open_source(tmp_path / "hf"))

@@ -35,9 +35,11 @@ STAND_INS = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": _enum_value,      # optim_states: zero_stage
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": Fields,         # optim_states: loss_scaler
     "deepspeed.utils.tensor_fragment.fragment_address": Fields,      # stage 1/2 param_slice_mappings
+    "argparse.Namespace": Fields,                                    # Megatron-LM legacy files: args
 }
-"""The classes a DeepSpeed checkpoint legitimately holds besides tensors and containers, each
-read as plain data (megatron-core's torch_dist files hold none). Nothing else is allowed."""
+"""The classes DeepSpeed and Megatron-LM checkpoints legitimately hold besides tensors and
+containers, each read as plain data (megatron-core's torch_dist files hold none). Nothing else is
+allowed: a legacy file's numpy RNG state, for one, is refused unless trusted explicitly."""
 
 TRUST_ENV = "TOOLKIT_TRUST_PICKLE_CLASSES"
 
