@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -387,8 +388,14 @@ def _check_names(source: Source, layout: _Layout) -> None:
                            f"unexpected {sorted(have - want)[:8]}")
 
 
+ROW_BLOCK_BYTES = 16 << 20
+"""Top-level matrices (the vocabulary ones above all) are written in row blocks of about this size,
+so the largest tensors never sit in memory whole."""
+
+
 def _plan(source: Source, layout: _Layout, dtype, moments: bool):
-    """DCP write items (one per tensor, or per layer of a stacked key) and how to compute each."""
+    """DCP write items (per layer of a stacked key, per row block of a top-level matrix, else per
+    tensor) and how to compute each."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     layers = source.hf_config.get("num_hidden_layers", source.hf_config.get("n_layer"))
@@ -401,12 +408,13 @@ def _plan(source: Source, layout: _Layout, dtype, moments: bool):
         for state, dt in states:
             dt = dt or torch.float32
             fqn = key if state == "param" else f"{OPT_PREFIX}{'param' if state == 'main' else state}.{key}"
-            full = (layers, *shape) if layer is not None else shape
-            offsets = (layer, *[0] * len(shape)) if layer is not None else (0,) * len(shape)
-            sizes = (1, *shape) if layer is not None else shape
-            items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=TensorWriteData(
-                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)), TensorProperties(dtype=dt), torch.Size(full))))
-            resolvers[(fqn, offsets)] = _resolver(source, layout, m, "param" if state == "main" else state, dt, layer)
+            read_state = "param" if state == "main" else state
+            for offsets, sizes, full, compute in _regions(source, layout, m, shape, layer, layers, read_state, dt):
+                items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets),
+                                                                                        torch.Size(sizes)),
+                                                                   TensorProperties(dtype=dt), torch.Size(full))))
+                resolvers[(fqn, offsets)] = compute
     for i in range(layers):
         for lin in LINEARS:
             fqn = f"decoder.layers.{lin}._extra_state/shard_{i}_{layers}"
@@ -415,11 +423,47 @@ def _plan(source: Source, layout: _Layout, dtype, moments: bool):
     return items, resolvers
 
 
-def _resolver(source, layout, mcore_name, state, dtype, layer):
+def _regions(source, layout, m, shape, layer, layers, state, dtype):
+    """(offsets, sizes, global shape, compute) of the chunks one stored tensor is written as."""
+    if layer is not None:  # one layer of the stacked [L, ...] tensor
+        def one_layer():
+            return layout.to_mcore(m, lambda n: source.read(n, state)).to(dtype).contiguous().unsqueeze(0)
+        yield (layer, *[0] * len(shape)), (1, *shape), (layers, *shape), one_layer
+        return
+    entry, prefix = layout.entries[m]
+    rows_per = max(1, ROW_BLOCK_BYTES // max(1, 4 * math.prod(shape[1:]))) if len(shape) == 2 else 0
+    if not rows_per or getattr(entry, "transpose", True) or len(entry.hf_names()) != 1 or shape[0] <= rows_per:
+        def whole():
+            return layout.to_mcore(m, lambda n: source.read(n, state)).to(dtype).contiguous()
+        yield (0,) * len(shape), shape, shape, whole
+        return
+    name = prefix + entry.hf_names()[0]  # a plain rename: rows beyond the HF tensor are vocab padding
+    for lo in range(0, shape[0], rows_per):
+        hi = min(lo + rows_per, shape[0])
+        yield (lo, 0), (hi - lo, shape[1]), shape, _row_block(source, name, state, lo, hi, shape[1], dtype)
+
+
+def _row_block(source, name, state, lo, hi, width, dtype):
     def compute():
-        x = layout.to_mcore(mcore_name, lambda n: source.read(n, state)).to(dtype).contiguous()
-        return x.unsqueeze(0) if layer is not None else x
+        have = source.infos[name].shape[0]
+        out = torch.zeros(hi - lo, width, dtype=dtype)
+        if lo < have:
+            out[:min(hi, have) - lo] = _rows(source, name, state, lo, min(hi, have), width)
+        return out
     return compute
+
+
+def _rows(source, name, state, lo, hi, width) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of a source tensor: from its memory-mapped pieces when it has them."""
+    if not hasattr(source, "pieces"):
+        return source.read(name, state)[lo:hi]
+    out = torch.empty((hi - lo) * width, dtype=torch.float32)
+    pos = 0
+    for piece in source.pieces(name, state, lo * width, hi * width):
+        out[pos:pos + piece.numel()].copy_(piece)
+        pos += piece.numel()
+        source.maps.release(piece)
+    return out.view(hi - lo, width)
 
 
 def _extra_state_bytes() -> io.BytesIO:
