@@ -128,7 +128,8 @@ def test_megatron_core_loads_converted_checkpoint(zero_ckpts, tmp_path, monkeypa
     monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)
     src = open_source(zero_ckpts / "qwen2-z3-dp3")
     convert(src.path, tmp_path / "meg", to="megatron", tp=tp, pp=pp)
-    weights = run_ranks(megatron_load, tp * pp, tmp_path, "qwen2", tp, pp, str(tmp_path / "meg" / "engine"))[0]["weights"]
+    ranks = run_ranks(megatron_load, tp * pp, tmp_path, "qwen2", tp, pp, str(tmp_path / "meg" / "engine"))
+    weights = ranks[0]["weights"]
     for name in src.names():
         assert torch.equal(weights[name], src.read(name)), name
 

@@ -128,7 +128,8 @@ class MegatronSource(Source):
         try:
             self._md = self._reader.read_metadata()
         except Exception as exc:
-            raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is damaged") from None
+            raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is "
+                               "damaged") from None
         self._reader.set_up_storage_reader(self._md, True)
         tk = json.loads((path / TOOLKIT_JSON).read_text()) if (path / TOOLKIT_JSON).is_file() else {}
         self._check_family(tk)
