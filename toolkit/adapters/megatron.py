@@ -451,6 +451,9 @@ class MegatronEngine:
     def train_step(self, micro_batches, loss_tokens, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            # megatron's groups carry wd_mult (0 for biases and norms); its own scheduler applies it,
+            # and we replace that scheduler, so apply it here (as DeepSpeed's no-decay group does).
+            group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
         tic = time.perf_counter()
         totals = self.forward_backward(micro_batches, loss_tokens)
         compute_s = time.perf_counter() - tic  # includes pipeline waits: megatron interleaves them
