@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/toolkit train
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not container"
