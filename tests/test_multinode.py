@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import time
 import pytest
 
 from tests.conftest import REPO, TINY, losses
+from toolkit.parallel import _free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_node(node: int, run_dir, port, tmp_path, *extra: str, nnodes: str = "2"):

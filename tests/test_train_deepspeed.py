@@ -98,17 +98,11 @@ def test_bf16_trains(runs, reference):
     assert got[-1] < got[0]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_externally(launcher: str, toolkit_args: list[str]) -> list:
     """Commands and environments that make `toolkit train` one rank of a job started by another launcher."""
     import os
     import sys
+    from toolkit.parallel import _free_port
     env, port = {**os.environ, "PYTHONUNBUFFERED": "1"}, str(_free_port())
     if launcher == "torchrun":
         return [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
