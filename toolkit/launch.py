@@ -55,7 +55,7 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
         local_addr="127.0.0.1" if single_node else None,
         # After a node is lost, wait this long for it before continuing with the nodes present.
         last_call_timeout=ELASTIC_WAIT_S,
-        **({} if single_node else {"rank": spec.node_rank}))
+        **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
     worker_spec = WorkerSpec(
         role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=tuple(args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
@@ -79,6 +79,17 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
     finally:
         if shutdown_rdzv:
             worker_spec.rdzv_handler.shutdown()
+
+
+def _multinode_rdzv_conf(node_rank: int) -> dict:
+    """Node 0 hosts the rendezvous store; the others only ever connect to it.
+
+    torch picks the host by hostname match and then by whoever binds the port first, so two agents
+    on one machine (or a non-zero node that happens to share node 0's address) race for it. If the
+    store lives with a node that is later lost, the survivors lose the rendezvous too, so the
+    elastic guarantee holds only when node 0 hosts it, as the launch examples arrange.
+    """
+    return {"rank": node_rank, **({"is_host": False} if node_rank > 0 else {})}
 
 
 def _set_worker_env(spec: LaunchSpec, env: dict[str, str] | None) -> None:
