@@ -58,3 +58,19 @@ def runs(tmp_path_factory, data_cache):
             cache[name] = run_dir
         return cache[name]
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Container tests run last, their image building in the background from the start."""
+    container = [item for item in items if item.get_closest_marker("container")]
+    if not container:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("container")] + container
+    if len(container) < len(items) and not config.option.collectonly:  # overlap the build with the rest
+        from tests import container_image
+        container_image.start_background_build()
+
+
+def pytest_unconfigure(config):
+    from tests import container_image
+    container_image.stop_background_build()
