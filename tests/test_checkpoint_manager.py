@@ -50,3 +50,16 @@ def test_missing_complete_marker(tmp_path):
     (final / "COMPLETE").unlink()
     assert "no COMPLETE marker" in verify_checkpoint(final)[0]
     assert find_latest_complete(tmp_path, log=lambda m: None) is None
+
+
+def test_background_persist_writes_the_manifest_a_synchronous_save_would(tmp_path):
+    from toolkit.checkpoint.async_save import persist_tree
+    from toolkit.checkpoint.manager import build_manifest
+    src = tmp_path / "snapshot"
+    (src / "engine" / "global_step4").mkdir(parents=True)
+    (src / "engine" / "global_step4" / "model.pt").write_bytes(bytes(range(256)) * 40000)
+    (src / "trainer.json").write_text("{}")
+    seen = []
+    entries = persist_tree(src, tmp_path / "staged", on_file=seen.append)
+    assert entries == build_manifest(tmp_path / "staged")["files"] == build_manifest(src)["files"]
+    assert sorted(seen) == sorted(entries)

@@ -140,3 +140,24 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninter
     assert "preempt_saved" in kinds(run_dir)
     train(run_dir, data_cache, *RESTART)
     assert losses(run_dir) == uninterrupted
+
+
+def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, uninterrupted):
+    """Asynchronous saves (node-local snapshot, background persist): the losses are the synchronous
+    run's; rank 0 is killed while persisting step 4, so step 4 is never committed, the restart
+    resumes from step 2, and every checkpoint left behind verifies."""
+    from toolkit.checkpoint.manager import verify_checkpoint
+    run_dir, local = tmp_path / "run", tmp_path / "local"
+    train(run_dir, data_cache, *RESTART, "checkpoint.async_save=true", f"checkpoint.local_dir={local}",
+          env={"TOOLKIT_FAULT": "kill_in_persist:step=4:rank=0"})
+    assert losses(run_dir) == uninterrupted
+    killed = next(e for e in events(run_dir) if e["kind"] == "failure")
+    assert killed["rank"] == 0 and killed["signal"] == "SIGKILL"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["checkpoint"] for r in rows if r.get("event") == "resume"] == ["step_00000002"]
+    saves = [r for r in rows if r.get("event") == "checkpoint"]
+    assert saves and all(r["async"] for r in saves)
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000006"
+    assert all(verify_checkpoint(c) == [] for c in ckpts.glob("step_*"))
+    assert not list(local.glob("*/step_*"))  # snapshots are dropped once persisted

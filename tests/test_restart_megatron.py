@@ -48,14 +48,18 @@ def test_crash_corruption_and_divergence_recover_exactly(tmp_path, data_cache, u
 
 def test_hang_then_preemption_then_resume(tmp_path, data_cache, uninterrupted):
     """A hung rank is named and the job restarted; later SIGTERM saves and exits 75; the same
-    command resumes and finishes with the uninterrupted losses."""
+    command resumes and finishes with the uninterrupted losses. Saves are asynchronous here: the
+    preemption waits for its checkpoint to be committed before exiting."""
     run_dir = tmp_path / "run"
     faults = "hang:step=2:rank=3;sigterm:step=4:rank=0"
-    proc = train(run_dir, data_cache, *MEGATRON, "restart.max_restarts=2", "restart.hang_timeout_s=8",
+    asynchronous = ("checkpoint.async_save=true", f"checkpoint.local_dir={tmp_path / 'local'}")
+    proc = train(run_dir, data_cache, *MEGATRON, *asynchronous, "restart.max_restarts=2", "restart.hang_timeout_s=8",
                  nproc=NPROC, env={"TOOLKIT_FAULT": faults}, check=False)
     assert proc.returncode == 75, proc.stderr[-3000:]
     hang = next(e for e in events(run_dir) if e["kind"] == "hang")
     assert hang["stuck_ranks"] == [3] and hang["step"] == 2
     assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").exists()
-    train(run_dir, data_cache, *MEGATRON, "restart.max_restarts=2", nproc=NPROC)
+    train(run_dir, data_cache, *MEGATRON, *asynchronous, "restart.max_restarts=2", nproc=NPROC)
     assert losses(run_dir) == uninterrupted
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["async"] for r in rows if r.get("event") == "checkpoint")

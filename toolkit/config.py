@@ -138,6 +138,12 @@ class MegatronConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = 100
     keep_last: int = 2
+    async_save: bool = False
+    """Block only while the checkpoint is written to ``local_dir``; copy it to RUN_DIR in the background
+    and commit it (COMPLETE, latest) once every node has persisted it."""
+    local_dir: str | None = None
+    """Node-local storage for asynchronous saves (default: /dev/shm, else $TMPDIR); each node needs
+    room for its ranks' share of one checkpoint, else that save is made synchronously."""
 
 
 class RestartConfig(_Section):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from toolkit import __version__
 from toolkit.checkpoint import CheckpointManager, find_latest_complete
+from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
 from toolkit.checkpoint.manager import write_json_durable
 from toolkit.checkpoint.reshard import check_same_model, drop_conversion, engine_state_dir
 from toolkit.config import RunConfig
@@ -46,10 +48,18 @@ class Trainer:
         self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._recovering = self._restart_count > 0
+        self.async_ckpt = None
+        if cfg.checkpoint.async_save:
+            self.async_ckpt = AsyncCheckpointer(
+                self.ckpt, local_root(cfg.checkpoint.local_dir, self.run_dir),
+                int(os.environ.get("LOCAL_RANK", "0")), log=self.metrics.note,
+                on_file=lambda rel: self.faults.in_persist(self.async_ckpt.pending))
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
+        if self.async_ckpt is not None:
+            self.async_ckpt.clear_stale()
         if self.cfg.resume == "auto":
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
@@ -70,19 +80,21 @@ class Trainer:
                 self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
         self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+        self._poll_async(wait=True)  # the last checkpoint is committed before we report success
 
     def _after_step(self) -> None:
         """Health checks, eval, preemption and checkpoints at the step boundary."""
         self.monitor.heartbeat.beat(self.step)
         self._note_recovery()
         self.faults.after_step(self.step, params=self.engine.parameters)
+        self._poll_async()  # commits a background save once every node has persisted it
         self.monitor.check_stragglers(self.step)
         self.monitor.check_divergence(self.step, self.engine)
         t = self.cfg.train
         if t.eval_every and self.step % t.eval_every == 0:
             self.evaluate()
         if self.monitor.stop_agreed():
-            self.save()
+            self.save(wait=True)
             if self.rank == 0:
                 emit(self.run_dir, "preempt_saved", step=self.step)
                 self.metrics.note(f"stop requested: saved step {self.step}, exiting with {PREEMPTED_EXIT}")
@@ -125,25 +137,74 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------------------
 
-    def save(self) -> Path:
+    def save(self, wait: bool = False) -> Path | None:
+        """Checkpoint this step; asynchronous saves return before the checkpoint is committed
+        unless ``wait``. Collective."""
+        if self.async_ckpt is None:
+            return self._save_sync()
+        self._poll_async(wait=True)  # one save in flight at most
+        if not self.async_ckpt.has_room(self._checkpoint_bytes()):
+            self.metrics.note(f"{self.async_ckpt.root.parent} lacks room for a checkpoint: saving synchronously")
+            return self._save_sync()
+        tic = time.perf_counter()
+        snapshot = self.async_ckpt.snapshot_dir(self.step)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            snapshot.mkdir(parents=True)
+        if self.rank == 0:
+            self.ckpt.begin(self.step)
+        dist.barrier()
+        self._write_snapshot(snapshot)
+        dist.barrier()
+        self.async_ckpt.start(self.step)
+        self._log_save(tic, asynchronous=True)
+        return self._poll_async(wait=True) if wait else None
+
+    def _poll_async(self, wait: bool = False) -> Path | None:
+        if self.async_ckpt is None:
+            return None
+        final = self.async_ckpt.poll(wait=wait)
+        if final is not None:  # rank 0, which committed it
+            self.faults.after_commit(int(final.name.split("_")[-1]), final)
+        return final
+
+    def _log_save(self, tic: float, asynchronous: bool) -> None:
+        """How long the loop was blocked by this save (for async saves: the local write only)."""
+        self.metrics.log({"event": "checkpoint", "step": self.step, "async": asynchronous,
+                          "checkpoint_blocked_s": round(time.perf_counter() - tic, 4)})
+
+    def _save_sync(self) -> Path:
+        tic = time.perf_counter()
         stage = self.ckpt.staging(self.step)
         if self.rank == 0:
             self.ckpt.begin(self.step)
         dist.barrier()
+        self._write_snapshot(stage)
+        dist.barrier()
+        final = None
+        if self.rank == 0:
+            final = self.ckpt.commit(self.step)
+            self.faults.after_commit(self.step, final)
+            self.metrics.note(f"saved checkpoint {final.name}")
+        dist.barrier()
+        self._log_save(tic, asynchronous=False)
+        return final
+
+    def _write_snapshot(self, stage: Path) -> None:
+        """This rank's files of the checkpoint (engine state, RNG; rank 0 the descriptions) into ``stage``."""
         self.monitor.heartbeat.beat(self.step, "saving")
         self.engine.save(stage / "engine", self.step)
         self.faults.in_save(self.step)
         (stage / "trainer").mkdir(exist_ok=True)
         torch.save(rng_state(), stage / "trainer" / f"rank_{self.rank:05d}.pt")
-        dist.barrier()
-        final = None
         if self.rank == 0:
             self._write_descriptions(stage)
-            final = self.ckpt.commit(self.step)
-            self.faults.after_commit(self.step, final)
-            self.metrics.note(f"saved checkpoint {final.name}")
-        dist.barrier()
-        return final
+
+    def _checkpoint_bytes(self) -> float:
+        if not hasattr(self, "_ckpt_bytes"):
+            from toolkit.estimate import model_shape
+            self._ckpt_bytes = model_shape(self.hf_config).total * BYTES_PER_PARAM
+        return self._ckpt_bytes
 
     def _write_descriptions(self, stage: Path) -> None:
         t = self.cfg.train

@@ -47,10 +47,13 @@ class CheckpointManager:
         stage.mkdir(parents=True)
         return stage
 
-    def commit(self, step: int) -> Path:
-        """Manifest, COMPLETE, rename, latest, retention (rank 0, after every rank wrote its files)."""
+    def commit(self, step: int, manifest: dict | None = None) -> Path:
+        """Manifest, COMPLETE, rename, latest, retention (rank 0, after every rank wrote its files).
+
+        ``manifest``: entries already computed while the files were written (asynchronous saves
+        hash and fsync as they copy); by default every staged file is hashed and fsynced here."""
         stage = self.staging(step)
-        write_json_durable(stage / MANIFEST, build_manifest(stage))
+        write_json_durable(stage / MANIFEST, manifest or build_manifest(stage))
         write_json_durable(stage / COMPLETE, {"step": step})
         final = self.root / step_dir_name(step)
         if final.exists():  # an older save of the same step (e.g. after a resume): replace it whole

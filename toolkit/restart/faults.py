@@ -6,6 +6,8 @@
   raise     raise RuntimeError after step S
   sigterm   send SIGTERM to this rank after step S (preemption)
   kill_in_save  SIGKILL while writing the checkpoint of step S (after the engine files)
+  kill_in_persist  SIGKILL while the background writer persists the checkpoint of step S (async saves;
+                   fires on the node's local rank 0, which runs that writer)
   corrupt   after committing the checkpoint of step S, flip one byte in it (rank 0)
   slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
   diverge   perturb one parameter on this rank after step S (replicas drift apart)
@@ -19,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "corrupt", "slow", "diverge"}
+KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -89,6 +91,11 @@ class FaultInjector:
 
     def in_save(self, step: int) -> None:
         if self.faults and self._take("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_persist(self, step: int | None) -> None:
+        """Called by the background writer after each file it persisted."""
+        if self.faults and step is not None and self._take("kill_in_persist", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_commit(self, step: int, ckpt: Path) -> None:
