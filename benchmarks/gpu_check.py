@@ -7,10 +7,10 @@ Each backend runs as a user runs it (``toolkit train``, 1 rank, random init from
 demo corpus) and the script prints tokens/s and MFU from the steps after warm-up, plus the first
 losses of both paths (same weights and data: they must agree to bf16 rounding).
 
-MFU = achieved model FLOP/s / peak dense bf16 FLOP/s, with model FLOPs per token (PaLM, appendix B)
-    6 * N + 12 * n_layers * hidden * seq_len
-where N counts all parameters except the input embedding (its lookup does no matmul). Peak: the
-``--peak-tflops`` value, by default from the GPU name (H100/H200 SXM: 989, A100: 312).
+MFU = achieved model FLOP/s / the GPU's dense peak for the dtype, with the formula and peak table of
+toolkit/flops.py (the same MFU `toolkit train` logs per step on GPUs): model FLOPs per token
+    6 * N + 12 * n_layers * attention_width * seq_len   (PaLM, appendix B)
+where N counts all parameters except the input embedding. ``--peak-tflops`` overrides the peak.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+sys.path.insert(0, str(REPO))
+from toolkit.estimate import model_shape  # noqa: E402
+from toolkit.flops import flops_per_token, peak_flops  # noqa: E402
 
 LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
             "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
@@ -35,29 +37,17 @@ LLAMA_TINY = {**LLAMA_1B, "vocab_size": 2048, "hidden_size": 64, "intermediate_s
               "max_position_embeddings": 256}
 
 
-def param_count(c: dict) -> tuple[int, int]:
-    """(all parameters, parameters without the input embedding) of a Llama config."""
-    h, f, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
-    layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
-    emb = v * h
-    total = emb + L * layer + h + (0 if c["tie_word_embeddings"] else v * h)
-    return total, total - emb
+def hf_config(c: dict):
+    from transformers import LlamaConfig
+    return LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "model_type")})
 
 
-def flops_per_token(c: dict, seq_len: int) -> float:
-    return 6 * param_count(c)[1] + 12 * c["num_hidden_layers"] * c["hidden_size"] * seq_len
-
-
-def peak_tflops(override: float | None) -> float | None:
-    """Dense bf16 peak of this GPU (None when unknown: MFU is then not reported)."""
+def peak_tflops(override: float | None, dtype: str) -> float | None:
+    """Dense peak of this GPU for ``dtype`` (toolkit/flops.py's table); None when unknown."""
     if override:
         return override
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = peak_flops(dtype)
+    return peak / 1e12 if peak else None
 
 
 def run_backend(name: str, overrides: list[str], model_dir: Path, args, work: Path) -> dict:
@@ -103,10 +93,10 @@ def main() -> int:
         (model_dir / "config.json").write_text(json.dumps(config))
         results = {"megatron": run_backend("megatron", ["backend=megatron"], model_dir, args, work),
                    "deepspeed": run_backend("deepspeed", ["backend=deepspeed", "zero.stage=1"], model_dir, args, work)}
-    fpt, peak = flops_per_token(config, args.seq_len), peak_tflops(args.peak_tflops)
+    fpt, peak = flops_per_token(hf_config(config), args.seq_len), peak_tflops(args.peak_tflops, args.dtype)
     for r in results.values():
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
-    summary = {"model_params": param_count(config)[0], "flops_per_token": fpt, "peak_tflops": peak,
+    summary = {"model_params": model_shape(hf_config(config)).total, "flops_per_token": fpt, "peak_tflops": peak,
                "seq_len": args.seq_len, "micro_batch": args.micro_batch, "dtype": args.dtype, **results}
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (no GPU peak known)"

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), re
 MEGATRON = "backend=megatron"
 LAYOUTS = {  # name: (overrides, nproc)
     "tp2": (["megatron.tp=2"], 2),
-    "pp2": (["megatron.pp=2"], 2),
+    "pp2": (["megatron.pp=2", "profile.enabled=true", "profile.start_step=2", "profile.steps=2"], 2),
     "dp2": ([], 2),  # DDP + distributed optimizer over 2 replicas
     "tp2_pp2": (["megatron.preset=tp2_pp2"], 4),
 }
@@ -138,3 +138,12 @@ def test_bf16_trains(runs, deepspeed_reference):
     got = losses(runs("mcore_bf16", MEGATRON, "megatron.tp=2", "model.dtype=bf16"))
     assert got[0] == pytest.approx(losses(deepspeed_reference)[0], rel=2e-2)  # bf16 rounding of the same model
     assert got[-1] < got[0]
+
+
+def test_profile_of_a_pipeline_run_shows_its_p2p_traffic(runs):
+    """--profile on PP=2 (the pp2 run above): activations and gradients cross stages as p2p."""
+    run_dir = runs("mcore_pp2", MEGATRON, *LAYOUTS["pp2"][0])
+    summaries = [json.loads((run_dir / "profile" / f"summary_rank_{r:05d}.json").read_text()) for r in range(2)]
+    for s in summaries:
+        assert s["steps"] == 2 and s["collectives"]["p2p"]["mb_per_step"] > 0, s
+    assert "| p2p |" in (run_dir / "profile" / "summary.md").read_text()

@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for multi-node jobs")
     t.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     t.add_argument("--max-restarts", type=int, help="restart budget (config key restart.max_restarts)")
+    t.add_argument("--profile", action="store_true",
+                   help="trace a few steps with torch.profiler; RUN_DIR/profile/summary.md splits compute and collectives")
     t.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, DeepSpeed JSON or Megatron layout, and the estimate; start nothing")
     t.set_defaults(func=cmd_train)
@@ -119,6 +121,8 @@ def _add_convert_parsers(sub) -> None:
 
 def _config_from_args(args) -> RunConfig:
     overrides = list(args.overrides)
+    if getattr(args, "profile", False):
+        overrides.append("profile.enabled=true")
     for key, value in (("run_dir", args.run_dir), ("nproc", args.nproc), ("resume", args.resume),
                        ("restart.max_restarts", args.max_restarts)):
         if value is not None:
@@ -134,6 +138,10 @@ def cmd_train(args) -> int:
     if args.dry_run:
         from toolkit.estimate import dry_run
         return dry_run(cfg, args.nnodes)
+    if cfg.metrics.wandb_project:
+        from toolkit.metrics import wandb_missing
+        if problem := wandb_missing():
+            raise ConfigError(problem)
     if launched_externally():  # torchrun / srun / deepspeed made this process one rank
         run_worker(cfg)
         return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEMO_DIR = Path(__file__).parent / "demo"
 
@@ -163,6 +163,20 @@ class RestartConfig(_Section):
     """Compare a checksum of DP-replicated parameters every N steps (0 = off)."""
 
 
+class ProfileConfig(_Section):
+    enabled: bool = False
+    """Record a torch.profiler trace of a few steps and summarise compute vs collectives (``--profile``)."""
+    start_step: int = Field(3, ge=1)
+    """First profiled step (the steps before it are warm-up)."""
+    steps: int = Field(3, ge=1)
+
+
+class MetricsConfig(_Section):
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (``pip install 'toolkit[wandb]'``; set
+    WANDB_MODE=offline on machines without network). TensorBoard logs whenever it is installed."""
+
+
 class RunConfig(_Section):
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
     nproc: int = 2
@@ -175,6 +189,8 @@ class RunConfig(_Section):
     megatron: MegatronConfig = MegatronConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
+    profile: ProfileConfig = ProfileConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def dp_size(self, world_size: int) -> int:
         model_parallel = self.megatron.tp * self.megatron.pp if self.backend == "megatron" else 1

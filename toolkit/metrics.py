@@ -1,4 +1,5 @@
-"""Rank 0's view of a run: metrics.jsonl, a rich progress bar (plain lines off a TTY), TensorBoard."""
+"""Rank 0's view of a run: metrics.jsonl, a rich progress bar (plain lines off a TTY), TensorBoard,
+and Weights & Biases when a project is configured."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, log_every: int = 10):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, log_every: int = 10,
+                 wandb_project: str | None = None, run_config: dict | None = None):
         self.enabled = enabled
+        self.wandb_project, self.run_config = wandb_project, run_config or {}
+        self._wandb = None
         self.total = total_steps
         self.log_every = log_every
         self.path = Path(run_dir) / METRICS_FILE
@@ -30,6 +34,8 @@ class MetricsLogger:
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total, status="")
         self._tb = _tensorboard_writer(self.path.parent / "tensorboard")
+        if self.wandb_project:
+            self._wandb = _wandb_run(self.wandb_project, self.path.parent, self.run_config)
         return self
 
     def __exit__(self, *exc):
@@ -37,6 +43,9 @@ class MetricsLogger:
             self._progress.stop()
         if self._tb:
             self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+            self._wandb = None
         if self._file:
             self._file.close()
             self._file = None
@@ -51,10 +60,12 @@ class MetricsLogger:
         else:  # outside the loop (e.g. resume before fit's context): append directly
             with open(self.path, "a") as f:
                 f.write(line + "\n")
+        scalars = {k: v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))}
         if self._tb and "step" in record:
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb and "step" in record:
+            self._wandb.log(scalars, step=record["step"])
         self._show(record)
 
     def _show(self, r: dict) -> None:
@@ -93,3 +104,22 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
         if "loss" in r:
             records[r["step"]] = r
     return records
+
+
+def wandb_missing() -> str | None:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return ("metrics.wandb_project is set but wandb is not installed: pip install 'toolkit[wandb]' "
+                "(or unset metrics.wandb_project)")
+    return None
+
+
+def _wandb_run(project: str, run_dir: Path, config: dict):
+    """One W&B run per run directory: a restarted or resumed job appends to the same run."""
+    import hashlib
+
+    import wandb
+    run_id = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return wandb.init(project=project, dir=str(run_dir), id=run_id, resume="allow", name=Path(run_dir).name,
+                      config=config)

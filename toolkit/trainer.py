@@ -25,8 +25,10 @@ from toolkit.config import RunConfig
 from toolkit.data import (PackedData, count_loss_tokens, eval_micro_batches, global_batch_indices,
                           rank_micro_batches)
 from toolkit.engine import Engine
+from toolkit.flops import flops_per_token, mfu, peak_flops
 from toolkit.metrics import MetricsLogger
 from toolkit.parallel import rng_state, seed_everything, set_rng_state
+from toolkit.profile import StepProfiler, write_summary
 from toolkit.restart.agent import PREEMPTED_EXIT
 from toolkit.restart.events import emit, read_events
 from toolkit.restart.faults import FaultInjector
@@ -43,7 +45,12 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir, cfg.train.steps, enabled=self.rank == 0,
-                                     log_every=cfg.train.log_every)
+                                     log_every=cfg.train.log_every, wandb_project=cfg.metrics.wandb_project,
+                                     run_config=cfg.model_dump(mode="json"))
+        p = cfg.profile
+        self.profiler = StepProfiler(self.run_dir, self.rank, p.start_step, p.steps) if p.enabled else None
+        self._peak = peak_flops(cfg.model.dtype)  # None on CPU: no MFU there
+        self._flops_per_token = flops_per_token(hf_config, cfg.data.seq_len) if self._peak else None
         self.faults = FaultInjector(self.run_dir, self.rank)
         self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -74,8 +81,11 @@ class Trainer:
                     upcoming = prefetch.submit(self._batch, self.step + 1)
                 self.faults.step_delay(self.step + 1)
                 self.monitor.add_busy(time.perf_counter() - tic)
+                if self.profiler:
+                    self.profiler.before_step(self.step + 1)
                 stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, t))
                 self.step += 1
+                self._after_profiled_step()
                 self.monitor.add_busy(stats.compute_s)
                 self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
@@ -102,6 +112,13 @@ class Trainer:
         if self.step % self.cfg.checkpoint.every == 0 or self.step == t.steps:
             self.save()
 
+    def _after_profiled_step(self) -> None:
+        if self.profiler and self.profiler.after_step(self.step):
+            dist.barrier()  # every rank's summary is written
+            if self.rank == 0:
+                self.metrics.note(f"profile of steps {self.profiler.start}-{self.step}: "
+                                  f"{write_summary(self.profiler.dir)}")
+
     def _note_recovery(self) -> None:
         """After a restart, the first finished step closes the recovery: measure it."""
         if self._recovering and self.rank == 0:
@@ -120,9 +137,12 @@ class Trainer:
     def _log_step(self, stats, step_s: float, elapsed_s: float) -> None:
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.data.seq_len
-        self.metrics.log({"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
-                          "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
-                          "step_s": step_s, "elapsed_s": elapsed_s})
+        record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
+                  "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                  "step_s": step_s, "elapsed_s": elapsed_s}
+        if self._peak:  # GPUs only; the formula and peaks: toolkit/flops.py
+            record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
+        self.metrics.log(record)
 
     def evaluate(self) -> float | None:
         if self.data.eval is None or len(self.data.eval) == 0:

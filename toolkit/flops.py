@@ -1,0 +1,49 @@
+"""Model FLOPs utilisation: one formula, one table of peaks.
+
+Model FLOPs per token (PaLM, appendix B; forward + backward, no recomputation counted):
+
+    6 * N + 12 * n_layers * attention_width * seq_len
+
+N counts every parameter except the input embedding (a lookup does no matmul; an untied or tied
+LM head does, and is counted once). ``attention_width`` is heads x head_dim. The second term is
+the attention score and value matmuls over the full sequence (causal masking not discounted, as in
+PaLM and Megatron-LM's reporting).
+
+MFU = tokens/s per device x FLOPs per token / the device's dense peak for the training dtype.
+Peaks are dense (no 2:4 sparsity) vendor figures for the SXM parts; fp32 training on NVIDIA runs
+matmuls in TF32, so fp32 uses the TF32 peak. On CPU there is no meaningful peak: MFU is absent.
+"""
+from __future__ import annotations
+
+# Dense TFLOP/s by device name fragment and training dtype (NVIDIA data sheets, SXM).
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
+}
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Model FLOPs per trained token of an HF causal LM config (see the module docstring)."""
+    from toolkit.estimate import model_shape
+    shape = model_shape(hf_config)
+    matmul_params = shape.total - shape.embedding + (shape.embedding if shape.tied else 0)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // shape.heads
+    return 6 * matmul_params + 12 * shape.layers * shape.heads * head_dim * seq_len
+
+
+def peak_flops(dtype: str, device_name: str | None = None) -> float | None:
+    """Dense peak FLOP/s of this process's GPU for ``dtype``; None on CPU or an unknown device."""
+    if device_name is None:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    peaks = next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    return peaks[dtype] * 1e12 if peaks else None
+
+
+def mfu(tokens_per_s_per_device: float, fpt: float, peak: float | None) -> float | None:
+    return tokens_per_s_per_device * fpt / peak if peak else None
