@@ -152,6 +152,8 @@ def run_case(name: str, common: list[str], work: Path) -> dict:
     print(f"[{name}] async run ...", flush=True)
     asyn = train(async_dir, sets + ["checkpoint.async_save=true", "checkpoint.local_dir=/dev/shm"], STEPS)
     shutil.rmtree(async_dir / "checkpoints", ignore_errors=True)
+    from toolkit.checkpoint.async_save import local_root
+    shutil.rmtree(local_root("/dev/shm", async_dir), ignore_errors=True)  # the (empty) snapshot folder
     print(f"[{name}] resume run (cold page cache) ...", flush=True)
     evict(sync_dir / "checkpoints")
     resume = train(sync_dir, sets, STEPS + 1)
