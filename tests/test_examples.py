@@ -88,9 +88,27 @@ def test_pytorchjob_node_count_and_rank_wiring_agree_with_the_cli():
     for spec in specs.values():
         container = spec["template"]["spec"]["containers"][0]
         script = container["args"][0]
-        assert f"--nnodes {pods}" in script and '--node-rank "$NODE_RANK"' in script
-        assert "unset RANK WORLD_SIZE" in script  # else toolkit train would act as one rank
+        assert f"--nnodes {pods}" in script and '--node-rank "$RANK"' in script
+        assert "--rdzv-endpoint" in script  # what makes toolkit train the pod's agent despite RANK
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
         assert re.search(rf"--nproc {gpus}\b", script)
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert {"/runs", "/dev/shm", "/config"} <= mounts
+
+
+@pytest.mark.parametrize("env,own_rendezvous,external", [
+    ({}, False, False),
+    ({"RANK": "1", "WORLD_SIZE": "4"}, False, True),  # deepspeed launcher / plain env:// ranks
+    ({"RANK": "1", "WORLD_SIZE": "2"}, True, False),  # a PyTorchJob pod: RANK is the pod's index
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, False, True),  # srun, one task per rank
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, True, False),  # srun, one agent per node
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, False, False),  # a single-task allocation
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, True, True),  # a torchrun rank, whatever its args
+])
+def test_who_starts_the_ranks(monkeypatch, env, own_rendezvous, external):
+    from toolkit.parallel import launched_externally
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launched_externally(own_rendezvous) is external

@@ -142,7 +142,7 @@ def cmd_train(args) -> int:
         from toolkit.metrics import wandb_missing
         if problem := wandb_missing():
             raise ConfigError(problem)
-    if launched_externally():  # torchrun / srun / deepspeed made this process one rank
+    if launched_externally(own_rendezvous=args.rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
         run_worker(cfg)
         return 0
     for nodes in sorted({_min_nnodes(args), args.nnodes}):  # an elastic job may run at either end

@@ -7,13 +7,16 @@ restart policy on top of it.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 
 ELASTIC_WAIT_S = 10
+RDZV_JOIN_TIMEOUT_S = 900  # how long a node waits for node 0, as torchrun's join timeout
 
 
 @dataclass
@@ -56,6 +59,8 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
         # After a node is lost, wait this long for it before continuing with the nodes present.
         last_call_timeout=ELASTIC_WAIT_S,
         **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
+    if not single_node and spec.node_rank > 0:
+        _wait_for_rendezvous_host(spec.rdzv_endpoint)
     worker_spec = WorkerSpec(
         role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=tuple(args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
@@ -90,6 +95,23 @@ def _multinode_rdzv_conf(node_rank: int) -> dict:
     elastic guarantee holds only when node 0 hosts it, as the launch examples arrange.
     """
     return {"rank": node_rank, **({"is_host": False} if node_rank > 0 else {})}
+
+
+def _wait_for_rendezvous_host(endpoint: str, timeout_s: float = RDZV_JOIN_TIMEOUT_S) -> None:
+    """Wait until node 0's store listens. torch's store client retries a refused connection with a
+    growing backoff, so a node that starts before node 0 could idle for a minute or more after it."""
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the rendezvous at {endpoint} did not answer in {timeout_s:.0f} s ({exc}); "
+                                   "is node 0 running toolkit train with --node-rank 0 and this "
+                                   "--rdzv-endpoint, and is the port open between the nodes?") from None
+            time.sleep(0.2)
 
 
 def _set_worker_env(spec: LaunchSpec, env: dict[str, str] | None) -> None:

@@ -14,8 +14,18 @@ import torch
 import torch.distributed as dist
 
 
-def launched_externally() -> bool:
-    """True when a launcher already made us one rank of a job (torchrun, deepspeed, srun)."""
+def launched_externally(own_rendezvous: bool = False) -> bool:
+    """True when a launcher already made us one rank of a job (torchrun, deepspeed, srun).
+
+    ``own_rendezvous``: the command names its own ``--rdzv-endpoint``, so this process is a node's
+    agent that starts the ranks itself, even where the scheduler exports per-task variables that
+    look like a rank's (srun with one task per node sets SLURM_PROCID; a PyTorchJob sets RANK to
+    the pod's index). Only a torchrun-started rank (TORCHELASTIC_RUN_ID) is a rank regardless.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    if own_rendezvous:
+        return False
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
