@@ -65,8 +65,8 @@ def _originals():
     from megatron.core.tensor_parallel import random as r
     return (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state, torch.cuda.set_rng_state,
             torch.cuda.manual_seed, torch.Tensor.cuda, torch.Tensor.type, r._get_cuda_rng_state,
-            r._set_cuda_rng_state, r.CheckpointFunction.__dict__["backward"], "cuda" in torch.Tensor.__dict__,
-            "type" in torch.Tensor.__dict__)
+            r._set_cuda_rng_state, "cuda" in torch.Tensor.__dict__, "type" in torch.Tensor.__dict__,
+            *(fn.__dict__["backward"] for fn in megatron_cpu._megatron_autograd_functions()))
 
 
 def test_enable_disable_restore_everything_and_nest():

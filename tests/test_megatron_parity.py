@@ -21,6 +21,7 @@ EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp
     "pp2_vpp2_full_recompute": (1, 2, {"vpp": 2, "recompute": "full"}),
     "tp2_selective_recompute": (2, 1, {"recompute": "selective"}),
     "pp2_uneven_1_3": (1, 2, {"first_stage_layers": 1}),
+    "tp2_sequence_parallel": (2, 1, {"sequence_parallel": True}),  # norms' grads summed over TP
 }
 LOGIT_TOL = 2e-5  # float32 rounding of different matmul shapes and reduction orders
 GRAD_TOL = 2e-5
@@ -101,7 +102,7 @@ def parity_extra(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))
-def test_vpp_and_recompute_change_nothing(parity_extra, name):
+def test_layout_options_change_nothing(parity_extra, name):
     for family, d in parity_extra[name].items():
         assert d["logits"] < LOGIT_TOL, family
         assert d["missing_grads"] == []

@@ -18,6 +18,7 @@ LAYOUTS = {  # name: (overrides, nproc)
     "pp2": (["megatron.pp=2", "profile.enabled=true", "profile.start_step=2", "profile.steps=2"], 2),
     "dp2": ([], 2),  # DDP + distributed optimizer over 2 replicas
     "tp2_pp2": (["megatron.preset=tp2_pp2"], 4),
+    "tp2_sp": (["megatron.preset=tp2_sp"], 2),  # sequence parallel
 }
 
 
@@ -115,7 +116,8 @@ def test_resume_at_another_layout_continues(new_layout, nproc, runs, tmp_path, d
     (["megatron.tp=2"], 3, "world size 3 is not divisible by megatron.tp=2 x megatron.pp=1"),
     (["megatron.pp=2", "megatron.vpp=4"], 2, "choose pp in [1]"),
     (["megatron.pp=2", "megatron.first_stage_layers=4"], 2, "leaves 0 layers for the other 1 stage(s) of pp=2"),
-    (["megatron.tp=2", "megatron.sequence_parallel=true"], 2, "needs Transformer Engine (or Apex) layer norms"),
+    (["megatron.sequence_parallel=true"], 2, "needs megatron.tp >= 2 (got tp=1)"),
+    (["megatron.preset=tp2_sp", "data.seq_len=33"], 2, "data.seq_len=33 is not divisible by megatron.tp=2"),
     (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
 ])
 def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):

@@ -115,7 +115,8 @@ class MegatronConfig(_Section):
     last_stage_layers: int | None = None
     """Uneven pipeline split: layers on the last stage."""
     sequence_parallel: bool = False
-    """Shard activations along the sequence in TP regions (needs TE layer norms: not in this release)."""
+    """Split norm and dropout activations along the sequence over the TP ranks (needs tp >= 2 and
+    seq_len divisible by tp); all-reduces become reduce-scatter + all-gather."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
     recompute: Literal["none", "selective", "full"] = "none"

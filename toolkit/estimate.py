@@ -18,9 +18,10 @@ ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition
 
 Activations (the model; documented, not fitted): for one micro-batch of b sequences of s tokens,
 per transformer layer, the tensors autograd keeps, in elements per token, with h hidden, I the MLP
-width, a heads and t the TP degree (sequence parallel off)::
+width, a heads and t the TP degree::
 
-    4h                     norm inputs and outputs (replicated across TP ranks)
+    4h                     norm inputs and outputs (replicated across TP ranks; 4h / t with
+                           megatron.sequence_parallel, which splits them along the sequence)
     5h / t                 q, k, v after RoPE (K/V heads repeated to all heads: HF's sdpa path and
                            Megatron's local attention both expand GQA), the attention output and
                            its contiguous copy that feeds the output projection
@@ -30,7 +31,7 @@ width, a heads and t the TP degree (sequence parallel off)::
 
 times the activation dtype's bytes. Outside the layers: logits, their log-softmax and the logits'
 gradient, 3 x 4 bytes x b·s·V/t (the loss is taken in fp32). With activation checkpointing only each
-layer's input (h per token) is kept, plus one layer's full activations while it is recomputed.
+layer's input (h per token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is recomputed.
 DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches in flight on
 the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
 
@@ -242,7 +243,8 @@ def _megatron_stage_memory(cfg: RunConfig, shape: Shape, lay: Layout, w: int, st
     phi += shape.other if last else 0
     optim = (8 + (4 if w != 4 else 0)) * phi / lay.dp
     in_flight = min(lay.pp - stage, _micro_batches(cfg, lay))
-    acts = {r: _activations(cfg, shape, layers, t, in_flight, r, w, materialized=True, logits=last)
+    sp = cfg.megatron.sequence_parallel and t > 1
+    acts = {r: _activations(cfg, shape, layers, t, in_flight, r, w, materialized=True, logits=last, sp=sp)
             for r in ("none", "selective", "full")}
     return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi))
 
@@ -252,14 +254,16 @@ def _micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, shape: Shape, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, logits: bool = True) -> float:
-    """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring)."""
+                 w: int, materialized: bool, logits: bool = True, sp: bool = False) -> float:
+    """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
+    ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     h, mlp = shape.hidden, shape.mlp_width
+    split = t if sp else 1
     scores = shape.heads * s / t if materialized and recompute != "selective" else 0
-    per_token = 4 * h + 5 * h / t + (4 if shape.glu else 2) * mlp / t + scores
+    per_token = 4 * h / split + 5 * h / t + (4 if shape.glu else 2) * mlp / t + scores
     layer = per_token * b * s * w
-    kept = len(layers) * (b * s * h * w if recompute == "full" else layer) * in_flight
+    kept = len(layers) * (b * s * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
     head = 3 * 4 * b * s * shape.vocab / t if logits else 0
     return kept + recomputing + head

@@ -100,13 +100,20 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
     if m.vpp and n_micro % m.pp:
         raise ConfigError(f"interleaved pipeline (megatron.vpp={m.vpp}) needs micro-batches per step ({n_micro} = "
                           f"global_batch_size / (micro_batch_size x dp={dp})) divisible by pp={m.pp}")
-    if m.sequence_parallel:  # megatron's WrappedTorchNorm asserts against it
-        raise ConfigError("megatron.sequence_parallel=true needs Transformer Engine (or Apex) layer norms; this "
-                          "release builds the local layer spec (torch norms), which megatron-core does not allow "
-                          "with sequence parallelism; set megatron.sequence_parallel=false")
+    if m.sequence_parallel:
+        _check_sequence_parallel(m, cfg.data.seq_len)
     from toolkit.families import padded_vocab_size
     return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "dp": dp, "sequence_parallel": m.sequence_parallel,
             "padded_vocab": padded_vocab_size(hf_config.vocab_size, m.make_vocab_size_divisible_by, m.tp)}
+
+
+def _check_sequence_parallel(m, seq_len: int) -> None:
+    if m.tp < 2:
+        raise ConfigError(f"megatron.sequence_parallel=true splits the sequence over the TP group and needs "
+                          f"megatron.tp >= 2 (got tp={m.tp}); raise tp or set sequence_parallel=false")
+    if seq_len % m.tp:
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by megatron.tp={m.tp}, which sequence "
+                          f"parallelism splits it over; choose seq_len a multiple of {m.tp}")
 
 
 def _check_uneven_split(m, layers: int) -> None:
@@ -203,17 +210,45 @@ def build_chunks(cfg: RunConfig, hf_config, family, tconfig, padded_vocab: int) 
     """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
     vpp = cfg.megatron.vpp
     chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
-        chunks.append(GPTModel(tconfig, spec, vocab_size=padded_vocab, vp_stage=vp,
+        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp), vocab_size=padded_vocab, vp_stage=vp,
                                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                                **family.model_kwargs(hf_config)))
     return chunks
+
+
+def layer_spec(tconfig, vp_stage: int | None):
+    """megatron's local layer spec (torch norms); with sequence parallelism, a block spec whose norms
+    are ``SequenceParallelNorm`` (megatron's own torch-norm wrapper refuses sequence parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
+    if not tconfig.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelNorm)
+
+
+class SequenceParallelNorm:
+    """A torch ``LayerNorm`` / ``RMSNorm`` (what megatron's ``WrappedTorchNorm`` builds) whose
+    parameters are marked ``sequence_parallel``. Under sequence parallelism each TP rank normalizes
+    its own ``[seq / tp, batch, hidden]`` slice, so each holds a partial gradient of the (replicated)
+    norm weights; megatron's ``finalize_model_grads`` sums the gradients of marked parameters over
+    the TP group, as it does for Transformer Engine's norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization={config.normalization!r}: sequence parallelism supports {sorted(norms)}")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -266,11 +301,13 @@ def _padding_idx_without_grad(chunk, pad: int | None) -> None:
         return
 
     def hook(module, args, output):
-        ids = args[0]
-        if output.shape[:2] != ids.shape:
-            raise NotImplementedError("padding_idx with sequence-parallel embeddings; set "
-                                      "megatron.sequence_parallel=false")
-        return torch.where((ids == pad).unsqueeze(-1), output.detach(), output)
+        at_pad = args[0] == pad  # [batch, seq]
+        if output.shape[:2] != at_pad.shape:  # sequence parallel: [seq / tp, batch, h], this TP rank's slice
+            from megatron.core import parallel_state as ps
+            local = output.shape[0]
+            start = ps.get_tensor_model_parallel_rank() * local
+            at_pad = at_pad.t()[start:start + local]
+        return torch.where(at_pad.unsqueeze(-1), output.detach(), output)
 
     emb.register_forward_hook(hook)
 

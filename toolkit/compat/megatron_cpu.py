@@ -15,8 +15,9 @@ megatron-core does                                     while enabled
 ``torch.cuda.{get,set}_rng_state``, ``manual_seed``    the CPU default generator (so megatron's RNG
 and megatron's ``_{get,set}_cuda_rng_state``           tracker forks the generator CPU ops use)
 ``torch.cuda.synchronize()``                           no-op
-activation recomputation's backward (megatron's         runs inside the mode too (autograd does not
-``CheckpointFunction``)                                carry torch-function modes into backward)
+the backward of megatron's tensor-parallel autograd     runs inside the mode too (autograd does not
+functions (activation recomputation, the sequence-     carry torch-function modes into backward)
+parallel all-gather of linear layers, ...)
 ``cpu_float_tensor.type()`` (no argument)              ``"torch.cuda.FloatTensor"`` (and Half/BFloat16)
 =====================================================  ==========================================
 
@@ -97,17 +98,8 @@ def _patches() -> list[tuple[object, str, object]]:
     def set_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    recompute = mcore_random.CheckpointFunction
-    recompute_backward = recompute.backward
-
-    def backward_in_mode(ctx, *grads):
-        # The autograd engine does not carry Python torch-function modes into backward, where
-        # activation recomputation re-runs forward code that allocates on "cuda".
-        with _CudaToCpu():
-            return recompute_backward(ctx, *grads)
-
     return [
-        (recompute, "backward", staticmethod(backward_in_mode)),
+        *((fn, "backward", _backward_in_mode(fn.backward)) for fn in _megatron_autograd_functions()),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda device=None: None),
         (torch.cuda, "get_rng_state", get_rng_state),
@@ -118,6 +110,23 @@ def _patches() -> list[tuple[object, str, object]]:
         (mcore_random, "_get_cuda_rng_state", get_rng_state),
         (mcore_random, "_set_cuda_rng_state", set_rng_state),
     ]
+
+
+def _megatron_autograd_functions() -> list[type]:
+    """megatron's tensor-parallel ``torch.autograd.Function`` classes that define a backward."""
+    from megatron.core.tensor_parallel import layers, mappings, random
+    return [obj for module in (layers, mappings, random) for obj in vars(module).values()
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+            and obj.__module__ == module.__name__ and "backward" in obj.__dict__]
+
+
+def _backward_in_mode(backward):
+    # The autograd engine does not carry Python torch-function modes into backward, where megatron
+    # allocates on torch.cuda.current_device() (sequence-parallel all-gathers, recomputed forwards).
+    def in_mode(ctx, *grads):
+        with _CudaToCpu():
+            return backward(ctx, *grads)
+    return staticmethod(in_mode)
 
 
 def enable() -> bool:
