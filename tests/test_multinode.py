@@ -1,5 +1,5 @@
-"""Two "nodes" as two elastic agents on localhost (c10d rendezvous): same losses as one node, and
-an elastic job (--nnodes 1:2) that loses a node goes on alone from its resharded checkpoint."""
+"""Two "nodes" as two elastic agents on localhost (c10d rendezvous): same losses as one node on both
+backends, and an elastic job (--nnodes 1:2) that loses a node goes on alone from its resharded checkpoint."""
 from __future__ import annotations
 
 import json
@@ -25,12 +25,16 @@ def _start_node(node: int, run_dir, port, tmp_path, *extra: str, nnodes: str = "
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_agents_match_one_node(runs, tmp_path, data_cache):
+@pytest.mark.parametrize("name,layout", [
+    ("zero2", ("zero.stage=2",)),
+    ("mcore_tp2", ("backend=megatron", "megatron.tp=2")),  # the TP group spans the two nodes
+])
+def test_two_agents_match_one_node(name, layout, runs, tmp_path, data_cache):
     run_dir, port = tmp_path / "two_nodes", _free_port()
-    procs = [_start_node(node, run_dir, port, tmp_path) for node in range(2)]
+    procs = [_start_node(node, run_dir, port, tmp_path, *layout) for node in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    assert losses(run_dir) == pytest.approx(losses(runs("zero2", "zero.stage=2")), rel=1e-6)
+    assert losses(run_dir) == pytest.approx(losses(runs(name, *layout)), rel=1e-6)
 
 
 def test_elastic_job_loses_a_node_and_continues_alone(runs, tmp_path, data_cache):
