@@ -50,6 +50,17 @@ def test_activation_checkpointing_and_tp_cut_activations():
     assert tp8.activations_no_ckpt < mem.activations_no_ckpt / 2 and tp8.params < shape.total / 7
 
 
+def test_sequence_parallel_splits_the_norm_activations():
+    """Per token per layer, sequence parallelism moves the 4h norm tensors to 4h / t (the module docstring)."""
+    shape = model_shape(LLAMA_7B)
+    run = [*BIG_RUN, "backend=megatron", "megatron.tp=8", "train.global_batch_size=1"]  # 1 micro-batch in flight
+    plain, sp = (load_config(None, run + extra) for extra in ([], ["megatron.sequence_parallel=true"]))
+    a, b = (memory(c, shape, layout_of(c, 8)) for c in (plain, sp))
+    tokens, w = 4096, 2  # b x s, bf16
+    assert a.activations_no_ckpt - b.activations_no_ckpt == pytest.approx(32 * tokens * w * 4 * 4096 * (1 - 1 / 8))
+    assert b.activations_ckpt < a.activations_ckpt  # the kept layer inputs are split too
+
+
 def test_suggestions_are_the_least_sharded_layouts_that_fit():
     shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
     found = suggestions(cfg, shape, 8, device_gib=80)

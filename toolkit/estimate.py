@@ -31,7 +31,8 @@ width, a heads and t the TP degree::
 
 times the activation dtype's bytes. Outside the layers: logits, their log-softmax and the logits'
 gradient, 3 x 4 bytes x b·s·V/t (the loss is taken in fp32). With activation checkpointing only each
-layer's input (h per token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is recomputed.
+layer's input (h per token, h / t with sequence parallelism) is kept, plus one layer's full
+activations while it is recomputed.
 DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches in flight on
 the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
 
