@@ -27,6 +27,9 @@ def ds_config(stage: int, world: int, universal: bool = False) -> dict:
 
 def _engine(family: str, stage: int, world: int, universal: bool = False, seed: int = 0):
     import deepspeed
+
+    from toolkit.compat import cpuinfo_cache
+    cpuinfo_cache.install()  # as the toolkit's engine does: no cpuinfo subprocess per op load
     model = tiny_model(family, seed=seed).train()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
                                       config=ds_config(stage, world, universal))

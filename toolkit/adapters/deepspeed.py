@@ -178,6 +178,9 @@ class DeepSpeedEngine:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, ds_config: dict):
         import deepspeed
+
+        from toolkit.compat import cpuinfo_cache
+        cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
         check_dtype_supported(cfg.model.dtype)
         self.cfg = cfg
         self.ds_config = ds_config
