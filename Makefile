@@ -22,10 +22,10 @@ demo: setup
 	$(BIN)/toolkit train
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not container"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not container"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

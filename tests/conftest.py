@@ -60,15 +60,39 @@ def runs(tmp_path_factory, data_cache):
     return get
 
 
+def _has_container_tests_and_others(nodeids: list[str]) -> bool:
+    container = [n for n in nodeids if n.startswith("tests/test_container.py")]
+    return 0 < len(container) < len(nodeids)
+
+
 def pytest_collection_modifyitems(config, items):
     """Container tests run last, their image building in the background from the start."""
     container = [item for item in items if item.get_closest_marker("container")]
     if not container:
         return
     items[:] = [item for item in items if not item.get_closest_marker("container")] + container
-    if len(container) < len(items) and not config.option.collectonly:  # overlap the build with the rest
+    in_worker = hasattr(config, "workerinput")  # under xdist the controller starts it (hook below)
+    if not in_worker and not config.option.collectonly and _has_container_tests_and_others(
+            [item.nodeid for item in items]):  # overlap the build with the rest
         from tests import container_image
         container_image.start_background_build()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist controller: the first worker's collection says whether the container tests will run."""
+    if _has_container_tests_and_others(list(ids)):
+        from tests import container_image
+        container_image.start_background_build()
+
+
+def pytest_configure(config):
+    """The container build's id, shared through the environment with the xdist workers that the
+    controller starts after this."""
+    if not hasattr(config, "workerinput"):
+        import uuid
+        from tests import container_image
+        os.environ.setdefault(container_image.BUILD_ID_ENV, uuid.uuid4().hex)
 
 
 def pytest_unconfigure(config):

@@ -8,7 +8,8 @@ and the CPU torch wheel comes from the host's wheel folder when it has one.
 The build takes minutes and mostly waits on disk and unpacking, so ``tests/conftest.py`` starts it
 in the background at collection (``python -m tests.container_image``, at the lowest CPU and I/O
 priority) and runs the container tests last; their fixture waits for it, or builds inline when no
-background build was started.
+background build was started. Under pytest-xdist the controller starts it (workers are not its
+owners: the one that finishes first would otherwise kill it) and the build reports to a status file.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +29,7 @@ BASE = "localhost/debian-py:bookworm"
 IMAGE = "localhost/hf-parallel-toolkit:cpu-test"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 WORK = Path(tempfile.gettempdir()) / f"toolkit-container-build-{os.getuid()}"
+BUILD_ID_ENV = "TOOLKIT_CONTAINER_BUILD_ID"
 _background: subprocess.Popen | None = None
 
 
@@ -80,36 +84,69 @@ def build_image() -> str:
     return IMAGE
 
 
+def _status_file() -> Path | None:
+    """Where this test session's background build reports its exit code. The id is shared with
+    pytest-xdist workers through the environment, so whichever worker runs the container tests can
+    wait for a build that the controller started."""
+    build_id = os.environ.get(BUILD_ID_ENV)
+    return WORK / f"build-{build_id}.rc" if build_id else None
+
+
 def start_background_build() -> None:
     """Start the build now, niced, so it uses the cores the other tests leave idle."""
     global _background
     if _background is not None or missing_tools():
         return
     WORK.mkdir(exist_ok=True)
+    os.environ.setdefault(BUILD_ID_ENV, uuid.uuid4().hex)
+    status = _status_file()
+    status.unlink(missing_ok=True)
     log = open(WORK / "build.log", "wb")
     _background = subprocess.Popen(["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m",
-                                    "tests.container_image"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    "tests.container_image", str(status)], cwd=REPO, stdout=log,
+                                   stderr=subprocess.STDOUT,
                                    start_new_session=True)  # its own group: stopped whole, podman included
+    (WORK / f"{status.name}.started").touch()
 
 
 def stop_background_build() -> None:
-    if _background is not None and _background.poll() is None:
+    if _background is None:
+        return
+    if _background.poll() is None:
         os.killpg(_background.pid, signal.SIGKILL)
         _background.wait()
+    status = _status_file()
+    for path in (status, WORK / f"{status.name}.started"):
+        path.unlink(missing_ok=True)
 
 
-def image_ready() -> str:
+def image_ready(timeout_s: float = 2400) -> str:
     """The built image: waits for the background build, or builds here when there was none."""
-    if _background is None:
+    status = _status_file()
+    if status is None or not (WORK / f"{status.name}.started").exists():
         return build_image()
-    if _background.wait(timeout=2400) != 0:
+    deadline = time.monotonic() + timeout_s
+    while not status.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"background image build did not finish in {timeout_s:.0f}s")
+        time.sleep(2)
+    if status.read_text().strip() != "0":
         raise RuntimeError(f"background image build failed:\n{(WORK / 'build.log').read_text()[-6000:]}")
     return IMAGE
 
 
-if __name__ == "__main__":
+def _build_and_report(status: Path) -> int:
     try:
         print(build_image(), flush=True)
+        code = 0
     except Exception as exc:  # the log is what the waiting fixture shows
         print(exc, flush=True)
-        sys.exit(1)
+        code = 1
+    tmp = status.with_suffix(".tmp")
+    tmp.write_text(str(code))
+    tmp.replace(status)  # whole or absent: the waiter never reads a half-written code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_build_and_report(Path(sys.argv[1])))

@@ -29,7 +29,7 @@ def uninterrupted(runs):
 
 def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uninterrupted):
     run_dir = tmp_path / "run"
-    faults = "kill:step=3:rank=1;diverge:step=4:rank=1;raise:step=5:rank=0;slow:step=1:rank=1:ms=300"
+    faults = "kill:step=3:rank=1;diverge:step=4:rank=1;raise:step=5:rank=0;slow:step=1:rank=1:ms=600"
     train(run_dir, data_cache, *RESTART, "restart.divergence_every=1", "restart.straggler_every=2",
           env={"TOOLKIT_FAULT": faults})
     assert losses(run_dir) == uninterrupted
@@ -47,7 +47,7 @@ def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uni
 
 def test_hang_is_detected_named_and_restarted(tmp_path, data_cache, uninterrupted):
     run_dir = tmp_path / "run"
-    train(run_dir, data_cache, *RESTART, "restart.hang_timeout_s=8", env={"TOOLKIT_FAULT": "hang:step=3:rank=1"})
+    train(run_dir, data_cache, *RESTART, "restart.hang_timeout_s=15", env={"TOOLKIT_FAULT": "hang:step=3:rank=1"})
     assert losses(run_dir) == uninterrupted
     hang = next(e for e in events(run_dir) if e["kind"] == "hang")
     assert hang["stuck_ranks"] == [1] and hang["step"] == 3

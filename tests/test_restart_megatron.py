@@ -53,7 +53,7 @@ def test_hang_then_preemption_then_resume(tmp_path, data_cache, uninterrupted):
     run_dir = tmp_path / "run"
     faults = "hang:step=2:rank=3;sigterm:step=4:rank=0"
     asynchronous = ("checkpoint.async_save=true", f"checkpoint.local_dir={tmp_path / 'local'}")
-    proc = train(run_dir, data_cache, *MEGATRON, *asynchronous, "restart.max_restarts=2", "restart.hang_timeout_s=8",
+    proc = train(run_dir, data_cache, *MEGATRON, *asynchronous, "restart.max_restarts=2", "restart.hang_timeout_s=15",
                  nproc=NPROC, env={"TOOLKIT_FAULT": faults}, check=False)
     assert proc.returncode == 75, proc.stderr[-3000:]
     hang = next(e for e in events(run_dir) if e["kind"] == "hang")
