@@ -42,3 +42,4 @@ def test_a_damaged_cache_file_is_recomputed(counted):
     cpuinfo_cache.install()
     assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(counted) == 1
     assert cpuinfo_cache._cached(lambda: pytest.fail("recomputed twice"))["arch"] == "X86_64"
+

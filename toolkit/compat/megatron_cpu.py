@@ -91,6 +91,7 @@ _ORIGINAL_TYPE = torch.Tensor.type
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, stand-in) for everything the layer replaces."""
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -109,6 +110,9 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.Tensor, "type", _cuda_type),
         (mcore_random, "_get_cuda_rng_state", get_rng_state),
         (mcore_random, "_set_cuda_rng_state", set_rng_state),
+        # The MoE router's gating GEMM tests ``te_general_gemm is not None``, a name megatron binds
+        # only when Transformer Engine imports (NameError without TE); None selects its torch path.
+        (moe_utils, "te_general_gemm", None),
     ]
 
 
@@ -138,7 +142,7 @@ def enable() -> bool:
         if _state["depth"] > 1:
             return True
         for owner, name, stand_in in _patches():
-            _state["saved"].append((owner, name, owner.__dict__.get(name, _MISSING), getattr(owner, name)))
+            _state["saved"].append((owner, name, owner.__dict__.get(name, _MISSING), getattr(owner, name, _MISSING)))
             setattr(owner, name, stand_in)
         mode = _CudaToCpu()
         mode.__enter__()
@@ -159,8 +163,8 @@ def disable() -> None:
             mode.__exit__(None, None, None)
         for owner, name, own, original in reversed(_state["saved"]):
             if own is _MISSING:
-                delattr(owner, name)  # it was inherited or lazily resolved: drop our override
-                if getattr(owner, name, None) is not original:
+                delattr(owner, name)  # it was inherited, lazily resolved or absent: drop our override
+                if original is not _MISSING and getattr(owner, name, None) is not original:
                     setattr(owner, name, original)
             else:
                 setattr(owner, name, own)
