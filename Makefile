@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PINS := requirements/constraints.txt
+# The venv's bin first on PATH, as for a user who activated it: DeepSpeed JIT-builds its CPU ops
+# with the `ninja` PATH finds (tests/conftest.py does the same for the test suite).
+RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 
 .PHONY: setup demo test test-fast lint clean
 
@@ -19,7 +22,7 @@ $(VENV)/.installed: setup.cfg $(PINS)
 	touch $@
 
 demo: setup
-	$(BIN)/toolkit train
+	$(RUN) $(BIN)/toolkit train
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15

@@ -87,8 +87,16 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def pytest_configure(config):
-    """The container build's id, shared through the environment with the xdist workers that the
+    """The venv's bin first on PATH for every process the tests start, as for a user who activated
+    it. DeepSpeed JIT-builds its CPU ops with whichever ``ninja`` PATH finds; the venv's (1.13, a
+    deepspeed dependency) and a system ninja (1.11) hash build commands differently, so a suite that
+    mixed them (the Slurm examples put the venv first) rebuilt every op, 1-2 minutes, at each switch.
+
+    And the container build's id, shared through the environment with the xdist workers that the
     controller starts after this."""
+    venv_bin = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     if not hasattr(config, "workerinput"):
         import uuid
         from tests import container_image
