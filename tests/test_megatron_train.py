@@ -133,7 +133,7 @@ def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
     (model_dir / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 2048}))
     proc = train(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}", check=False)
     assert proc.returncode == 2
-    assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'qwen2']" in proc.stderr
+    assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe']" in proc.stderr
 
 
 def test_bf16_trains(runs, deepspeed_reference):

@@ -85,6 +85,9 @@ class TrainConfig(_Section):
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
+    moe_aux_loss_coeff: float | None = None
+    """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/moe.py``);
+    default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
 
     @model_validator(mode="after")
     def _positive(self) -> "TrainConfig":
@@ -117,6 +120,11 @@ class MegatronConfig(_Section):
     sequence_parallel: bool = False
     """Split norm and dropout activations along the sequence over the TP ranks (needs tp >= 2 and
     seq_len divisible by tp); all-reduces become reduce-scatter + all-gather."""
+    ep: int = 1
+    """Expert parallel degree (mixture-of-experts models): each of ep ranks of a DP group holds
+    num_experts / ep experts; tokens are exchanged with the MoE token dispatcher."""
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """megatron's MoE token dispatcher; alltoall needs a GPU (NCCL), allgather runs anywhere."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -126,7 +134,7 @@ class MegatronConfig(_Section):
 
     @model_validator(mode="after")
     def _positive(self) -> "MegatronConfig":
-        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"megatron.{name}={getattr(self, name)} must be >= 1")
         if self.vpp is not None and self.vpp < 1:

@@ -5,7 +5,7 @@ the optimizer and how gradients are reduced across data-parallel ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -23,6 +23,8 @@ class StepStats:
     """Global L2 norm of the gradient before clipping."""
     compute_s: float = 0.0
     """This rank's own forward time in the step (no waiting on peers): the straggler signal."""
+    extra: dict = field(default_factory=dict)
+    """More per-step metrics for metrics.jsonl (mixture of experts: ``toolkit/moe.py``)."""
 
 
 class Engine(Protocol):

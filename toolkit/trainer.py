@@ -140,6 +140,7 @@ class Trainer:
         record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
                   "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
                   "step_s": step_s, "elapsed_s": elapsed_s}
+        record.update(stats.extra)
         if self._peak:  # GPUs only; the formula and peaks: toolkit/flops.py
             record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
         self.metrics.log(record)

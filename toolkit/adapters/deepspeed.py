@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from toolkit import moe
 from toolkit.adapters.hf import param_groups
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import StepStats, token_loss_sum
@@ -184,6 +185,9 @@ class DeepSpeedEngine:
         check_dtype_supported(cfg.model.dtype)
         self.cfg = cfg
         self.ds_config = ds_config
+        self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
+        if self.router and cfg.zero.stage == 3:
+            _experts_as_leaf_modules(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds_config)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
@@ -198,10 +202,13 @@ class DeepSpeedEngine:
         grad_norm, compute_s = None, 0.0
         for i, mb in enumerate(micro_batches):
             tic = time.perf_counter()
-            logits = self.engine(input_ids=mb["input_ids"].to(self.device)).logits
+            out = self._forward(mb["input_ids"].to(self.device))
             compute_s += time.perf_counter() - tic
-            loss_sum, _ = token_loss_sum(logits, mb["labels"].to(self.device))
-            self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            loss_sum, _ = token_loss_sum(out.logits, mb["labels"].to(self.device))
+            objective = loss_sum * scale
+            if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
+                objective = objective + self.router.loss(out.router_logits) / len(micro_batches)
+            self.engine.backward(objective, scale_wrt_gas=False)
             if i == len(micro_batches) - 1 and self.cfg.zero.stage == 0:
                 grad_norm = self._reduced_grad_norm()
             self.engine.step()
@@ -209,7 +216,13 @@ class DeepSpeedEngine:
         dist.all_reduce(local_sum)
         if grad_norm is None:
             grad_norm = float(self.engine.get_global_grad_norm())
-        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=grad_norm, compute_s=compute_s)
+        extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router else {}
+        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=grad_norm, compute_s=compute_s, extra=extra)
+
+    def _forward(self, input_ids):
+        if self.router:
+            return self.engine(input_ids=input_ids, output_router_logits=True)
+        return self.engine(input_ids=input_ids)
 
     def _reduced_grad_norm(self) -> float:
         """Without ZeRO, DeepSpeed does not record the norm; the grads are all-reduced by now."""
@@ -284,6 +297,41 @@ class DeepSpeedEngine:
 
     def layout(self) -> dict:
         return {"dp": self.dp_size, "tp": 1, "pp": 1, "zero_stage": self.cfg.zero.stage}
+
+
+class _RouterLoss:
+    """The load-balancing loss of ``toolkit/moe.py`` from HF's ``router_logits`` (one ``[T, E]``
+    tensor per MoE layer), and its statistics."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module):
+        config = model.config
+        self.coeff = moe.aux_loss_coeff(cfg.train.moe_aux_loss_coeff, config)
+        self.top_k = int(config.num_experts_per_tok)
+        self.stats: moe.RouterStats | None = None
+
+    def loss(self, router_logits) -> torch.Tensor:
+        """``coeff`` x the mean over layers of this micro-batch's aux loss (recorded in ``stats``)."""
+        if self.stats is None:
+            self.stats = moe.RouterStats(len(router_logits), router_logits[0].shape[-1])
+        total = 0.0
+        for layer, logits in enumerate(router_logits):
+            counts = moe.routed_counts(logits.detach(), self.top_k)
+            aux = moe.load_balancing_loss(logits, counts, logits.shape[0])
+            self.stats.add(layer, counts, aux.detach())
+            total = total + aux
+        return self.coeff * total / len(router_logits)
+
+
+def _experts_as_leaf_modules(model: torch.nn.Module) -> None:
+    """ZeRO-3 gathers a module's parameters in its forward hook; experts that receive no tokens on
+    one rank are not called there, and the ranks' gathers no longer match (a hang). Every module
+    holding an ``experts`` child (transformers' sparse MoE blocks) becomes a ZeRO-3 leaf: its
+    parameters are gathered all at once when the block runs."""
+    from deepspeed.utils import set_z3_leaf_modules
+    blocks = sorted({type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)},
+                    key=lambda c: c.__name__)
+    if blocks:
+        set_z3_leaf_modules(model, blocks)
 
 
 # --- exact resume with DeepSpeed's CPU Adam kernels ---------------------------------------------

@@ -33,8 +33,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "megatron_configs"
-PRESET_KEYS = ("tp", "pp", "vpp", "first_stage_layers", "last_stage_layers", "sequence_parallel",
-               "make_vocab_size_divisible_by", "recompute")
+PRESET_KEYS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "sequence_parallel",
+               "make_vocab_size_divisible_by", "recompute", "moe_dispatcher")
 
 
 # --- presets and layout checks (no megatron import: run in the launcher before any rank starts) -----
@@ -102,9 +102,31 @@ def check_layout(cfg: RunConfig, hf_config, world_size: int) -> dict:
                           f"global_batch_size / (micro_batch_size x dp={dp})) divisible by pp={m.pp}")
     if m.sequence_parallel:
         _check_sequence_parallel(m, cfg.data.seq_len)
+    _check_experts(m, family.num_experts(hf_config), world_size, hf_config.model_type)
     from toolkit.families import padded_vocab_size
-    return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "dp": dp, "sequence_parallel": m.sequence_parallel,
+    return {"tp": m.tp, "pp": m.pp, "vpp": m.vpp, "ep": m.ep, "dp": dp, "sequence_parallel": m.sequence_parallel,
             "padded_vocab": padded_vocab_size(hf_config.vocab_size, m.make_vocab_size_divisible_by, m.tp)}
+
+
+def _check_experts(m, experts: int, world_size: int, model_type: str) -> None:
+    """Expert parallelism: ep divides the experts and, with tp and pp, the world (megatron carves
+    the ep ranks out of each DP group; expert tensor parallelism equals tp)."""
+    if not experts:
+        if m.ep > 1:
+            raise ConfigError(f"megatron.ep={m.ep} needs a mixture-of-experts model; {model_type} has no experts "
+                              "(unset megatron.ep)")
+        return
+    if experts % m.ep:
+        raise ConfigError(f"{experts} experts do not divide over megatron.ep={m.ep}; choose ep in {_divisors(experts)}")
+    if world_size % (m.tp * m.ep * m.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by megatron.tp={m.tp} x ep={m.ep} x pp={m.pp}; "
+                          f"use nproc a multiple of {m.tp * m.ep * m.pp} or a smaller ep")
+    if m.tp > 1 and not m.sequence_parallel:
+        raise ConfigError(f"megatron.tp={m.tp} with a mixture-of-experts model needs megatron.sequence_parallel=true "
+                          "(megatron-core's MoE layer requires it under tensor parallelism)")
+    if m.moe_dispatcher == "alltoall" and not torch.cuda.is_available():
+        raise ConfigError("megatron.moe_dispatcher=alltoall needs GPUs (its all_to_all fails on CPU/gloo); "
+                          "use megatron.moe_dispatcher=allgather")
 
 
 def _check_sequence_parallel(m, seq_len: int) -> None:
@@ -170,12 +192,21 @@ class SafetensorsReader(Reader, Mapping):
 
 
 def hf_weights(cfg: RunConfig) -> Mapping[str, torch.Tensor]:
-    """HF tensors by name: the checkpoint (lazily) or the seeded random init of ``build_model``."""
+    """HF tensors by checkpoint name: the checkpoint (lazily) or the seeded random init of ``build_model``."""
+    from toolkit.families import get_family
     if cfg.model.init == "pretrained":
         path = Path(cfg.model.name_or_path)
         return SafetensorsReader(path.parent if path.is_file() else path)
     from toolkit.adapters.hf import build_model
-    return build_model(cfg).state_dict()
+    model = build_model(cfg)
+    return checkpoint_names(get_family(model.config.model_type), model.config, model.state_dict())
+
+
+def checkpoint_names(family, hf_config, state):
+    """HF tensors under their checkpoint names (MoE experts one tensor each, as ``save_pretrained``
+    writes them), from a transformers module state; a lazy reader is passed through."""
+    from toolkit.families import unpack
+    return state if isinstance(state, Reader) else unpack(family, hf_config, state)
 
 
 # --- model --------------------------------------------------------------------------------------------
@@ -192,6 +223,11 @@ def transformer_config(cfg: RunConfig, hf_config, family):
               calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, **_recompute(m.recompute))
+    if family.num_experts(hf_config):
+        # The load-balancing loss is the toolkit's (LoadBalancedRouter), not megatron's.
+        kw.update(expert_model_parallel_size=m.ep, moe_token_dispatcher_type=m.moe_dispatcher,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_permute_fusion=False, moe_router_fusion=False)
     if not torch.cuda.is_available():
         from toolkit.compat import megatron_cpu
         kw.update(megatron_cpu.TRANSFORMER_CONFIG)
@@ -222,10 +258,14 @@ def build_chunks(cfg: RunConfig, hf_config, family, tconfig, padded_vocab: int) 
 
 
 def layer_spec(tconfig, vp_stage: int | None):
-    """megatron's local layer spec (torch norms); with sequence parallelism, a block spec whose norms
-    are ``SequenceParallelNorm`` (megatron's own torch-norm wrapper refuses sequence parallelism)."""
+    """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``);
+    with sequence parallelism, a block spec whose norms are ``SequenceParallelNorm`` (megatron's own
+    torch-norm wrapper refuses sequence parallelism)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization=tconfig.normalization)
+    if tconfig.num_moe_experts:
+        spec.submodules.mlp.submodules.router = load_balanced_router_class()
     if not tconfig.sequence_parallel:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -251,11 +291,71 @@ class SequenceParallelNorm:
         return norm
 
 
-def _global_name(name: str, offset: int) -> str:
-    if name.startswith("decoder.layers."):
-        _, _, i, rest = name.split(".", 3)
-        return f"decoder.layers.{int(i) + offset}.{rest}"
-    return name
+def load_balanced_router_class():
+    """megatron's ``TopKRouter`` that adds the toolkit's load-balancing loss (``toolkit/moe.py``, the
+    same definition as the DeepSpeed path) to its routing, and records tokens per expert.
+
+    Per training forward of a micro-batch and layer: ``aux`` from this rank's logits and the tokens
+    per expert of the whole sequence (summed over the TP group under sequence parallelism, where
+    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``,
+    which the engine sets each step. Not in eval, and once per micro-batch under recomputation
+    (the recomputing forward is the one with gradients)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from toolkit import moe
+
+    class LoadBalancedRouter(TopKRouter):
+        aux_scale: float = 0.0
+        stats: "moe.RouterStats | None" = None
+
+        def routing(self, logits, padding_mask=None):
+            probs, routing_map = super().routing(logits, padding_mask)
+            if not (self.training and torch.is_grad_enabled()):
+                return probs, routing_map
+            flat = logits.reshape(-1, self.config.num_moe_experts)
+            counts = routing_map.sum(dim=0)
+            tokens = flat.shape[0]
+            if self.config.sequence_parallel:
+                dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+                tokens *= ps.get_tensor_model_parallel_world_size()
+            aux = moe.load_balancing_loss(flat, counts, tokens)
+            if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
+                self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
+                               aux.detach())
+            if self.aux_scale:
+                probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
+            return probs, routing_map
+
+    return LoadBalancedRouter
+
+
+def _global_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    """A chunk's parameter name with global layer (and expert) numbers."""
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, i, rest = name.split(".", 3)
+    if rest.startswith(EXPERTS):
+        j, tail = rest[len(EXPERTS):].split(".", 1)
+        rest = f"{EXPERTS}{int(j) + expert_offset}.{tail}"
+    return f"decoder.layers.{int(i) + offset}.{rest}"
+
+
+EXPERTS = "mlp.experts.local_experts."
+"""Routed experts' parameters: ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*``."""
+
+
+def expert_offset(chunk) -> int:
+    """Global number of this rank's first routed expert (expert parallel ranks hold blocks)."""
+    if not getattr(chunk.config, "num_moe_experts", None):
+        return 0
+    from megatron.core import parallel_state as ps
+    per_rank = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * per_rank
+
+
+def is_expert(name: str) -> bool:
+    return name.startswith("decoder.layers.") and name.split(".", 3)[3].startswith(EXPERTS)
 
 
 def _local_params(chunk) -> dict[str, torch.Tensor]:
@@ -273,7 +373,7 @@ def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp
     from toolkit.families import MappingReader, Reader, read_shard, table
     offset, tied = layer_offset(chunk), family.tied(hf_config)
     local = _local_params(chunk)
-    source = {n: _global_name(n, offset) for n in local}
+    source = {n: _global_name(n, offset, expert_offset(chunk)) for n in local}
     if tied:  # a last pipeline stage holds its own copy of the tied embedding as output_layer
         source = {n: "embedding.word_embeddings.weight" if g == "output_layer.weight" else g for n, g in source.items()}
     known = table(family, hf_config)
@@ -389,7 +489,7 @@ class MegatronEngine:
         self.family = get_family(hf_config.model_type)
         self.plan = check_layout(cfg, hf_config, dist.get_world_size())
         self._init_parallel()
-        hf_state = hf_weights(cfg) if hf_state is None else hf_state
+        hf_state = hf_weights(cfg) if hf_state is None else checkpoint_names(self.family, hf_config, hf_state)
         check_hf_keys(self.family, hf_config, hf_state)
         self.tconfig = transformer_config(cfg, hf_config, self.family)
         chunks = build_chunks(cfg, hf_config, self.family, self.tconfig, self.plan["padded_vocab"])
@@ -400,6 +500,7 @@ class MegatronEngine:
         self.model = self._wrap_ddp(chunks)
         self.optimizer = self._build_optimizer()
         self._configure_schedule()
+        self._setup_routers()
 
     # --- setup ----------------------------------------------------------------------------------------
 
@@ -409,13 +510,17 @@ class MegatronEngine:
         m = self.cfg.megatron
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp,
-                                         virtual_pipeline_model_parallel_size=m.vpp)
+                                         virtual_pipeline_model_parallel_size=m.vpp,
+                                         expert_model_parallel_size=m.ep)
         model_parallel_cuda_manual_seed(self.cfg.train.seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        # whether this rank's copy of dense / expert parameters is the one an export takes
+        self.owns_dense = self.dp_rank == 0
+        self.owns_experts = ps.get_expert_data_parallel_rank() == 0 if m.ep > 1 else self.owns_dense
 
     def _wrap_ddp(self, chunks) -> list:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -433,12 +538,32 @@ class MegatronEngine:
                                bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype])
         return get_megatron_optimizer(ocfg, self.model)
 
+    def _setup_routers(self) -> None:
+        """MoE: the routers record their statistics in one ``RouterStats`` (layers by global number)."""
+        from toolkit import moe
+        experts = self.family.num_experts(self.hf_config)
+        self.routers = [m for c in self.model for m in c.modules() if hasattr(m, "aux_scale")]
+        self.router_stats = moe.RouterStats(self.hf_config.num_hidden_layers, experts) if experts else None
+        self.aux_coeff = moe.aux_loss_coeff(self.cfg.train.moe_aux_loss_coeff, self.hf_config)
+        for router in self.routers:
+            router.stats = self.router_stats
+
+    def _set_aux_scale(self, loss_tokens: int, micro_batches: int) -> None:
+        """Weight of each micro-batch's layer aux loss so that, after the DP sum and the
+        ``1 / loss_tokens`` scaling of every gradient, the objective gets ``coeff`` x the mean over
+        MoE layers and the global batch's micro-batches (``toolkit/moe.py``)."""
+        per = self.aux_coeff * loss_tokens / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
+        for router in self.routers:
+            router.aux_scale = per
+
     def _configure_schedule(self) -> None:
         from megatron.core.distributed import finalize_model_grads
         self._loss_tokens = 1
+        self._complete_grads = False
 
         def finalize(model, num_tokens=None, **kw):
-            finalize_model_grads(model, num_tokens=None, **kw)  # DP sum (no averaging: per-token loss mode)
+            # DP sum (no averaging: per-token loss mode); an all-reduce when grads are inspected
+            finalize_model_grads(model, num_tokens=None, **{**kw, "force_all_reduce": self._complete_grads})
             for chunk in model:
                 chunk.scale_gradients(1.0 / self._loss_tokens)
 
@@ -476,10 +601,13 @@ class MegatronEngine:
                 totals += torch.stack([d["loss_sum"], d["count"]])
         return totals
 
-    def forward_backward(self, micro_batches, loss_tokens: int) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_tokens: int, complete_grads: bool = False) -> torch.Tensor:
         """Gradients of sum(token losses) / loss_tokens in the DDP buffers (``param.main_grad``,
-        reduce-scattered over DP); returns this rank's [loss sum, token count]."""
-        self._loss_tokens = loss_tokens
+        reduce-scattered over DP: each rank's shard is complete; ``complete_grads``: all-reduced,
+        so every rank holds the whole gradient, for inspection); returns this rank's [loss sum,
+        token count]."""
+        self._loss_tokens, self._complete_grads = loss_tokens, complete_grads
+        self._set_aux_scale(loss_tokens, len(micro_batches))
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -498,7 +626,9 @@ class MegatronEngine:
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (inf/nan gradients)")
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
-        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm), compute_s=compute_s)
+        extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
+        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm), compute_s=compute_s,
+                         extra=extra)
 
     @property
     def dp_group(self):
@@ -564,8 +694,11 @@ class MegatronEngine:
         sd = {}
         for i, chunk in enumerate(self.model):
             sd["model" if len(self.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
+        # chained_optim_avoid_prefix: with ep > 1 megatron chains a dense and an expert optimizer;
+        # without it their keys would differ from ep = 1's and no other ep could load them.
         sd["optimizer"] = self.optimizer.sharded_state_dict(
-            dict(sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            dict(sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                                                       "chained_optim_avoid_prefix": True})
         return sd
 
     def save(self, path: Path, step: int = 0) -> None:
@@ -573,10 +706,11 @@ class MegatronEngine:
         path = Path(path)
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
-            (path / "toolkit_megatron.json").write_text(json.dumps(self.describe(), indent=2))
         dist.barrier()
         _in_process_write_results()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
+        if dist.get_rank() == 0:  # after megatron's save, which warns about a folder not empty before it
+            (path / "toolkit_megatron.json").write_text(json.dumps(self.describe(), indent=2))
         dist.barrier()
 
     def _materialize_optimizer_state(self) -> None:
@@ -648,15 +782,19 @@ class MegatronEngine:
 
     def full_mcore_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
         """Full (unsharded, global layer numbers) mcore tensors, on global rank 0; None elsewhere.
-        ``attr="main_grad"``: the gradients instead of the weights (complete only at dp=1)."""
+        ``attr="main_grad"``: the gradients instead of the weights (complete at dp=1, or after
+        ``forward_backward(..., complete_grads=True)``)."""
         local = {}
         for chunk in self.model:
-            offset = layer_offset(chunk.module)
+            offset, first_expert = layer_offset(chunk.module), expert_offset(chunk.module)
             for name, t in _local_params(chunk.module).items():
+                name = _global_name(name, offset, first_expert)
+                if not (self.owns_experts if is_expert(name) else self.owns_dense):
+                    continue  # another DP (or expert-DP) replica's copy is taken
                 t = getattr(t, attr) if attr else t
-                local[_global_name(name, offset)] = t.detach().to("cpu", torch.float32).clone()
+                local[name] = t.detach().to("cpu", torch.float32).clone()
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((self.dp_rank, self.tp_rank, local), gathered, dst=0)
+        dist.gather_object((self.tp_rank, local), gathered, dst=0)
         if dist.get_rank() != 0:
             return None
         return self._merge(gathered)
@@ -664,10 +802,9 @@ class MegatronEngine:
     def _merge(self, gathered) -> dict[str, torch.Tensor]:
         from toolkit.families import unshard
         parts: dict[str, dict[int, torch.Tensor]] = {}
-        for dp_rank, tp_rank, local in gathered:
-            if dp_rank == 0:
-                for name, t in local.items():
-                    parts.setdefault(name, {})[tp_rank] = t
+        for tp_rank, local in gathered:
+            for name, t in local.items():
+                parts.setdefault(name, {})[tp_rank] = t
         full = {}
         for name, by_rank in parts.items():
             if name == "output_layer.weight" and self.family.tied(self.hf_config):
@@ -686,8 +823,9 @@ class MegatronEngine:
         state = self.hf_state()
         if dist.get_rank() == 0:
             from transformers import AutoModelForCausalLM
+            from toolkit.families import pack
             model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
-            model.load_state_dict(state, strict=True)
+            model.load_state_dict(pack(self.family, self.hf_config, state), strict=True)
             model.save_pretrained(str(path), safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(path))
@@ -699,7 +837,7 @@ class MegatronEngine:
 
     def layout(self) -> dict:
         m = self.cfg.megatron
-        return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "format": "torch_dist"}
+        return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "ep": m.ep, "format": "torch_dist"}
 
 
 def build_engine(cfg: RunConfig, plan: dict, run_dir: Path, rank: int) -> MegatronEngine:

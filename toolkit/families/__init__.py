@@ -4,21 +4,26 @@ Generic conversions over a family's weight table (pure tensor logic):
   ``hf_to_mcore``   HF state -> full mcore tensors (global layer numbers, padded vocab)
   ``mcore_to_hf``   the inverse
   ``shard``/``unshard``  full mcore tensors <-> TP rank r's tensors
+  ``unpacked_layout``, ``unpack``/``pack``  transformers (>= 5) module parameters <-> checkpoint
+                    tensors (MoE experts are one packed parameter in memory, one tensor each on disk)
 """
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping
 
 import torch
 
-from toolkit.families.base import (Family, FamilyError, MappingReader, Reader, padded_vocab_size,
+from toolkit.families.base import (Family, FamilyError, MappingReader, Packed, Reader, padded_vocab_size,
                                    rope_parameters)
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
-           "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table"]
+           "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
+           "find_family", "Piece", "unpacked_layout", "unpack", "pack"]
 
 
 @lru_cache(maxsize=1)
@@ -31,6 +36,11 @@ def _registry() -> dict[str, Family]:
         if isinstance(family, Family):
             found[family.model_type] = family
     return found
+
+
+def find_family(model_type: str | None) -> Family | None:
+    """The family of ``model_type``, or None (the DeepSpeed path and HF/ZeRO conversions need none)."""
+    return _registry().get(model_type) if model_type else None
 
 
 def supported() -> list[str]:
@@ -149,3 +159,71 @@ def _entry(family, hf_config, name):
         layer = int(name.split(".")[2])
         return table(family, hf_config, [layer])[name][0]
     return table(family, hf_config, [])[name][0]
+
+
+# --- transformers' packed module parameters <-> checkpoint tensors ----------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a checkpoint tensor lies in a module parameter: elements ``[start, start + numel)`` of
+    the flattened ``module`` tensor, viewed as ``shape``."""
+    module: str
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _packs(family: Family | None, hf_config) -> dict[str, tuple[Packed, str]]:
+    if family is None or not family.packed:
+        return {}
+    prefixes = [family.hf_layer.format(i=i) for i in range(hf_config.num_hidden_layers)]
+    return {hp + p.module: (p, hp) for hp in prefixes for p in family.packed}
+
+
+def unpacked_layout(family: Family | None, hf_config, module_shapes: Mapping[str, tuple]) -> dict[str, Piece]:
+    """Checkpoint name -> ``Piece`` for every tensor of a module state (names and shapes as a
+    transformers model's ``state_dict`` has them), in module order, experts in order. Tensors that
+    are not packed map to themselves; a state already in checkpoint names maps to itself.
+    The parts of a packed parameter split its rows (dim 0 of an expert's slice) equally."""
+    packs = _packs(family, hf_config)
+    out = {}
+    for name, shape in module_shapes.items():
+        shape = tuple(shape)
+        if name not in packs:
+            out[name] = Piece(name, 0, shape)
+            continue
+        p, prefix = packs[name]
+        experts, slab = (shape[0], shape[1:]) if p.per_expert else (1, shape)
+        if slab[0] % len(p.parts):
+            raise FamilyError(f"{name}: {slab[0]} rows do not split into the {len(p.parts)} parts {p.parts}")
+        part_shape = (slab[0] // len(p.parts), *slab[1:])
+        for e in range(experts):
+            for j, part in enumerate(p.parts):
+                start = (e * len(p.parts) + j) * math.prod(part_shape)
+                out[prefix + part.format(e=e)] = Piece(name, start, part_shape)
+    return out
+
+
+def unpack(family: Family | None, hf_config, module_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named views of a module state (what ``save_pretrained`` writes)."""
+    layout = unpacked_layout(family, hf_config, {k: tuple(v.shape) for k, v in module_state.items()})
+    return {n: module_state[p.module].reshape(-1)[p.start:p.start + p.numel].view(p.shape) for n, p in layout.items()}
+
+
+def pack(family: Family | None, hf_config, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A module state (what ``load_state_dict`` of a transformers model takes) from checkpoint-named
+    tensors; the inverse of ``unpack``. Names of no packed parameter pass through."""
+    out, used = {}, set()
+    for module, (p, prefix) in _packs(family, hf_config).items():
+        experts = range(family.num_experts(hf_config)) if p.per_expert else [None]
+        names = [[prefix + part.format(e=e) for part in p.parts] for e in experts]
+        if not all(n in state for group in names for n in group):
+            continue  # already packed, or not in this state
+        slabs = [torch.cat([state[n] for n in group]) for group in names]
+        out[module] = torch.stack(slabs) if p.per_expert else slabs[0]
+        used.update(n for group in names for n in group)
+    out.update({k: v for k, v in state.items() if k not in used})
+    return out

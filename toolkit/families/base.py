@@ -10,6 +10,12 @@ Tensor layouts (``g`` KV groups, ``h`` query heads per group, ``d`` head dim, ``
                     holds groups ``[r*g/tp, (r+1)*g/tp)``, a contiguous block of rows.
   fused GLU weight  ``[2 * F, H]`` full = ``[gate; up]``; TP rank r holds ``[gate_r; up_r]``.
 
+Mixture-of-experts families add per-expert entries (names with ``{e}``, the *global* expert number;
+``mcore`` ``mlp.experts.local_experts.{e}.``, an expert-parallel rank holds a contiguous block of
+experts) and say how transformers >= 5 packs the checkpoint's per-expert tensors into one module
+parameter (``packed``): HF names in this package are always the *checkpoint* names that
+``save_pretrained`` writes, one tensor per expert.
+
 Family files do no I/O and no communication.
 """
 from __future__ import annotations
@@ -189,6 +195,26 @@ class FuseGLU:
 Entry = Rename | FuseQKV | FuseGLU
 
 
+def expert_entry(entry: Entry, e: int) -> Entry:
+    """``entry`` with ``{e}`` in its names replaced by the expert number."""
+    hf = tuple(n.format(e=e) for n in entry.hf) if isinstance(entry.hf, tuple) else entry.hf.format(e=e)
+    return dataclasses.replace(entry, hf=hf, mcore=entry.mcore.format(e=e))
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One parameter of the transformers (>= 5) module holding checkpoint tensors.
+
+    ``per_expert``: ``module`` is ``[E, *rows]`` whose slice e is the concatenation (dim 0) of
+    ``parts`` with ``{e}`` = e, e.g. ``gate_up_proj [E, 2F, H] = stack_e(cat(w1_e, w3_e))``;
+    otherwise ``module`` is the concatenation of ``parts`` (one part: a rename). Either way each
+    checkpoint tensor is one contiguous range of the module tensor's elements, so a reader serves
+    it without materializing the packed tensor."""
+    module: str
+    parts: tuple[str, ...]
+    per_expert: bool = False
+
+
 class Reader:
     """Read access to HF tensors by name: whole, or a ``[start, stop)`` range along one dim.
     ``MappingReader`` serves a state dict; the megatron adapter serves safetensors slices."""
@@ -282,16 +308,28 @@ class Family:
     padding_idx_field: str | None = None
     """HF config field naming the embedding's ``padding_idx`` (its row gets no gradient from the
     lookup, as in ``nn.Embedding(padding_idx=...)``); None when the HF model has none."""
+    experts: tuple[Entry, ...] = ()
+    """Mixture of experts: entries repeated for every routed expert (names with ``{e}``)."""
+    num_experts_field: str | None = None
+    """HF config field holding the number of routed experts (MoE families only)."""
+    packed: tuple[Packed, ...] = ()
+    """Per layer (names relative to ``hf_layer``): transformers' module parameters that pack
+    checkpoint tensors (MoE experts); the rest are stored under their checkpoint names."""
+
+    def num_experts(self, hf_config) -> int:
+        """Routed experts per MoE layer; 0 for a dense family."""
+        return int(getattr(hf_config, self.num_experts_field)) if self.num_experts_field else 0
 
     def padding_idx(self, hf_config) -> int | None:
         return getattr(hf_config, self.padding_idx_field, None) if self.padding_idx_field else None
 
-    def extend(self, **changes) -> "Family":
-        """A derived family; ``layer``/``top`` replace entries with the same mcore name, or append."""
+    def extend(self, drop: tuple[str, ...] = (), **changes) -> "Family":
+        """A derived family; ``layer``/``top`` replace entries with the same mcore name, or append;
+        ``drop`` removes entries by mcore name (a MoE family drops the dense MLP)."""
         for key in ("layer", "top"):
-            if key in changes:
-                new = {e.mcore: e for e in changes[key]}
-                kept = [new.pop(e.mcore, e) for e in getattr(self, key)]
+            if key in changes or drop:
+                new = {e.mcore: e for e in changes.get(key, ())}
+                kept = [new.pop(e.mcore, e) for e in getattr(self, key) if e.mcore not in drop]
                 changes[key] = tuple(kept) + tuple(new.values())
         for key in ("config", "fixed", "derived"):
             if key in changes:
@@ -352,8 +390,10 @@ class Family:
     def entries(self, hf_config, layers) -> list[tuple[Entry, str, str]]:
         """(entry, hf prefix, mcore prefix) for the top tensors and the given global layers."""
         out = [(e, "", "") for e in self.top if not (self.tied(hf_config) and e.mcore == "output_layer.weight")]
+        per_layer = list(self.layer) + [expert_entry(x, e) for e in range(self.num_experts(hf_config))
+                                        for x in self.experts]
         for i in layers:
-            out += [(e, self.hf_layer.format(i=i), f"decoder.layers.{i}.") for e in self.layer]
+            out += [(e, self.hf_layer.format(i=i), f"decoder.layers.{i}.") for e in per_layer]
         return out
 
 

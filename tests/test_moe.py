@@ -1,0 +1,224 @@
+"""Mixture of experts (mixtral, qwen2_moe): family tables against transformers' own checkpoint layout,
+the load-balancing loss against HF's, and the megatron path against HF's own forward at EP 1 and 2,
+TP 2 (sequence parallel) and PP 2: logits, routing and per-parameter gradients, aux loss included."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.test_megatron_compat import run_ranks
+from tests.test_megatron_parity import batches
+from toolkit import moe
+from toolkit.config import validate
+from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, pack, padded_vocab_size, read_shard,
+                              shard, unpack, unshard)
+
+# Tiny MoE configs: GQA, 4 experts top-2, vocab padding; qwen2_moe with q/k/v biases, a gated shared
+# expert, tied embeddings and un-normalized top-k weights (megatron's pre-softmax routing).
+TINY_MOE = {
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+                    num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
+                      pad_token_id=0),
+}
+FAMILIES = sorted(TINY_MOE)
+AUX_COEFF = 0.1  # large, so a mis-scaled aux gradient shows in the router's gradients
+
+
+def tiny_config(family: str, **changes):
+    kw = {**TINY_MOE[family], **changes}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def tiny_model(family: str, seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **changes), dtype=torch.float32)
+    with torch.no_grad():  # HF inits norms to ones and biases to zeros: randomize so mix-ups show
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+# --- family tables (no processes) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_names_are_what_save_pretrained_writes(family, tmp_path):
+    from safetensors.torch import load_file
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    unpacked = unpack(get_family(family), model.config, model.state_dict())
+    if model.config.tie_word_embeddings:  # stored once, as the input embedding
+        unpacked.pop("lm_head.weight")
+    assert sorted(unpacked) == sorted(on_disk)
+    assert all(torch.equal(unpacked[k], on_disk[k]) for k in on_disk)
+    packed = pack(get_family(family), model.config, on_disk)
+    state = {k: v for k, v in model.state_dict().items() if k in packed or k != "lm_head.weight"}
+    assert sorted(packed) == sorted(state) and all(torch.equal(packed[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_exact_through_tp_shards_and_slices(family, tp):
+    model = tiny_model(family)
+    cfg, fam = model.config, get_family(family)
+    hf = unpack(fam, cfg, model.state_dict())
+    padded = padded_vocab_size(cfg.vocab_size, 128, tp)
+    full = hf_to_mcore(fam, cfg, hf, padded)
+    assert sum(".local_experts." in n for n in full) == 2 * 4 * 2  # layers x experts x (fc1, fc2)
+    parts = {n: [shard(fam, cfg, n, t, tp, r) for r in range(tp)] for n, t in full.items()}
+    for name, ps in parts.items():
+        for r in range(tp):
+            assert torch.equal(read_shard(fam, cfg, name, hf, padded, tp, r), ps[r]), (name, r)
+    back = mcore_to_hf(fam, cfg, {n: unshard(fam, cfg, n, ps) for n, ps in parts.items()}, padded)
+    expected = {k: v for k, v in hf.items() if not (fam.tied(cfg) and k == "lm_head.weight")}
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], expected.get(k, hf[k])) for k in hf)
+
+
+def test_expert_glu_is_gate_then_up_per_expert():
+    model = tiny_model("mixtral")
+    cfg, fam = model.config, get_family("mixtral")
+    full = hf_to_mcore(fam, cfg, unpack(fam, cfg, model.state_dict()), 256)
+    gate_up = model.model.layers[1].mlp.experts.gate_up_proj  # [E, 2F, H] = per expert [w1; w3]
+    assert torch.equal(full["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"], gate_up[3])
+    assert torch.equal(full["decoder.layers.1.mlp.router.weight"], model.model.layers[1].mlp.gate.weight)
+
+
+@pytest.mark.parametrize("family,changes,field", [
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"sliding_window": 16}, "sliding_window"),
+    ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen2_moe", {"qkv_bias": False}, "qkv_bias"),
+])
+def test_config_fields_that_cannot_be_honoured_fail(family, changes, field):
+    with pytest.raises(FamilyError, match=field):
+        get_family(family).transformer_config(tiny_config(family, **changes))
+
+
+def test_router_settings_follow_hf():
+    assert get_family("mixtral").transformer_config(tiny_config("mixtral"))["moe_router_pre_softmax"] is False
+    tc = get_family("qwen2_moe").transformer_config(tiny_config("qwen2_moe"))
+    assert tc["moe_router_pre_softmax"] is True and tc["moe_shared_expert_gate"] is True
+    assert get_family("qwen2_moe").transformer_config(tiny_config("qwen2_moe", norm_topk_prob=True))[
+        "moe_router_pre_softmax"] is False
+
+
+# --- the load-balancing loss ------------------------------------------------------------------------
+
+def test_load_balancing_loss_equals_hfs_on_one_layer():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    ours = moe.load_balancing_loss(logits, moe.routed_counts(logits, 2), 64)
+    assert ours.item() == pytest.approx(load_balancing_loss_func((logits,), 8, 2).item(), rel=1e-6)
+    halves = [moe.load_balancing_loss(part, moe.routed_counts(logits, 2), 64) for part in logits.chunk(2)]
+    assert sum(halves).item() == pytest.approx(ours.item(), rel=1e-6)  # sequence-parallel shares add up
+    even = torch.zeros(8, 8)  # each token's top 2 spread evenly, uniform probabilities: aux = k
+    assert moe.load_balancing_loss(even, torch.full((8,), 2), 8).item() == pytest.approx(2.0)
+
+
+# --- megatron vs HF (spawned gloo ranks) ------------------------------------------------------------
+
+LAYOUTS = {  # name: (tp, pp, ep, megatron.* extras), each on 2 ranks: dp = 2 / (tp * pp)
+    "ep1_dp2": (1, 1, 1, {}),
+    "ep2": (1, 1, 2, {}),
+    "tp2_sp": (2, 1, 1, {"sequence_parallel": True}),
+    "pp2": (1, 2, 1, {}),
+}
+WORLD = 2
+LOGIT_TOL = 2e-5
+GRAD_TOL = 2e-5
+
+
+def hf_reference(model, micro_batches):
+    """HF logits, tokens per expert and grads of sum(token losses) / tokens + coeff * mean aux."""
+    model.zero_grad()
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    k = model.config.num_experts_per_tok
+    logits, counts = [], 0
+    for mb in micro_batches:
+        out = model(input_ids=mb["input_ids"], output_router_logits=True)
+        loss, _ = token_loss_sum(out.logits, mb["labels"])
+        layer_counts = [moe.routed_counts(z.detach(), k) for z in out.router_logits]
+        aux = sum(moe.load_balancing_loss(z, c, z.shape[0]) for z, c in zip(out.router_logits, layer_counts))
+        (loss / tokens + AUX_COEFF * aux / len(out.router_logits) / len(micro_batches)).backward()
+        logits.append(out.logits.detach())
+        counts = counts + torch.stack(layer_counts).double()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits, counts, grads, tokens
+
+
+def _rank_parity(rank, world):
+    """Every layout and family in turn on these ranks (megatron's groups rebuilt for each)."""
+    from megatron.core import parallel_state
+    results = {}
+    for name, (tp, pp, ep, extra) in LAYOUTS.items():
+        for family in FAMILIES:
+            results[(name, family)] = _one_layout(family, tp, pp, ep, extra)
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+def _one_layout(family, tp, pp, ep, extra) -> dict:
+    from toolkit.adapters.megatron import MegatronEngine
+    model = tiny_model(family)
+    micro = batches(model.config.vocab_size)  # 2 micro-batches of 2: one per rank when dp = 2
+    ref_logits, ref_counts, ref_grads, tokens = hf_reference(model, micro)
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "ep": ep, **extra},
+                    "train": {"global_batch_size": 4, "micro_batch_size": 2, "moe_aux_loss_coeff": AUX_COEFF}})
+    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    dp = engine.dp_size
+    mine = micro[engine.dp_rank::dp]
+    got = engine.logits(mine)
+    engine.forward_backward(mine, tokens, complete_grads=True)  # all-reduced: whole grads to compare
+    grads = engine.hf_state(attr="main_grad")
+    out = {"counts": engine.router_stats.counts.clone()}  # this rank's share; summed over ranks below
+    if got is not None:
+        out["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits[0::dp]))
+    if grads is not None:
+        ref = unpack(get_family(family), model.config, ref_grads)
+        ref.pop("lm_head.weight", None)  # tied: the embedding's gradient
+        out["grads"] = {n: ((grads[n] - g).abs().max().item(), g.abs().max().item()) for n, g in ref.items()
+                        if n in grads}
+        out["missing_grads"] = sorted(set(ref) - set(grads))
+        out["ref_counts"] = ref_counts
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU/gloo parity suite")
+    ranks = run_ranks(_rank_parity, WORLD, tmp_path_factory.mktemp("moe_parity"), timeout=900)
+    merged = {}
+    for key in ranks[0]:
+        d = {"counts": sum(r[key]["counts"] for r in ranks)}
+        for r in ranks:
+            d.update({k: v for k, v in r[key].items() if k != "counts"})
+        merged[key] = d
+    print("\nmax |diff| HF vs megatron (MoE):")
+    for (name, family), d in merged.items():
+        print(f"  {name} {family}: logits {d['logits']:.2e} grads {max(x[0] for x in d['grads'].values()):.2e}")
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_matches_hf_logits_routing_and_grads(parity, family, layout):
+    d = parity[(layout, family)]
+    assert d["logits"] < LOGIT_TOL
+    assert torch.equal(d["counts"], d["ref_counts"]), "routing decisions differ from HF's"
+    assert d["missing_grads"] == []
+    bad = {n: x for n, x in d["grads"].items() if x[0] > GRAD_TOL * max(x[1], 1.0)}
+    assert not bad, bad

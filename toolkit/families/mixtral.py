@@ -1,0 +1,28 @@
+"""Mixtral: Llama's attention and norms; each layer's MLP is a top-k routed mixture of SwiGLU experts.
+
+Router: softmax over all experts, the top k renormalized to sum to 1 (megatron: top-k of the logits,
+then softmax over them, ``moe_router_pre_softmax=False``: the same numbers).
+"""
+from toolkit.families.base import REPLICATED, ROW, Check, FuseGLU, Packed, Rename
+from toolkit.families.llama import FAMILY as LLAMA
+
+FAMILY = LLAMA.extend(
+    model_type="mixtral",
+    drop=("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"),
+    config={"num_local_experts": "num_moe_experts", "num_experts_per_tok": "moe_router_topk"},
+    fixed={"moe_router_pre_softmax": False},
+    derived={"moe_ffn_hidden_size": lambda c: c.intermediate_size},  # every expert is the dense MLP's size
+    layer=(Rename("block_sparse_moe.gate.weight", "mlp.router.weight", REPLICATED),),
+    experts=(FuseGLU(("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                     "mlp.experts.local_experts.{e}.linear_fc1.weight"),
+             Rename("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.local_experts.{e}.linear_fc2.weight", ROW)),
+    num_experts_field="num_local_experts",
+    packed=(Packed("mlp.gate.weight", ("block_sparse_moe.gate.weight",)),
+            Packed("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
+                                                "block_sparse_moe.experts.{e}.w3.weight"), per_expert=True),
+            Packed("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",), per_expert=True)),
+    checks=(Check("sliding_window", lambda v: v is not None,
+                  "set \"sliding_window\": null in config.json or use backend=deepspeed"),
+            Check("router_jitter_noise", bool, "set router_jitter_noise=0 (megatron jitters only the router input) "
+                  "or use backend=deepspeed")),
+)

@@ -1,0 +1,111 @@
+"""Mixture of experts: the router load-balancing loss both backends share, and its metrics.
+
+For one MoE layer over the T tokens of a micro-batch, with router logits ``z [T, E]`` and top-k routing:
+
+    f_e = (tokens routed to expert e, counting each of a token's k choices) / T      (sum_e f_e = k)
+    P_e = mean over the tokens of softmax(z)_e
+    aux = E * sum_e f_e * P_e                                   (= k when the load is perfectly even)
+
+which is HF's ``load_balancing_loss_func`` applied to that layer alone (the Switch Transformer loss
+times k). The objective of a step is
+
+    loss + coeff * (mean over MoE layers and over the global batch's micro-batches of aux)
+
+with ``loss`` the LM loss of the loss contract (``toolkit/engine.py``) and ``coeff`` =
+``train.moe_aux_loss_coeff`` (default: the HF config's ``router_aux_loss_coef``). HF itself pools all
+layers' router logits into one such term; for one layer, or layers that route alike, the two agree.
+Like any batch statistic, aux depends on the micro-batch size (it is a mean over a micro-batch), so
+two runs compare at the same micro-batch size; DP size and accumulation do not change it.
+
+The DeepSpeed path computes it from HF's ``router_logits``; the megatron path from its router's
+logits (``adapters/megatron.py``, ``LoadBalancedRouter``). Pure torch: no backend import here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def is_router_model(hf_config) -> bool:
+    """An HF mixture-of-experts config (transformers' MoE models all carry ``output_router_logits``)."""
+    return getattr(hf_config, "output_router_logits", None) is not None
+
+
+def aux_loss_coeff(configured: float | None, hf_config) -> float:
+    """``train.moe_aux_loss_coeff``, else the HF config's ``router_aux_loss_coef`` (0 for dense models)."""
+    if not is_router_model(hf_config):
+        return 0.0
+    if configured is not None:
+        return float(configured)
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def routed_counts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Tokens per expert ``[E]`` (int64) under top-k routing of ``logits [T, E]``."""
+    chosen = torch.topk(logits, top_k, dim=-1).indices
+    return torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1])
+
+
+def load_balancing_loss(logits: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``E * sum_e (counts_e / tokens) * (sum over these rows of softmax(logits)_e / tokens)``.
+
+    ``logits [t, E]`` may be a share of the ``tokens`` rows (sequence parallel: this rank's rows, with
+    ``counts`` summed over all of them); the shares' losses then add up to the layer's loss."""
+    experts = logits.shape[-1]
+    prob_sum = torch.softmax(logits.float(), dim=-1).sum(dim=0)
+    return experts * torch.sum(counts.to(prob_sum.dtype) / tokens * prob_sum / tokens)
+
+
+class AttachLoss(torch.autograd.Function):
+    """Returns ``activation`` unchanged; in backward, adds the gradient of ``loss`` (weight 1), so
+    a loss computed inside a layer joins the backward pass of the main loss."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor):
+        ctx.save_for_backward(loss)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(loss)
+
+
+@dataclass
+class RouterStats:
+    """Per step and MoE layer: tokens per expert and the summed aux loss over micro-batches."""
+    layers: int
+    experts: int
+    counts: torch.Tensor = field(init=False)
+    aux_sum: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64)
+        self.aux_sum = torch.zeros(self.layers, dtype=torch.float64)
+
+    def add(self, layer: int, counts: torch.Tensor | None, aux: torch.Tensor | float) -> None:
+        """``layer``: index among the MoE layers; ``counts`` None on ranks that must not count them twice."""
+        if counts is not None:
+            self.counts[layer] += counts.detach().to("cpu", torch.float64)
+        self.aux_sum[layer] += float(aux)
+
+    def metrics(self, micro_batches: int, group=None) -> dict:
+        """Summed over ``group`` (every rank of the step), then: the mean aux over layers and the
+        ``micro_batches`` of the global batch, tokens per expert per layer, and the load of the
+        busiest expert relative to an even load (1.0 = balanced). Collective when distributed."""
+        both = torch.cat([self.counts.reshape(-1), self.aux_sum])
+        if dist.is_initialized():
+            dist.all_reduce(both, group=group)
+        counts = both[:-self.layers].reshape(self.layers, self.experts)
+        aux = both[-self.layers:]
+        self.reset()
+        even = counts.sum(dim=1, keepdim=True) / self.experts
+        load = (counts / even.clamp(min=1)).amax().item() if counts.sum() else 0.0
+        return {"moe_aux_loss": aux.sum().item() / (self.layers * micro_batches),
+                "moe_load_max": round(load, 4),
+                "moe_expert_tokens": [[int(c) for c in row] for row in counts]}
