@@ -104,6 +104,7 @@ def _add_convert_parsers(sub) -> None:
     c.add_argument("--to", choices=["hf", "zero", "megatron"], help="default: hf (zero for an HF source)")
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
+    c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")
     c.add_argument("--dp", type=int, default=1, help="data parallel size the output is described for")
     c.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage the output is described for")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: as stored)")
@@ -165,7 +166,7 @@ def cmd_estimate(args) -> int:
 def cmd_report(args) -> int:
     from toolkit.report import write_report
     out = write_report(args.run_dir, args.out)
-    print(f"toolkit: report written to {out}/report.md (loss.png, lr.png, grad_norm.png, throughput.png)")
+    print(f"toolkit: report written to {out}/report.md ({', '.join(sorted(p.name for p in out.glob('*.png')))})")
     return 0
 
 

@@ -10,7 +10,7 @@ from toolkit.convert.errors import ConvertError
 def cmd_convert(args) -> int:
     from toolkit.convert import convert
     try:
-        summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, dp=args.dp,
+        summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                           zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,
                           hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress)
     except ConvertError as exc:

@@ -7,7 +7,10 @@ them; a loader at any layout reads the regions it needs. Storage keys and shapes
   ``decoder.layers.<name>``  ``[L, *full mcore shape]``, stacked over *global* layer numbers;
       the local spec's norms appear under TE names (``input_layernorm.`` ->
       ``self_attention.linear_qkv.layer_norm_``, as its ``sharded_state_dict_keys_map`` says)
-  ``decoder.layers.<linear>._extra_state/shard_<i>_<L>``  one pickled object per layer
+  ``decoder.layers.mlp.experts.experts.<linear>.weight``  ``[L, E, *full shape]``: routed experts
+      (megatron's SequentialMLP) by global layer and global expert number, whatever the EP
+  ``decoder.layers.<linear>._extra_state/shard_<i>_<L>``  one pickled object per layer (experts:
+      ``shard_<i>.<e>_<L>.<E>``)
   ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``  fp32 main weights and Adam moments in the
       model's layout (distributed optimizer, ``fully_reshardable``); ``common.pt`` holds the
       optimizer's param groups (hyperparameters and ``step``)
@@ -33,8 +36,9 @@ KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 """megatron-core's local layer spec ``sharded_state_dict_keys_map`` (a test checks it against the
 spec itself; importing megatron here would cost seconds for a constant)."""
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-"""Layer modules with an ``_extra_state`` entry in the checkpoint."""
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Layer modules (attention, MLP, each routed or shared expert) with an ``_extra_state`` entry in
+the checkpoint, one per layer (and expert): ``<key>._extra_state/shard_<index>_<stacked shape>``."""
 OPT_PREFIX = "optimizer.state."
 TOOLKIT_JSON = "toolkit_megatron.json"
 
@@ -62,15 +66,23 @@ def find_legacy_dir(path: Path) -> Path | None:
     return None
 
 
-def storage_key(mcore_name: str) -> tuple[str, int | None]:
-    """Full mcore name with a global layer number -> (storage key, layer) or (name, None)."""
+EXPERTS = "mlp.experts.local_experts."
+STORED_EXPERTS = "mlp.experts.experts."
+
+
+def storage_key(mcore_name: str) -> tuple[str, tuple[int, ...]]:
+    """Full mcore name (global layer and expert numbers) -> (storage key, its index in the stored
+    tensor's leading dims): ``()`` for a top-level tensor, ``(layer,)``, or ``(layer, expert)``."""
     if not mcore_name.startswith("decoder.layers."):
-        return mcore_name, None
+        return mcore_name, ()
     _, _, layer, rest = mcore_name.split(".", 3)
+    if rest.startswith(EXPERTS):
+        expert, tail = rest[len(EXPERTS):].split(".", 1)
+        return f"decoder.layers.{STORED_EXPERTS}{tail}", (int(layer), int(expert))
     for old, new in KEYS_MAP.items():
         if rest.startswith(old):
             rest = new + rest[len(old):]
-    return f"decoder.layers.{rest}", int(layer)
+    return f"decoder.layers.{rest}", (int(layer),)
 
 
 class _Layout:
@@ -164,8 +176,8 @@ class MegatronSource(Source):
         """Strict: the stored model tensors are exactly the family table's, with its shapes."""
         want = {}
         for m in self.layout_.entries:
-            key, layer = storage_key(m)
-            want.setdefault(key, set()).add(layer)
+            key, index = storage_key(m)
+            want.setdefault(key, set()).add(index)
         have = {k for k, v in self._md.state_dict_metadata.items()
                 if hasattr(v, "size") and not k.startswith("optimizer.")}
         missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
@@ -173,25 +185,24 @@ class MegatronSource(Source):
             raise ConvertError(f"{self.path}: tensors do not match the {self.layout_.family.model_type} family table "
                                f"(wrong family or --hf-config?); missing {missing[:8]}, unexpected {unexpected[:8]}")
 
-    def _region(self, key: str, layer: int | None) -> torch.Tensor:
+    def _region(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        """The stored tensor at ``index`` of its leading (layer, expert) dims."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
         md = self._md.state_dict_metadata[key]
-        size = list(md.size)
-        offsets = [0] * len(size)
-        if layer is not None:
-            offsets[0], size[0] = layer, 1
+        size = [1] * len(index) + list(md.size)[len(index):]
+        offsets = list(index) + [0] * (len(size) - len(index))
         target = torch.empty(size, dtype=md.properties.dtype)
         items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(size))])
         self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
-        return target[0] if layer is not None else target
+        return target.reshape(size[len(index):])
 
     def _hf_shape(self, name: str) -> tuple[int, ...]:
         m = self.layout_.owner[name]
-        key, layer = storage_key(m)
+        key, index = storage_key(m)
         size = list(self._md.state_dict_metadata[key].size)
-        meta = torch.empty(size[1:] if layer is not None else size, device="meta")
+        meta = torch.empty(size[len(index):], device="meta")
         return tuple(self.layout_.to_hf(m, meta)[name].shape)
 
     def _dtype(self, name: str) -> torch.dtype:
@@ -209,10 +220,10 @@ class MegatronSource(Source):
     def read(self, name: str, state: str = "param") -> torch.Tensor:
         """One HF tensor; an entry's other HF tensors (q of k, v) come from the same decoded region."""
         m = self.layout_.owner[name]
-        key, layer = storage_key(m)
+        key, index = storage_key(m)
         stored = self._stored(key, state)
         if self._cache is None or self._cache[0] != (m, stored):
-            self._cache = ((m, stored), self.layout_.to_hf(m, self._region(stored, layer)))
+            self._cache = ((m, stored), self.layout_.to_hf(m, self._region(stored, index)))
         return self._cache[1][name].float().clone()
 
 
@@ -337,9 +348,9 @@ class _StreamingSavePlanner:
 
 
 def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, dtype: torch.dtype | None,
-                   weights_only: bool = False, progress=None, divisible_by: int = 128) -> dict:
+                   weights_only: bool = False, progress=None, divisible_by: int = 128, ep: int = 1) -> dict:
     """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` (the vocab padding
-    depends on it; pp and dp only go into the description - the tensors are global)."""
+    depends on it; pp, ep and dp only go into the description - the tensors are global)."""
     import torch.distributed.checkpoint as dcp
     layout = _Layout(source.hf_config, padded_vocab(source.hf_config["vocab_size"], tp, divisible_by))
     _check_names(source, layout)
@@ -376,7 +387,7 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     describe = {"format": "megatron-core torch_dist", "family": layout.family.model_type,
                 "vocab_size": source.hf_config["vocab_size"], "padded_vocab_size": layout.padded_vocab,
                 "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
-                "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "format": "torch_dist"}}
+                "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}
     (engine_dir / TOOLKIT_JSON).write_text(json.dumps(describe, indent=2))
     return describe
 
@@ -403,33 +414,47 @@ def _plan(source: Source, layout: _Layout, dtype, moments: bool):
     items, resolvers = [], {}
     states = [("param", dtype)] + ([("main", torch.float32), ("exp_avg", torch.float32),
                                     ("exp_avg_sq", torch.float32)] if moments else [])
+    stacked = (layers, layout.family.num_experts(layout.config))
     for m in layout.entries:
-        key, layer = storage_key(m)
+        key, index = storage_key(m)
         shape = tuple(layout.to_mcore(m, lambda n: torch.empty(source.infos[n].shape, device="meta")).shape)
         for state, dt in states:
             dt = dt or torch.float32
             fqn = key if state == "param" else f"{OPT_PREFIX}{'param' if state == 'main' else state}.{key}"
             read_state = "param" if state == "main" else state
-            for offsets, sizes, full, compute in _regions(source, layout, m, shape, layer, layers, read_state, dt):
+            for offsets, sizes, full, compute in _regions(source, layout, m, shape, index, stacked, read_state, dt):
                 items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets),
                                                                                         torch.Size(sizes)),
                                                                    TensorProperties(dtype=dt), torch.Size(full))))
                 resolvers[(fqn, offsets)] = compute
-    for i in range(layers):
-        for lin in LINEARS:
-            fqn = f"decoder.layers.{lin}._extra_state/shard_{i}_{layers}"
-            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
-            resolvers[(fqn, ())] = _extra_state_bytes
+    for fqn in _extra_states(layout, stacked):
+        items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+        resolvers[(fqn, ())] = _extra_state_bytes
     return items, resolvers
 
 
-def _regions(source, layout, m, shape, layer, layers, state, dtype):
-    """(offsets, sizes, global shape, compute) of the chunks one stored tensor is written as."""
-    if layer is not None:  # one layer of the stacked [L, ...] tensor
-        def one_layer():
-            return layout.to_mcore(m, lambda n: source.read(n, state)).to(dtype).contiguous().unsqueeze(0)
-        yield (layer, *[0] * len(shape)), (1, *shape), (layers, *shape), one_layer
+def _extra_states(layout: _Layout, stacked: tuple[int, int]) -> list[str]:
+    """The ``_extra_state`` entries megatron writes for the linears of the family table."""
+    out = []
+    for m in layout.entries:
+        key, index = storage_key(m)
+        module, _, param = key.rpartition(".")
+        if index and param == "weight" and module.rpartition(".")[2] in LINEARS:
+            where = ".".join(map(str, index)), ".".join(map(str, stacked[:len(index)]))
+            out.append(f"{module}._extra_state/shard_{where[0]}_{where[1]}")
+    return out
+
+
+def _regions(source, layout, m, shape, index, stacked, state, dtype):
+    """(offsets, sizes, global shape, compute) of the chunks one stored tensor is written as.
+    ``index``: the tensor's place in the leading (layer, expert) dims of size ``stacked``."""
+    if index:  # one layer (or one expert of one layer) of the stacked [L, (E,) ...] tensor
+        lead = (1,) * len(index)
+
+        def one_region():
+            return layout.to_mcore(m, lambda n: source.read(n, state)).to(dtype).contiguous().reshape(*lead, *shape)
+        yield (*index, *[0] * len(shape)), (*lead, *shape), (*stacked[:len(index)], *shape), one_region
         return
     entry, prefix = layout.entries[m]
     rows_per = max(1, ROW_BLOCK_BYTES // max(1, 4 * math.prod(shape[1:]))) if len(shape) == 2 else 0

@@ -15,7 +15,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGETS = ("hf", "zero", "megatron")
 
 
-def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 2,
+def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 2, ep: int = 1,
             dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source).
@@ -25,11 +25,11 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int =
     tic = time.perf_counter()
     source = open_source(src, hf_config)
     to = to or ("zero" if source.format == "hf" else "hf")
-    _check_request(source, to, tp, pp, dp, zero_stage, dtype)
+    _check_request(source, to, tp, pp, dp, zero_stage, dtype, ep)
     try:
         with staged(Path(dst)) as stage, _progress(source, show_progress) as progress:
-            _write(source, stage, to, tp, pp, dp, zero_stage, DTYPES.get(dtype) if dtype else None, weights_only,
-                   max_shard_bytes, progress)
+            _write(source, stage, to, (tp, pp, ep, dp), zero_stage, DTYPES.get(dtype) if dtype else None,
+                   weights_only, max_shard_bytes, progress)
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
@@ -38,22 +38,23 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int =
             "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _check_request(source: Source, to: str, tp: int, pp: int, dp: int, stage: int, dtype: str | None) -> None:
+def _check_request(source: Source, to: str, tp: int, pp: int, dp: int, stage: int, dtype: str | None,
+                   ep: int = 1) -> None:
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
-    if min(tp, pp, dp) < 1:
-        raise ConvertError(f"--tp {tp} --pp {pp} --dp {dp}: each must be >= 1")
+    if min(tp, pp, dp, ep) < 1:
+        raise ConvertError(f"--tp {tp} --pp {pp} --ep {ep} --dp {dp}: each must be >= 1")
     if to == "zero" and stage not in (1, 2, 3):
         raise ConvertError(f"--zero-stage {stage}: choose 1, 2 or 3")
-    if to != "megatron" and (tp, pp) != (1, 1):
-        raise ConvertError(f"--tp/--pp apply to --to megatron only (got --to {to})")
+    if to != "megatron" and (tp, pp, ep) != (1, 1, 1):
+        raise ConvertError(f"--tp/--pp/--ep apply to --to megatron only (got --to {to})")
     if to == "megatron":
-        _check_megatron_layout(source.hf_config, tp, pp)
+        _check_megatron_layout(source.hf_config, tp, pp, ep)
 
 
-def _check_megatron_layout(config: dict, tp: int, pp: int) -> None:
+def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
     heads = config.get("num_attention_heads", config.get("n_head"))
     groups = config.get("num_key_value_heads") or heads
     layers = config.get("num_hidden_layers", config.get("n_layer"))
@@ -64,9 +65,17 @@ def _check_megatron_layout(config: dict, tp: int, pp: int) -> None:
     if layers % pp:
         raise ConvertError(f"--pp {pp}: num_hidden_layers={layers} is not divisible by pp; choose pp in "
                            f"{[p for p in range(1, layers + 1) if layers % p == 0]}")
+    experts = config.get("num_local_experts", config.get("num_experts")) or 0
+    if ep > 1 and not experts:
+        raise ConvertError(f"--ep {ep}: {config.get('model_type')} has no experts; --ep applies to mixture-of-experts "
+                           "models")
+    if experts and experts % ep:
+        raise ConvertError(f"--ep {ep}: {experts} experts do not divide over ep; choose ep in "
+                           f"{[e for e in range(1, experts + 1) if experts % e == 0]}")
 
 
-def _write(source, stage: Path, to, tp, pp, dp, zero_stage, dtype, weights_only, max_shard_bytes, progress) -> None:
+def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, max_shard_bytes, progress) -> None:
+    tp, pp, ep, dp = parallel
     if to == "hf":
         from toolkit.convert.hf import write_hf
         write_hf(source, stage, dtype, max_shard_bytes, progress)
@@ -77,8 +86,8 @@ def _write(source, stage: Path, to, tp, pp, dp, zero_stage, dtype, weights_only,
         layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
     else:
         from toolkit.convert.megatron import write_megatron
-        write_megatron(source, stage / "engine", tp, pp, dp, dtype, weights_only, progress)
-        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "format": "torch_dist"}
+        write_megatron(source, stage / "engine", tp, pp, dp, dtype, weights_only, progress, ep=ep)
+        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
     _describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
 
 

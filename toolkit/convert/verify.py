@@ -75,6 +75,8 @@ def _model(source: Source, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32)
     state = {n: source.read(n).to(dtype).float() for n in source.names()}
+    from toolkit.families import find_family, pack
+    state = pack(find_family(source.model_type), model.config, state)  # MoE: experts into their module
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and source.tied)]
     if missing or unexpected:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.convert.canonical import Source, TensorInfo
+from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
 from toolkit.convert.errors import ConvertError
 from toolkit.convert.pages import FileMaps
 from toolkit.convert.safeload import safe_load
@@ -85,6 +85,7 @@ class ZeroSource(Source):
         shapes = model["param_shapes"]
         (self._index_stage3 if self.stage == 3 else self._index_stage12)(shapes)
         self._add_shared(model.get("shared_params") or {})
+        self._unpack_modules()
         self.maps = FileMaps()  # after every file is mapped: they live as long as this reader
         self.optimizer_hparams = _hparams(self._groups_state(0))
         self.step = _optimizer_step(self._groups_state(0), model.get("global_steps", 0))
@@ -167,6 +168,17 @@ class ZeroSource(Source):
         if self.tied:
             self.infos.pop("lm_head.weight", None)
 
+    def _unpack_modules(self) -> None:
+        """DeepSpeed saves the transformers module's parameters; the canonical names are the
+        checkpoint's (MoE experts packed in one parameter become one tensor each): each is a
+        contiguous element range of its module parameter, so it keeps only those fragments."""
+        layout = module_layout(self.hf_config, {n: i.shape for n, i in self.infos.items()})
+        if all(p.module == n for n, p in layout.items()):
+            return
+        frags = self._frags
+        self.infos = {n: TensorInfo(p.shape, torch.float32) for n, p in layout.items()}
+        self._frags = {n: _sub_frags(frags[p.module], p.start, p.start + p.numel) for n, p in layout.items()}
+
     # --- data ---------------------------------------------------------------------------------------
 
     def _flat(self, rank: int, group: int, state: str) -> torch.Tensor:
@@ -199,6 +211,28 @@ class ZeroSource(Source):
         return out.view(info.shape)
 
 
+def _sub_frags(frags: list[_Frag], start: int, stop: int) -> list[_Frag]:
+    """The fragments of elements ``[start, stop)`` of a tensor laid out as ``frags``."""
+    out, pos = [], 0
+    for f in frags:
+        lo, hi = max(start, pos), min(stop, pos + f.length)
+        if lo < hi:
+            out.append(_Frag(f.rank, f.group, f.start + lo - pos, hi - lo))
+        pos += f.length
+    return out
+
+
+def module_layout(hf_config: dict, module_shapes: dict) -> dict:
+    """Checkpoint name -> ``families.Piece`` of a transformers module state (identity for families
+    that pack nothing, and for model types without a family)."""
+    from toolkit.families import find_family, unpacked_layout
+    family = find_family(hf_config.get("model_type"))
+    if family is None or not family.packed:
+        from toolkit.families import Piece
+        return {n: Piece(n, 0, tuple(s)) for n, s in module_shapes.items()}
+    return unpacked_layout(family, hf_config_object(hf_config), module_shapes)
+
+
 def _optimizer_step(groups_state: dict, default: int) -> int:
     """Adam's step count (skipped fp16 steps do not count), else DeepSpeed's global step."""
     step = (groups_state.get("state") or {}).get(0, {}).get("step", default)
@@ -219,13 +253,16 @@ class UniversalSource(Source):
         common = safe_load(zero / "optimizer_state.pt", mmap=False)
         meta = common.get("toolkit", {})
         order = meta.get("names") or sorted(p.name for p in zero.iterdir() if p.is_dir())
+        shapes = {}
         for name in order:
             if not (zero / name / "fp32.pt").is_file():
                 raise ConvertError(f"{zero / name / 'fp32.pt'}: missing; the universal checkpoint is incomplete")
-            shape = tuple(meta["shapes"][name]) if "shapes" in meta else tuple(self._load(name, "fp32").shape)
-            self.infos[name] = TensorInfo(shape, torch.float32)
+            shapes[name] = tuple(meta["shapes"][name]) if "shapes" in meta else tuple(self._load(name, "fp32").shape)
         if self.tied:
-            self.infos.pop("lm_head.weight", None)
+            shapes.pop("lm_head.weight", None)
+        self._pieces = module_layout(hf_config, shapes)  # per-parameter folders hold module parameters
+        self.infos = {n: TensorInfo(p.shape, torch.float32) for n, p in self._pieces.items()}
+        self._cache: tuple | None = None
         self.step = int(meta.get("step", 0))
         self.has_optimizer = bool(meta.get("has_optimizer", True))
         self.layout = dict(meta.get("layout", {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0}))
@@ -235,7 +272,10 @@ class UniversalSource(Source):
         return safe_load(self.path / "zero" / name / f"{key}.pt")["param"]
 
     def read(self, name: str, state: str = "param") -> torch.Tensor:
-        return self._load(name, "fp32" if state == "param" else state).float().clone()
+        piece, key = self._pieces[name], "fp32" if state == "param" else state
+        if self._cache is None or self._cache[0] != (piece.module, key):  # experts of one parameter in turn
+            self._cache = ((piece.module, key), self._load(piece.module, key).float().reshape(-1))
+        return self._cache[1][piece.start:piece.start + piece.numel].view(piece.shape).clone()
 
 
 # --- writer: DeepSpeed's universal layout -------------------------------------------------------------
@@ -257,35 +297,60 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
     tag = engine_dir / f"global_step{step}"
     zero = tag / "zero"
     zero.mkdir(parents=True)
-    for name in source.names():
-        d = zero / name
+    modules = _module_params(source)
+    for module, (shape, pieces) in modules.items():
+        d = zero / module
         d.mkdir()
-        param = source.read(name)
+        param = _assemble(source, shape, pieces, "param")
         torch.save({"param": param}, d / "fp32.pt")
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.save({"param": source.read(name, key) if moments else torch.zeros_like(param)}, d / f"{key}.pt")
+            torch.save({"param": _assemble(source, shape, pieces, key) if moments else torch.zeros_like(param)},
+                       d / f"{key}.pt")
         torch.save(opt_step, d / "step.pt")
         if progress:
-            progress(name, param.nbytes * (3 if moments else 1))
+            progress(module, param.nbytes * (3 if moments else 1))
     layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage}
-    shapes = {n: list(source.infos[n].shape) for n in source.names()}
+    shapes = {m: list(shape) for m, (shape, _) in modules.items()}
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": deepspeed.__version__,
                 "optimizer_state_dict": {"state": {0: {"step": opt_step}}, "param_groups": [{}]},
-                "toolkit": {"names": source.names(), "shapes": shapes, "step": step, "has_optimizer": moments,
+                "toolkit": {"names": list(modules), "shapes": shapes, "step": step, "has_optimizer": moments,
                             "layout": layout, "hparams": source.optimizer_hparams}},
                zero / "optimizer_state.pt")
-    model_states = _model_states(source, step, dp, deepspeed.__version__)
+    model_states = _model_states(shapes, step, dp, deepspeed.__version__)
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(model_states, tag / name)  # the stage 1/2 and the stage 3 name: any stage loads it
     for latest in ("latest", "latest_universal"):
         (engine_dir / latest).write_text(tag.name)
 
 
-def _model_states(source: Source, step: int, dp: int, ds_version: str) -> dict:
+def _module_params(source: Source) -> dict[str, tuple[tuple[int, ...], list]]:
+    """The transformers module's parameters (what DeepSpeed's engine names): shape, and the
+    checkpoint tensors that make each with their ``families.Piece`` (MoE: a layer's experts in one)."""
+    from toolkit.families import find_family, pack
+    family = find_family(source.model_type)
+    metas = {n: torch.empty(source.infos[n].shape, device="meta") for n in source.names()}
+    packed = pack(family, hf_config_object(source.hf_config), metas) if family and family.packed else metas
+    out = {m: (tuple(t.shape), []) for m, t in packed.items()}
+    for name, piece in module_layout(source.hf_config, {m: s for m, (s, _) in out.items()}).items():
+        out[piece.module][1].append((name, piece))
+    return out
+
+
+def _assemble(source: Source, shape: tuple[int, ...], pieces, state: str) -> torch.Tensor:
+    """One module parameter from its checkpoint tensors, each read in turn into its element range."""
+    if len(pieces) == 1 and pieces[0][1].shape == shape:
+        return source.read(pieces[0][0], state)
+    out = torch.empty(math.prod(shape), dtype=torch.float32)
+    for name, piece in pieces:
+        out[piece.start:piece.start + piece.numel] = source.read(name, state).reshape(-1)
+    return out.view(shape)
+
+
+def _model_states(shapes: dict, step: int, dp: int, ds_version: str) -> dict:
     """What DeepSpeed's loader reads besides ``zero/``: counters and world sizes (the module itself
     is restored from ``zero/`` in universal mode)."""
     return {"module": {}, "buffer_names": [], "optimizer": None,
-            "param_shapes": [{n: torch.Size(source.infos[n].shape) for n in source.names()}],
+            "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
             "frozen_param_shapes": {}, "shared_params": {}, "frozen_param_fragments": {}, "lr_scheduler": None,
             "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": step,
             "global_samples": 0, "dp_world_size": dp, "mp_world_size": 1, "ds_version": ds_version,
