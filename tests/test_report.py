@@ -84,3 +84,21 @@ def test_report_cli(tmp_path):
     assert f"report written to {run_dir}/report/report.md" in proc.stdout
     bad = run_cli(["report", str(tmp_path / "nope")], check=False)
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
+
+
+def test_mixture_of_experts_runs_get_expert_plot_and_summary(tmp_path):
+    run_dir = tmp_path / "moe"
+    run_dir.mkdir()
+    rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens": 256, "tokens_per_s": 1000.0,
+             "step_s": 0.2, "elapsed_s": 0.2 * s, "time": T0 + s, "moe_aux_loss": 2.2 - s / 100,
+             "moe_load_max": 1.6 - s / 100, "moe_expert_tokens": [[200 - s, 100, 100, 112 + s], [128, 128, 128, 128]]}
+            for s in range(1, 11)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run_dir / "config.yaml").write_text("backend: megatron\nnproc: 2\nmodel: {name_or_path: /m/mixtral, dtype: fp32}\n"
+                                         "megatron: {tp: 1, pp: 1, ep: 2}\n")
+    out = write_report(run_dir)
+    text = (out / "report.md").read_text()
+    assert (out / "experts.png").stat().st_size > 10_000 and "![experts](experts.png)" in text
+    assert "tp=1 pp=1 ep=2" in text
+    assert "- experts: load-balancing loss 2.1900 -> 2.1000; busiest expert at 1.59x an even load" in text
+    assert "shares at step 10: 31.1%, 22.3%, 22.3%, 24.4%" in text  # (190 + 128) / 1024, ...

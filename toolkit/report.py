@@ -3,7 +3,9 @@
 Reads ``metrics.jsonl`` (one record per optimizer step, eval records, resume events) and
 ``events.jsonl`` (failures, restarts, preemptions) and writes into ``RUN_DIR/report/``:
 ``loss.png`` (train and eval loss by step, resumes marked), ``lr.png``, ``grad_norm.png``,
-``throughput.png`` (tokens/s over wall-clock time, failures and restarts marked) and ``report.md``.
+``throughput.png`` (tokens/s over wall-clock time, failures and restarts marked), for mixture-of-
+experts runs ``experts.png`` (load-balancing loss and each expert's share of the routed tokens by
+step), and ``report.md``.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     images = [_plot_loss(run, out), _plot_series(run, out, "lr", "learning rate"),
               _plot_series(run, out, "grad_norm", "gradient norm (before clipping)"), _plot_throughput(run, out)]
+    if _expert_steps(run):
+        images.append(_plot_experts(run, out))
     (out / "report.md").write_text(summary(run, run_dir, [p.name for p in images]))
     return out
 
@@ -139,6 +143,45 @@ def _plot_throughput(run: Run, out: Path) -> Path:
     return _save(fig, out / "throughput.png")
 
 
+def _expert_steps(run: Run) -> list[int]:
+    return [s for s in sorted(run.steps) if "moe_expert_tokens" in run.steps[s]]
+
+
+def _expert_shares(record: dict) -> list[float]:
+    """Each expert's share of the step's routed tokens, summed over the MoE layers."""
+    per_expert = [sum(col) for col in zip(*record["moe_expert_tokens"])]
+    total = sum(per_expert) or 1
+    return [c / total for c in per_expert]
+
+
+def _plot_experts(run: Run, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    steps = _expert_steps(run)
+    fig, (aux, share) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True)
+    aux.plot(steps, [run.steps[s]["moe_aux_loss"] for s in steps], lw=1)
+    aux.set(title="mixture of experts", ylabel="load-balancing loss (k = even)")
+    shares = [_expert_shares(run.steps[s]) for s in steps]
+    for e, line in enumerate(zip(*shares)):
+        share.plot(steps, line, lw=1, label=f"expert {e}")
+    share.axhline(1 / len(shares[0]), color="black", ls=":", lw=1, label="even")
+    share.set(xlabel="step", ylabel="share of routed tokens (all layers)")
+    share.legend(fontsize="small", ncol=4)
+    for ax in (aux, share):
+        ax.grid(alpha=0.3)
+    return _save(fig, out / "experts.png")
+
+
+def _expert_lines(run: Run) -> list[str]:
+    steps = _expert_steps(run)
+    if not steps:
+        return []
+    first, last = run.steps[steps[0]], run.steps[steps[-1]]
+    shares = ", ".join(f"{x:.1%}" for x in _expert_shares(last))
+    return [f"- experts: load-balancing loss {first['moe_aux_loss']:.4f} -> {last['moe_aux_loss']:.4f}; busiest "
+            f"expert at {max(run.steps[s]['moe_load_max'] for s in steps):.2f}x an even load (worst step); "
+            f"shares at step {steps[-1]}: {shares}"]
+
+
 def _outages(events: list[dict]) -> list[tuple[float, float]]:
     """(first failure, recovery) time pairs: the wall-clock time a restart cost."""
     spans, down = [], None
@@ -180,8 +223,9 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
     cfg = run.config
     lines = [f"# Run report: {run_dir}", ""]
     if cfg:
+        m = cfg.get("megatron", {})
         layout = (f"ZeRO-{cfg['zero']['stage']}" if cfg.get("backend") == "deepspeed" else
-                  f"tp={cfg['megatron']['tp']} pp={cfg['megatron']['pp']}")
+                  f"tp={m['tp']} pp={m['pp']}" + (f" ep={m['ep']}" if m.get("ep", 1) > 1 else ""))
         lines.append(f"- backend {cfg.get('backend')} ({layout}), {cfg.get('nproc')} rank(s) per node, "
                      f"model `{Path(cfg['model']['name_or_path']).name}` ({cfg['model']['dtype']})")
     lines += [f"- steps logged: {len(steps)} (last {steps[-1]}" + (f" of {planned})" if planned else ")"),
@@ -195,6 +239,7 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
     wall = (max(r["time"] for r in run.steps.values()) - run.start) / 60
     lines.append(f"- throughput: median {statistics.median(tps):,.0f} tokens/s, median step {statistics.median(step_s):.3f} s "
                  f"(first step excluded); wall clock {wall:.1f} min")
+    lines += _expert_lines(run)
     lines += _event_lines(run)
     lines += ["", *[f"![{Path(name).stem}]({name})" for name in images], ""]
     return "\n".join(lines)

@@ -759,8 +759,36 @@ class MegatronEngine:
         loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"], strict=True)
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.optimizer.load_state_dict(self._param_groups_as_mine(loaded["optimizer"]))
         self._unshare_step_tensors()
+
+    def _param_groups_as_mine(self, loaded: dict) -> dict:
+        """The loaded optimizer state with the param groups in this optimizer's structure.
+
+        With ep > 1 megatron chains a dense and an expert optimizer; checkpoint tensors are keyed
+        alike either way (``chained_optim_avoid_prefix``), but the param groups saved beside them
+        are nested per sub-optimizer (``{0: ..., 1: ...}``) or not, as the *saving* run had them. When
+        that differs from this run, each sub-optimizer gets its own groups with the saved Adam
+        ``step``: the rest of a group (lr, weight decay) the trainer sets every step anyway."""
+        subs = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        nested = len(subs) > 1  # megatron reads one sub-optimizer's state flat
+        mine = [loaded[i] for i in range(len(subs))] if nested else [loaded]
+        saved_nested = any(isinstance(k, int) for k in loaded)
+        if saved_nested == nested and all("optimizer" in d for d in mine):
+            return loaded  # saved with the same structure
+        saved = [d["optimizer"]["param_groups"] for d in [loaded, *loaded.values()]
+                 if isinstance(d, dict) and isinstance(d.get("optimizer"), dict) and "param_groups" in d["optimizer"]]
+        steps = {g.get("step") for groups in saved for g in groups}
+        if len(steps) != 1:
+            raise RuntimeError(f"checkpoint param groups hold steps {sorted(map(str, steps))}; expected one")
+        step = steps.pop()
+        for sub, target in zip(subs, mine):
+            groups = sub.state_dict()["optimizer"]["param_groups"]
+            target["optimizer"] = {"param_groups": [{**g, "step": step} for g in groups]}
+            target["param_state_sharding_type"] = "fully_reshardable"
+        for key in [k for k in loaded if isinstance(k, int) != nested]:
+            del loaded[key]  # the saving structure's entries: flat groups, or per-optimizer ones
+        return loaded
 
     def _unshare_step_tensors(self) -> None:
         """megatron-core 0.16 gives every parameter the *same* ``step`` tensor when it loads a torch
