@@ -25,7 +25,7 @@ def _config(tp, pp, vpp=None):
 def _steps(engine, first, count):
     losses = []
     for step in range(first, first + count):
-        micro = batches(250, seed=100 + step)
+        micro = batches(250, n_micro=2, mbs=2, seed=100 + step)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         losses.append(engine.train_step(micro, tokens, lr=1e-2).loss)
     return losses

@@ -1,6 +1,8 @@
 """Megatron path vs HF's own model, per family and layout, on gloo: logits and per-parameter gradients.
 
-Each layout is one spawned job (tp x pp ranks) that builds every family in turn from the same tiny
+Two spawned jobs (2 ranks: every layout but TP2 x PP2, which gets 4; more ranks than cores only cost
+spinning) build every family at every layout in turn (dp = world / (tp x pp), the global batch's
+micro-batches split over the DP ranks, gradients all-reduced to compare whole) from the same tiny
 seeded HF model the test process builds, so ranks hold nothing but their own slices.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from toolkit.engine import IGNORE_INDEX, token_loss_sum
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo parity suite")
 
 FAMILIES = sorted(TINY)
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
 EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp, megatron.* fields)
     "pp2_vpp2_full_recompute": (1, 2, {"vpp": 2, "recompute": "full"}),
     "tp2_selective_recompute": (2, 1, {"recompute": "selective"}),
@@ -27,7 +29,8 @@ LOGIT_TOL = 2e-5  # float32 rounding of different matmul shapes and reduction or
 GRAD_TOL = 2e-5
 
 
-def batches(vocab: int, n_micro: int = 2, mbs: int = 2, seq: int = 16, seed: int = 3):
+def batches(vocab: int, n_micro: int = 4, mbs: int = 1, seq: int = 16, seed: int = 3):
+    """A global batch of 4 samples in micro-batches of 1, split over the DP ranks."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n_micro):
@@ -55,55 +58,60 @@ def hf_reference(model, micro_batches):
 
 def run_config(tp: int, pp: int, **megatron):
     return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **megatron},
-                     "train": {"global_batch_size": 4, "micro_batch_size": 2}})
+                     "train": {"global_batch_size": 4, "micro_batch_size": 1}})
 
 
-def _rank_parity(rank, world, tp, pp, extra=None):
-    from toolkit.adapters.megatron import MegatronEngine
+def _rank_parity(rank, world, layouts):
+    """Each layout, and each family in turn on these ranks."""
+    from megatron.core import parallel_state
     results = {}
-    for family in FAMILIES:
-        model = tiny_model(family)
-        micro = batches(model.config.vocab_size)
-        ref_logits, ref_grads, tokens = hf_reference(model, micro)
-        engine = MegatronEngine(run_config(tp, pp, **(extra or {})), model.config, model.state_dict())
-        got = engine.logits(micro)
-        engine.forward_backward(micro, tokens)
-        grads = engine.hf_state(attr="main_grad")
-        if got is not None:
-            results[family] = {"logits": max((a - b).abs().max().item() for a, b in zip(got, ref_logits))}
-        if grads is not None:
-            results.setdefault(family, {})["grads"] = {
-                n: ((grads[n] - g).abs().max().item(), g.abs().max().item()) for n, g in ref_grads.items()}
-            results[family]["missing_grads"] = sorted(set(ref_grads) - set(grads))
-        del engine
+    for name, (tp, pp, extra) in layouts.items():
+        for family in FAMILIES:
+            results[(name, family)] = _one_layout(family, tp, pp, extra)
+            parallel_state.destroy_model_parallel()
     return results
 
 
-def _run_layout(tmp_path_factory, name, tp, pp, extra=None):
-    results = run_ranks(_rank_parity, tp * pp, tmp_path_factory.mktemp(name), tp, pp, extra, timeout=600)
-    merged = {}
-    for r in results:
-        for fam, d in r.items():
-            merged.setdefault(fam, {}).update(d)
-    print(f"\n  {name}: " + ", ".join(f"{f} logits {d['logits']:.2e} grads "
-                                      f"{max(x[0] for x in d['grads'].values()):.2e}" for f, d in sorted(merged.items())))
-    return merged
+def _one_layout(family, tp, pp, extra) -> dict:
+    from toolkit.adapters.megatron import MegatronEngine
+    model = tiny_model(family)
+    micro = batches(model.config.vocab_size)
+    ref_logits, ref_grads, tokens = hf_reference(model, micro)
+    engine = MegatronEngine(run_config(tp, pp, **extra), model.config, model.state_dict())
+    dp = engine.dp_size
+    mine = micro[engine.dp_rank::dp]
+    got = engine.logits(mine)
+    engine.forward_backward(mine, tokens, complete_grads=True)  # all-reduced: whole grads to compare
+    grads = engine.hf_state(attr="main_grad")
+    out = {}
+    if got is not None:
+        out["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits[0::dp]))
+    if grads is not None:
+        out["grads"] = {n: ((grads[n] - g).abs().max().item(), g.abs().max().item()) for n, g in ref_grads.items()}
+        out["missing_grads"] = sorted(set(ref_grads) - set(grads))
+    return out
 
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
+    layouts = {f"tp{tp}_pp{pp}": (tp, pp, {}) for tp, pp in LAYOUTS} | EXTRA
+    jobs = {2: {n: x for n, x in layouts.items() if n != "tp2_pp2"}, 4: {"tp2_pp2": layouts["tp2_pp2"]}}
+    ranks = [r for world, job in jobs.items()
+             for r in run_ranks(_rank_parity, world, tmp_path_factory.mktemp(f"parity{world}"), job, timeout=1200)]
+    merged = {}
+    for r in ranks:
+        for key, d in r.items():
+            merged.setdefault(key, {}).update(d)
     print("\nmax |diff| HF vs megatron per family and layout:")
-    return {(tp, pp): _run_layout(tmp_path_factory, f"tp{tp}_pp{pp}", tp, pp) for tp, pp in LAYOUTS}
-
-
-@pytest.fixture(scope="module")
-def parity_extra(tmp_path_factory):
-    return {name: _run_layout(tmp_path_factory, name, tp, pp, extra) for name, (tp, pp, extra) in EXTRA.items()}
+    for (name, family), d in merged.items():
+        print(f"  {name} {family}: logits {d['logits']:.2e} grads {max(x[0] for x in d['grads'].values()):.2e}")
+    return merged
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))
-def test_layout_options_change_nothing(parity_extra, name):
-    for family, d in parity_extra[name].items():
+def test_layout_options_change_nothing(parity, name):
+    for family in FAMILIES:
+        d = parity[(name, family)]
         assert d["logits"] < LOGIT_TOL, family
         assert d["missing_grads"] == []
         assert all(diff <= GRAD_TOL * max(scale, 1.0) for diff, scale in d["grads"].values()), family
@@ -112,13 +120,13 @@ def test_layout_options_change_nothing(parity_extra, name):
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(parity, family, tp, pp):
-    assert parity[(tp, pp)][family]["logits"] < LOGIT_TOL
+    assert parity[(f"tp{tp}_pp{pp}", family)]["logits"] < LOGIT_TOL
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_hf_per_parameter(parity, family, tp, pp):
-    assert parity[(tp, pp)][family]["missing_grads"] == []
-    grads = parity[(tp, pp)][family]["grads"]
+    assert parity[(f"tp{tp}_pp{pp}", family)]["missing_grads"] == []
+    grads = parity[(f"tp{tp}_pp{pp}", family)]["grads"]
     bad = {n: d for n, (d, scale) in grads.items() if d > GRAD_TOL * max(scale, 1.0)}
     assert not bad, bad

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Mapping
 
@@ -223,6 +223,12 @@ def transformer_config(cfg: RunConfig, hf_config, family):
               calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, **_recompute(m.recompute))
+    if m.vpp:
+        # Megatron-LM's interleaved default. With batched p2p, at pp = 2 (the previous and the next
+        # stage are one peer) the steady state sends an activation and a gradient to that peer in
+        # one batch on one group while the peer posts its receives in the other order: on gloo the
+        # two swap (same shapes, wrong gradients). The overlapped path uses a group per direction.
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if family.num_experts(hf_config):
         # The load-balancing loss is the toolkit's (LoadBalancedRouter), not megatron's.
         kw.update(expert_model_parallel_size=m.ep, moe_token_dispatcher_type=m.moe_dispatcher,
@@ -291,6 +297,7 @@ class SequenceParallelNorm:
         return norm
 
 
+@lru_cache(maxsize=1)
 def load_balanced_router_class():
     """megatron's ``TopKRouter`` that adds the toolkit's load-balancing loss (``toolkit/moe.py``, the
     same definition as the DeepSpeed path) to its routing, and records tokens per expert.
@@ -332,17 +339,15 @@ def load_balanced_router_class():
 
 def _global_name(name: str, offset: int, expert_offset: int = 0) -> str:
     """A chunk's parameter name with global layer (and expert) numbers."""
+    from toolkit.families import EXPERTS, split_expert
     if not name.startswith("decoder.layers."):
         return name
+    expert = split_expert(name)
+    if expert is not None:
+        layer, e, tail = expert
+        return f"decoder.layers.{layer + offset}.{EXPERTS}{e + expert_offset}.{tail}"
     _, _, i, rest = name.split(".", 3)
-    if rest.startswith(EXPERTS):
-        j, tail = rest[len(EXPERTS):].split(".", 1)
-        rest = f"{EXPERTS}{int(j) + expert_offset}.{tail}"
     return f"decoder.layers.{int(i) + offset}.{rest}"
-
-
-EXPERTS = "mlp.experts.local_experts."
-"""Routed experts' parameters: ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*``."""
 
 
 def expert_offset(chunk) -> int:
@@ -355,7 +360,8 @@ def expert_offset(chunk) -> int:
 
 
 def is_expert(name: str) -> bool:
-    return name.startswith("decoder.layers.") and name.split(".", 3)[3].startswith(EXPERTS)
+    from toolkit.families import split_expert
+    return split_expert(name) is not None
 
 
 def _local_params(chunk) -> dict[str, torch.Tensor]:
@@ -542,7 +548,7 @@ class MegatronEngine:
         """MoE: the routers record their statistics in one ``RouterStats`` (layers by global number)."""
         from toolkit import moe
         experts = self.family.num_experts(self.hf_config)
-        self.routers = [m for c in self.model for m in c.modules() if hasattr(m, "aux_scale")]
+        self.routers = [m for c in self.model for m in c.modules() if isinstance(m, load_balanced_router_class())]
         self.router_stats = moe.RouterStats(self.hf_config.num_hidden_layers, experts) if experts else None
         self.aux_coeff = moe.aux_loss_coeff(self.cfg.train.moe_aux_loss_coeff, self.hf_config)
         for router in self.routers:
@@ -553,6 +559,8 @@ class MegatronEngine:
         ``1 / loss_tokens`` scaling of every gradient, the objective gets ``coeff`` x the mean over
         MoE layers and the global batch's micro-batches (``toolkit/moe.py``)."""
         per = self.aux_coeff * loss_tokens / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
+        if self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
+            per *= float(self.optimizer.get_loss_scale())
         for router in self.routers:
             router.aux_scale = per
 
@@ -771,17 +779,11 @@ class MegatronEngine:
         that differs from this run, each sub-optimizer gets its own groups with the saved Adam
         ``step``: the rest of a group (lr, weight decay) the trainer sets every step anyway."""
         subs = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-        nested = len(subs) > 1  # megatron reads one sub-optimizer's state flat
+        nested = len(subs) > 1  # megatron reads a single sub-optimizer's state flat
         mine = [loaded[i] for i in range(len(subs))] if nested else [loaded]
-        saved_nested = any(isinstance(k, int) for k in loaded)
-        if saved_nested == nested and all("optimizer" in d for d in mine):
-            return loaded  # saved with the same structure
-        saved = [d["optimizer"]["param_groups"] for d in [loaded, *loaded.values()]
-                 if isinstance(d, dict) and isinstance(d.get("optimizer"), dict) and "param_groups" in d["optimizer"]]
-        steps = {g.get("step") for groups in saved for g in groups}
-        if len(steps) != 1:
-            raise RuntimeError(f"checkpoint param groups hold steps {sorted(map(str, steps))}; expected one")
-        step = steps.pop()
+        if any(isinstance(k, int) for k in loaded) == nested and all("optimizer" in d for d in mine):
+            return loaded  # saved with this structure
+        step = _saved_adam_step(loaded)
         for sub, target in zip(subs, mine):
             groups = sub.state_dict()["optimizer"]["param_groups"]
             target["optimizer"] = {"param_groups": [{**g, "step": step} for g in groups]}
@@ -866,6 +868,18 @@ class MegatronEngine:
     def layout(self) -> dict:
         m = self.cfg.megatron
         return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "ep": m.ep, "format": "torch_dist"}
+
+
+def _saved_adam_step(loaded: dict) -> float:
+    """The one Adam step count of every param group in a loaded optimizer state (flat or nested)."""
+    holders = [loaded, *(v for v in loaded.values() if isinstance(v, dict))]
+    steps = {g.get("step") for d in holders if isinstance(d.get("optimizer"), dict)
+             for g in d["optimizer"].get("param_groups", [])}
+    if len(steps) != 1:
+        raise RuntimeError(f"the checkpoint's optimizer param groups hold Adam steps {sorted(map(str, steps))}, "
+                           "expected exactly one; it was not written by megatron-core's distributed optimizer or "
+                           "toolkit convert (resume with --resume never, or convert it again)")
+    return steps.pop()
 
 
 def build_engine(cfg: RunConfig, plan: dict, run_dir: Path, rank: int) -> MegatronEngine:
