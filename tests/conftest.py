@@ -91,12 +91,15 @@ def pytest_configure(config):
     it. DeepSpeed JIT-builds its CPU ops with whichever ``ninja`` PATH finds; the venv's (1.13, a
     deepspeed dependency) and a system ninja (1.11) hash build commands differently, so a suite that
     mixed them (the Slurm examples put the venv first) rebuilt every op, 1-2 minutes, at each switch.
+    Likewise one folder of built ops per environment (``toolkit/compat/torch_extensions.py``).
 
     And the container build's id, shared through the environment with the xdist workers that the
     controller starts after this."""
     venv_bin = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    from toolkit.compat import torch_extensions
+    torch_extensions.install()  # every process of the suite, DeepSpeed's own ops tests too: one build
     if not hasattr(config, "workerinput"):
         import uuid
         from tests import container_image

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import torch
 
-from tests.test_families import tiny_model
+from tests.test_families import TINY_MOE, tiny_model
 from toolkit.adapters.hf import param_groups
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral")
+MOE_FAMILIES = tuple(sorted(TINY_MOE))
+FROZEN = "llama_frozen"
+"""llama with its input embedding and layer 0's q_proj frozen (requires_grad=False), as a LoRA or
+partial fine-tune leaves them: DeepSpeed saves those outside the optimizer state."""
 STAGES = (1, 2, 3)
 
 
@@ -30,7 +34,10 @@ def _engine(family: str, stage: int, world: int, universal: bool = False, seed: 
 
     from toolkit.compat import cpuinfo_cache
     cpuinfo_cache.install()  # as the toolkit's engine does: no cpuinfo subprocess per op load
-    model = tiny_model(family, seed=seed).train()
+    model = tiny_model(family.removesuffix("_frozen"), seed=seed).train()
+    if family == FROZEN:
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
                                       config=ds_config(stage, world, universal))
     return engine
@@ -81,13 +88,13 @@ def write_config(path: Path, family: str) -> None:
     (path / "config.json").write_text(json.dumps(tiny_model(family).config.to_dict()))
 
 
-def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str):
+def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str, ep: int = 1):
     """megatron-core's own dist_checkpointing.load (through the toolkit's MegatronEngine.load) of a
-    converted torch_dist checkpoint at (tp, pp); the HF weights it then holds, and one more step."""
+    converted torch_dist checkpoint at (tp, pp, ep); the HF weights it then holds."""
     from toolkit.adapters.megatron import MegatronEngine
     from toolkit.config import validate
     model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
-    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "ep": ep},
                     "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1}})
     engine = MegatronEngine(cfg, model.config, model.state_dict())
     engine.load(Path(ckpt))

@@ -25,6 +25,25 @@ def test_parameter_count_is_hf_own():
     assert len(shape.per_layer) == 32 and shape.embedding == shape.output == 32000 * 4096
 
 
+def test_mixture_of_experts_split_over_ep_and_only_active_experts_count_as_flops():
+    from transformers import MixtralConfig
+
+    from toolkit.flops import flops_per_token
+    mixtral = MixtralConfig()  # 8x7B: 46.7B parameters, 12.9B active per token (Mistral AI's figures)
+    shape = model_shape(mixtral)
+    assert shape.experts == 8 and shape.experts_per_token == 2 and round(shape.total / 1e9, 1) == 46.7
+    assert round((flops_per_token(mixtral, 0) / 6 + shape.embedding) / 1e9, 1) == 12.9
+    held = {}
+    for ep in (1, 8):
+        cfg = load_config(None, [*BIG_RUN, "backend=megatron", f"megatron.ep={ep}"])
+        held[ep] = memory(cfg, shape, layout_of(cfg, 8))
+    experts = sum(shape.per_layer_experts)
+    assert held[1].params - held[8].params == pytest.approx(experts * 7 / 8)
+    # each expert's optimizer state is sharded over the dp / ep = 1 replicas that hold it
+    dense = held[8].params - experts / 8
+    assert held[8].optimizer == pytest.approx(12 * (dense / 8 + experts / 8))
+
+
 def test_zero_stages_and_offload_shrink_the_device_share():
     shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
     states = []
@@ -113,7 +132,7 @@ def test_dry_run_megatron_prints_the_layout(capsys):
     assert main(["train", "--dry-run", "--nproc", "4", "--set", "backend=megatron", "--set", "megatron.preset=tp2_pp2"]) == 0
     out = capsys.readouterr().out
     layout = json.loads(out.split("# Megatron layout\n")[1].split("\n# estimate")[0])
-    assert layout == {"tp": 2, "pp": 2, "vpp": None, "dp": 1, "sequence_parallel": False, "padded_vocab": 2048}
+    assert layout == {"tp": 2, "pp": 2, "vpp": None, "ep": 1, "dp": 1, "sequence_parallel": False, "padded_vocab": 2048}
 
 
 @pytest.mark.parametrize("sets, message", [

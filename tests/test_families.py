@@ -27,12 +27,27 @@ TINY = {
 }
 
 
+# Tiny MoE configs: GQA, 4 experts top-2, vocab padding; qwen2_moe with q/k/v biases, a gated shared
+# expert, tied embeddings and un-normalized top-k weights (megatron's pre-softmax routing).
+TINY_MOE = {
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+                    num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
+                      pad_token_id=0),
+}
+
+
 def tiny_config(family: str, **changes):
-    kw = {**TINY[family], **changes}
+    kw = {**{**TINY, **TINY_MOE}[family], **changes}
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
 def tiny_model(family: str, seed: int = 0, **changes):
+    """A tiny seeded HF model of any family above (dense or mixture of experts)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **changes), dtype=torch.float32)
     with torch.no_grad():  # HF inits biases and norms to constants: randomize so mix-ups show

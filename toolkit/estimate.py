@@ -87,6 +87,12 @@ class Shape:
     kv_heads: int
     vocab: int
     tied: bool
+    per_layer_experts: list[int] = field(default_factory=list)
+    """Mixture of experts: each layer's routed experts' parameters (part of per_layer_matrices)."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)..."""
+    experts_per_token: int = 0
+    """...of which each token uses this many."""
 
     @property
     def total(self) -> int:
@@ -103,6 +109,7 @@ def model_shape(hf_config) -> Shape:
     tied = emb is out
     per_layer = [0] * hf_config.num_hidden_layers
     matrices = [0] * hf_config.num_hidden_layers
+    experts = [0] * hf_config.num_hidden_layers
     other = 0
     for name, p in model.named_parameters():  # tied weights are listed once
         if p is emb or p is out:
@@ -113,6 +120,7 @@ def model_shape(hf_config) -> Shape:
             continue
         per_layer[int(layer.group(1))] += p.numel()
         matrices[int(layer.group(1))] += p.numel() if p.ndim >= 2 else 0
+        experts[int(layer.group(1))] += p.numel() if ".experts." in name else 0  # transformers' routed experts
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -122,7 +130,14 @@ def model_shape(hf_config) -> Shape:
     return Shape(embedding=emb.numel(), output=0 if tied else out.numel(), per_layer=per_layer,
                  per_layer_matrices=matrices, other=other, layers=hf_config.num_hidden_layers,
                  hidden=hf_config.hidden_size, kv_width=kv, mlp_width=mlp, glu="silu" in act or "swiglu" in act,
-                 heads=heads, kv_heads=kv_heads, vocab=hf_config.vocab_size, tied=tied)
+                 heads=heads, kv_heads=kv_heads, vocab=hf_config.vocab_size, tied=tied, per_layer_experts=experts,
+                 experts=_routed_experts(hf_config) if any(experts) else 0,
+                 experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if any(experts) else 0)
+
+
+def _routed_experts(hf_config) -> int:
+    """transformers' MoE configs name it num_local_experts (Mixtral) or num_experts (Qwen-MoE, OLMoE)."""
+    return int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0)
 
 
 # --- layout -------------------------------------------------------------------------------------
@@ -141,13 +156,15 @@ class Layout:
     recompute: str = "none"  # none | selective | full (DeepSpeed: full = HF gradient checkpointing)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    ep: int = 1  # megatron expert parallelism: routed experts split over ep of the dp ranks
 
     def describe(self) -> str:
         if self.backend == "deepspeed":
             off = "+offload_opt" if self.offload_optimizer else ""
             off += "+offload_params" if self.offload_params else ""
             return f"ZeRO-{self.zero_stage}{off} dp={self.dp} ckpt={self.recompute}"
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} recompute={self.recompute}"
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
+            f" recompute={self.recompute}"
 
 
 def layout_of(cfg: RunConfig, world: int) -> Layout:
@@ -157,7 +174,7 @@ def layout_of(cfg: RunConfig, world: int) -> Layout:
                       recompute="full" if cfg.model.activation_checkpointing else "none")
     m = cfg.megatron
     return Layout("megatron", world, dp=world // (m.tp * m.pp), tp=m.tp, pp=m.pp, recompute=m.recompute,
-                  first_stage_layers=m.first_stage_layers, last_stage_layers=m.last_stage_layers)
+                  first_stage_layers=m.first_stage_layers, last_stage_layers=m.last_stage_layers, ep=m.ep)
 
 
 def stage_layers(shape: Shape, lay: Layout) -> list[list[int]]:
@@ -239,10 +256,15 @@ def _megatron_stage_memory(cfg: RunConfig, shape: Shape, lay: Layout, w: int, st
     layers = stages[stage]
     vocab = padded_vocab_size(shape.vocab, cfg.megatron.make_vocab_size_divisible_by, t)
     first, last = stage == 0, stage == lay.pp - 1
-    phi = sum(shape.per_layer_matrices[i] / t + shape.per_layer[i] - shape.per_layer_matrices[i] for i in layers)
+    experts = [shape.per_layer_experts[i] if shape.per_layer_experts else 0 for i in layers]
+    phi = sum((shape.per_layer_matrices[i] - e) / t + shape.per_layer[i] - shape.per_layer_matrices[i]
+              for i, e in zip(layers, experts))
     phi += vocab * shape.hidden / t * (first + (last and (not shape.tied or lay.pp > 1)))
     phi += shape.other if last else 0
-    optim = (8 + (4 if w != 4 else 0)) * phi / lay.dp
+    expert_phi = sum(experts) / (t * lay.ep)  # expert tensor parallelism = tp
+    # the distributed optimizer shards dense state over dp, experts' over the dp / ep expert replicas
+    optim = (8 + (4 if w != 4 else 0)) * (phi / lay.dp + expert_phi / (lay.dp // lay.ep))
+    phi += expert_phi
     in_flight = min(lay.pp - stage, _micro_batches(cfg, lay))
     sp = cfg.megatron.sequence_parallel and t > 1
     acts = {r: _activations(cfg, shape, layers, t, in_flight, r, w, materialized=True, logits=last, sp=sp)
@@ -294,7 +316,8 @@ def candidate_layouts(cfg: RunConfig, shape: Shape, world: int) -> list[Layout]:
                 pp = mp // tp
                 if shape.heads % tp or shape.kv_heads % tp or shape.layers % pp or world % mp:
                     continue
-                out.append(Layout("megatron", world, world // mp, tp=tp, pp=pp, recompute=recompute))
+                ep = cfg.megatron.ep if (world // mp) % cfg.megatron.ep == 0 else 1
+                out.append(Layout("megatron", world, world // mp, tp=tp, pp=pp, recompute=recompute, ep=ep))
     return out
 
 

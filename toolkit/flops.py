@@ -5,7 +5,8 @@ Model FLOPs per token (PaLM, appendix B; forward + backward, no recomputation co
     6 * N + 12 * n_layers * attention_width * seq_len
 
 N counts every parameter except the input embedding (a lookup does no matmul; an untied or tied
-LM head does, and is counted once). ``attention_width`` is heads x head_dim. The second term is
+LM head does, and is counted once); of a mixture of experts' routed experts, only the k of E a
+token is routed to. ``attention_width`` is heads x head_dim. The second term is
 the attention score and value matmuls over the full sequence (causal masking not discounted, as in
 PaLM and Megatron-LM's reporting).
 
@@ -30,6 +31,8 @@ def flops_per_token(hf_config, seq_len: int) -> float:
     from toolkit.estimate import model_shape
     shape = model_shape(hf_config)
     matmul_params = shape.total - shape.embedding + (shape.embedding if shape.tied else 0)
+    if shape.experts:  # a token runs through k of the E routed experts
+        matmul_params -= sum(shape.per_layer_experts) * (1 - shape.experts_per_token / shape.experts)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // shape.heads
     return 6 * matmul_params + 12 * shape.layers * shape.heads * head_dim * seq_len
 

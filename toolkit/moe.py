@@ -75,37 +75,48 @@ class AttachLoss(torch.autograd.Function):
 
 @dataclass
 class RouterStats:
-    """Per step and MoE layer: tokens per expert and the summed aux loss over micro-batches."""
+    """Per step and MoE layer: tokens per expert and the summed aux loss over micro-batches, kept
+    where the router runs (no host sync inside the forward) until ``metrics``.
+
+    ``layers`` is the number of rows the backend indexes: megatron by global layer number (its MoE
+    families make every layer MoE), the DeepSpeed path by position among the MoE layers."""
     layers: int
     experts: int
-    counts: torch.Tensor = field(init=False)
-    aux_sum: torch.Tensor = field(init=False)
+    counts: torch.Tensor | None = field(init=False, default=None)
+    aux_sum: torch.Tensor | None = field(init=False, default=None)
 
-    def __post_init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64)
-        self.aux_sum = torch.zeros(self.layers, dtype=torch.float64)
-
-    def add(self, layer: int, counts: torch.Tensor | None, aux: torch.Tensor | float) -> None:
-        """``layer``: index among the MoE layers; ``counts`` None on ranks that must not count them twice."""
+    def add(self, layer: int, counts: torch.Tensor | None, aux: torch.Tensor) -> None:
+        """``counts`` None on ranks that must not count them twice (TP peers)."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=aux.device)
+            self.aux_sum = torch.zeros(self.layers, dtype=torch.float64, device=aux.device)
         if counts is not None:
-            self.counts[layer] += counts.detach().to("cpu", torch.float64)
-        self.aux_sum[layer] += float(aux)
+            self.counts[layer] += counts.detach().to(torch.float64)
+        self.aux_sum[layer] += aux.detach().to(torch.float64)
 
     def metrics(self, micro_batches: int, group=None) -> dict:
         """Summed over ``group`` (every rank of the step), then: the mean aux over layers and the
         ``micro_batches`` of the global batch, tokens per expert per layer, and the load of the
-        busiest expert relative to an even load (1.0 = balanced). Collective when distributed."""
-        both = torch.cat([self.counts.reshape(-1), self.aux_sum])
+        busiest expert relative to an even load (1.0 = balanced). Collective when distributed;
+        a rank whose routers did not run (a pipeline stage without MoE layers) sends zeros."""
+        both = torch.zeros(self.layers * (self.experts + 1), dtype=torch.float64,
+                           device=self.counts.device if self.counts is not None else _comm_device())
+        if self.counts is not None:
+            both = torch.cat([self.counts.reshape(-1), self.aux_sum])
         if dist.is_initialized():
             dist.all_reduce(both, group=group)
+        both = both.cpu()
         counts = both[:-self.layers].reshape(self.layers, self.experts)
         aux = both[-self.layers:]
-        self.reset()
+        self.counts = self.aux_sum = None
         even = counts.sum(dim=1, keepdim=True) / self.experts
         load = (counts / even.clamp(min=1)).amax().item() if counts.sum() else 0.0
-        return {"moe_aux_loss": aux.sum().item() / (self.layers * micro_batches),
+        layers = max(int((counts.sum(dim=1) > 0).sum()), 1)  # rows that routed tokens: the MoE layers
+        return {"moe_aux_loss": aux.sum().item() / (layers * micro_batches),
                 "moe_load_max": round(load, 4),
                 "moe_expert_tokens": [[int(c) for c in row] for row in counts]}
+
+
+def _comm_device() -> torch.device:
+    """Where this process's collectives run (NCCL needs CUDA tensors)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -4,8 +4,8 @@ Reads ``metrics.jsonl`` (one record per optimizer step, eval records, resume eve
 ``events.jsonl`` (failures, restarts, preemptions) and writes into ``RUN_DIR/report/``:
 ``loss.png`` (train and eval loss by step, resumes marked), ``lr.png``, ``grad_norm.png``,
 ``throughput.png`` (tokens/s over wall-clock time, failures and restarts marked), for mixture-of-
-experts runs ``experts.png`` (load-balancing loss and each expert's share of the routed tokens by
-step), and ``report.md``.
+experts runs ``experts.png`` (load-balancing loss, and per layer the busiest and idlest expert's
+tokens relative to an even share, by step), and ``report.md``.
 """
 from __future__ import annotations
 
@@ -147,26 +147,31 @@ def _expert_steps(run: Run) -> list[int]:
     return [s for s in sorted(run.steps) if "moe_expert_tokens" in run.steps[s]]
 
 
-def _expert_shares(record: dict) -> list[float]:
-    """Each expert's share of the step's routed tokens, summed over the MoE layers."""
-    per_expert = [sum(col) for col in zip(*record["moe_expert_tokens"])]
-    total = sum(per_expert) or 1
-    return [c / total for c in per_expert]
+def _layer_loads(record: dict) -> list[tuple[float, float]]:
+    """Per MoE layer: the busiest and the idlest expert's tokens relative to an even load (1 = even).
+    Experts are compared within a layer only: expert e of one layer is unrelated to expert e of another."""
+    out = []
+    for row in record["moe_expert_tokens"]:
+        even = sum(row) / len(row)
+        if even:
+            out.append((max(row) / even, min(row) / even))
+    return out
 
 
 def _plot_experts(run: Run, out: Path) -> Path:
     import matplotlib.pyplot as plt
     steps = _expert_steps(run)
-    fig, (aux, share) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True)
+    fig, (aux, load) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True)
     aux.plot(steps, [run.steps[s]["moe_aux_loss"] for s in steps], lw=1)
     aux.set(title="mixture of experts", ylabel="load-balancing loss (k = even)")
-    shares = [_expert_shares(run.steps[s]) for s in steps]
-    for e, line in enumerate(zip(*shares)):
-        share.plot(steps, line, lw=1, label=f"expert {e}")
-    share.axhline(1 / len(shares[0]), color="black", ls=":", lw=1, label="even")
-    share.set(xlabel="step", ylabel="share of routed tokens (all layers)")
-    share.legend(fontsize="small", ncol=4)
-    for ax in (aux, share):
+    loads = [_layer_loads(run.steps[s]) for s in steps]
+    for layer in range(len(loads[0])):
+        line, = load.plot(steps, [ls[layer][0] for ls in loads], lw=1, label=f"layer {layer}")
+        load.plot(steps, [ls[layer][1] for ls in loads], lw=1, ls="--", color=line.get_color())
+    load.axhline(1.0, color="black", ls=":", lw=1, label="even")
+    load.set(xlabel="step", ylabel="busiest (solid) and idlest (dashed)\nexpert's tokens / an even share")
+    load.legend(fontsize="small", ncol=4)
+    for ax in (aux, load):
         ax.grid(alpha=0.3)
     return _save(fig, out / "experts.png")
 
@@ -176,10 +181,11 @@ def _expert_lines(run: Run) -> list[str]:
     if not steps:
         return []
     first, last = run.steps[steps[0]], run.steps[steps[-1]]
-    shares = ", ".join(f"{x:.1%}" for x in _expert_shares(last))
+    loads = _layer_loads(last)
+    per_layer = ", ".join(f"{hi:.2f}x/{lo:.2f}x" for hi, lo in loads)
     return [f"- experts: load-balancing loss {first['moe_aux_loss']:.4f} -> {last['moe_aux_loss']:.4f}; busiest "
             f"expert at {max(run.steps[s]['moe_load_max'] for s in steps):.2f}x an even load (worst step); "
-            f"shares at step {steps[-1]}: {shares}"]
+            f"busiest/idlest per layer at step {steps[-1]}: {per_layer}"]
 
 
 def _outages(events: list[dict]) -> list[tuple[float, float]]:

@@ -180,8 +180,9 @@ class DeepSpeedEngine:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, ds_config: dict):
         import deepspeed
 
-        from toolkit.compat import cpuinfo_cache
+        from toolkit.compat import cpuinfo_cache, torch_extensions
         cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
+        torch_extensions.install()  # this environment's own JIT-built ops (no rebuilds across venvs)
         check_dtype_supported(cfg.model.dtype)
         self.cfg = cfg
         self.ds_config = ds_config
@@ -216,7 +217,7 @@ class DeepSpeedEngine:
         dist.all_reduce(local_sum)
         if grad_norm is None:
             grad_norm = float(self.engine.get_global_grad_norm())
-        extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router else {}
+        extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router and self.router.stats else {}
         return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=grad_norm, compute_s=compute_s, extra=extra)
 
     def _forward(self, input_ids):
@@ -306,27 +307,37 @@ class _RouterLoss:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module):
         config = model.config
         self.coeff = moe.aux_loss_coeff(cfg.train.moe_aux_loss_coeff, config)
-        self.top_k = int(config.num_experts_per_tok)
+        self.top_k = getattr(config, "num_experts_per_tok", None)
+        if not self.top_k:
+            raise ConfigError(f"{config.model_type}: an HF mixture-of-experts config without num_experts_per_tok; "
+                              "the load-balancing loss needs the router's top-k (set it in config.json)")
         self.stats: moe.RouterStats | None = None
 
-    def loss(self, router_logits) -> torch.Tensor:
-        """``coeff`` x the mean over layers of this micro-batch's aux loss (recorded in ``stats``)."""
+    def loss(self, router_logits) -> torch.Tensor | float:
+        """``coeff`` x the mean over MoE layers of this micro-batch's aux loss (recorded in ``stats``);
+        ``router_logits``: one ``[tokens, E]`` (or ``[batch, seq, E]``) tensor per MoE layer."""
+        if not router_logits:
+            return 0.0  # a model without MoE layers in this configuration
+        experts = router_logits[0].shape[-1]
         if self.stats is None:
-            self.stats = moe.RouterStats(len(router_logits), router_logits[0].shape[-1])
+            self.stats = moe.RouterStats(len(router_logits), experts)
         total = 0.0
         for layer, logits in enumerate(router_logits):
-            counts = moe.routed_counts(logits.detach(), self.top_k)
+            logits = logits.reshape(-1, experts)
+            counts = moe.routed_counts(logits.detach(), int(self.top_k))
             aux = moe.load_balancing_loss(logits, counts, logits.shape[0])
-            self.stats.add(layer, counts, aux.detach())
+            self.stats.add(layer, counts, aux)
             total = total + aux
         return self.coeff * total / len(router_logits)
 
 
 def _experts_as_leaf_modules(model: torch.nn.Module) -> None:
-    """ZeRO-3 gathers a module's parameters in its forward hook; experts that receive no tokens on
-    one rank are not called there, and the ranks' gathers no longer match (a hang). Every module
-    holding an ``experts`` child (transformers' sparse MoE blocks) becomes a ZeRO-3 leaf: its
-    parameters are gathered all at once when the block runs."""
+    """ZeRO-3 gathers a module's parameters in its forward hook. Where experts are modules of
+    their own (transformers 4, custom MoE code), an expert that receives no tokens on one rank is
+    not called there, and the ranks' gathers no longer match (a hang). Every module holding an
+    ``experts`` child (transformers' sparse MoE blocks) becomes a ZeRO-3 leaf: its parameters are
+    gathered all at once when the block runs (transformers 5 packs the experts into one module,
+    which is always called; one gather per block is then still fewer collectives)."""
     from deepspeed.utils import set_z3_leaf_modules
     blocks = sorted({type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)},
                     key=lambda c: c.__name__)

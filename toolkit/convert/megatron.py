@@ -66,19 +66,20 @@ def find_legacy_dir(path: Path) -> Path | None:
     return None
 
 
-EXPERTS = "mlp.experts.local_experts."
 STORED_EXPERTS = "mlp.experts.experts."
+"""megatron's SequentialMLP stores its local experts under this name, with an expert axis."""
 
 
 def storage_key(mcore_name: str) -> tuple[str, tuple[int, ...]]:
     """Full mcore name (global layer and expert numbers) -> (storage key, its index in the stored
     tensor's leading dims): ``()`` for a top-level tensor, ``(layer,)``, or ``(layer, expert)``."""
+    from toolkit.families import split_expert
     if not mcore_name.startswith("decoder.layers."):
         return mcore_name, ()
+    expert = split_expert(mcore_name)
+    if expert is not None:
+        return f"decoder.layers.{STORED_EXPERTS}{expert[2]}", expert[:2]
     _, _, layer, rest = mcore_name.split(".", 3)
-    if rest.startswith(EXPERTS):
-        expert, tail = rest[len(EXPERTS):].split(".", 1)
-        return f"decoder.layers.{STORED_EXPERTS}{tail}", (int(layer), int(expert))
     for old, new in KEYS_MAP.items():
         if rest.startswith(old):
             rest = new + rest[len(old):]
@@ -93,6 +94,7 @@ class _Layout:
         self.config = hf_config_object(hf_config)
         try:
             self.family = get_family(self.config.model_type)
+            self.family.check(self.config)  # fields the megatron model cannot honour, named
         except FamilyError as exc:
             raise ConvertError(str(exc)) from None
         self.dims = self.family.dims(self.config, padded_vocab)

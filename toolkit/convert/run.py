@@ -15,7 +15,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGETS = ("hf", "zero", "megatron")
 
 
-def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 2, ep: int = 1,
+def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, zero_stage: int = 2,
             dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source).
@@ -25,7 +25,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int =
     tic = time.perf_counter()
     source = open_source(src, hf_config)
     to = to or ("zero" if source.format == "hf" else "hf")
-    _check_request(source, to, tp, pp, dp, zero_stage, dtype, ep)
+    _check_request(source, to, (tp, pp, ep, dp), zero_stage, dtype)
     try:
         with staged(Path(dst)) as stage, _progress(source, show_progress) as progress:
             _write(source, stage, to, (tp, pp, ep, dp), zero_stage, DTYPES.get(dtype) if dtype else None,
@@ -38,8 +38,9 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, dp: int =
             "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _check_request(source: Source, to: str, tp: int, pp: int, dp: int, stage: int, dtype: str | None,
-                   ep: int = 1) -> None:
+def _check_request(source: Source, to: str, parallel: tuple[int, int, int, int], stage: int,
+                   dtype: str | None) -> None:
+    tp, pp, ep, dp = parallel
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -52,6 +53,9 @@ def _check_request(source: Source, to: str, tp: int, pp: int, dp: int, stage: in
         raise ConvertError(f"--tp/--pp/--ep apply to --to megatron only (got --to {to})")
     if to == "megatron":
         _check_megatron_layout(source.hf_config, tp, pp, ep)
+        if dp % ep:
+            raise ConvertError(f"--dp {dp} --ep {ep}: megatron takes the ep ranks from the dp ranks; choose dp a "
+                               f"multiple of {ep}")
 
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
@@ -65,7 +69,10 @@ def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
     if layers % pp:
         raise ConvertError(f"--pp {pp}: num_hidden_layers={layers} is not divisible by pp; choose pp in "
                            f"{[p for p in range(1, layers + 1) if layers % p == 0]}")
-    experts = config.get("num_local_experts", config.get("num_experts")) or 0
+    from toolkit.convert.canonical import hf_config_object
+    from toolkit.families import find_family
+    family = find_family(config.get("model_type"))
+    experts = family.num_experts(hf_config_object(config)) if family else 0
     if ep > 1 and not experts:
         raise ConvertError(f"--ep {ep}: {config.get('model_type')} has no experts; --ep applies to mixture-of-experts "
                            "models")

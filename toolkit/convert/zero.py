@@ -18,6 +18,7 @@ any DP size and stage with ``"checkpoint": {"load_universal": true}``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -54,11 +55,13 @@ def find_tag_dir(path: Path) -> Path | None:
 
 @dataclass
 class _Frag:
-    """Where a parameter's elements lie: rank, group, start and length in that rank's flat group."""
+    """Where a parameter's elements lie: rank, group, start and length in that rank's flat group;
+    or, for a frozen parameter (no optimizer state), in ``frozen``, its flat data in a model-states file."""
     rank: int
     group: int
     start: int
     length: int
+    frozen: torch.Tensor | None = None
 
 
 class ZeroSource(Source):
@@ -66,6 +69,8 @@ class ZeroSource(Source):
 
     def __init__(self, tag_dir: Path, hf_config: dict, **kw):
         super().__init__(path=tag_dir, format="zero", hf_config=hf_config, **kw)
+        self.frozen: set[str] = set()
+        """Parameters DeepSpeed saved as frozen (no optimizer state)."""
         self.files = self._optim_files(tag_dir)
         self._opt = [safe_load(f)["optimizer_state_dict"] for f in self.files]
         first = self._opt[0]
@@ -76,14 +81,12 @@ class ZeroSource(Source):
             raise ConvertError(f"{tag_dir}: optimizer states say partition_count={counts}, but {self.dp} rank files "
                                "are present; a rank's file is missing")
         model = safe_load(self._model_file(tag_dir))
-        if model.get("frozen_param_shapes"):
-            raise ConvertError(f"{tag_dir}: frozen parameters {list(model['frozen_param_shapes'])[:5]} are not "
-                               "supported by the converter; unfreeze them before saving")
         self.has_optimizer = True
         self.layout = {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.stage}
         self._frags: dict[str, list[_Frag]] = {}
         shapes = model["param_shapes"]
         (self._index_stage3 if self.stage == 3 else self._index_stage12)(shapes)
+        self._index_frozen(tag_dir, model)
         self._add_shared(model.get("shared_params") or {})
         self._unpack_modules()
         self.maps = FileMaps()  # after every file is mapped: they live as long as this reader
@@ -154,6 +157,41 @@ class ZeroSource(Source):
                 raise ConvertError(f"{self.path}: group {g} of param_shapes needs {offset} elements per rank, the "
                                    f"optimizer states hold {have}; model and optimizer files do not match")
 
+    def _index_frozen(self, tag_dir: Path, model: dict) -> None:
+        """Parameters with ``requires_grad=False`` (a LoRA base, frozen embeddings): DeepSpeed keeps
+        them out of the optimizer, in the model-states files: whole at stage 1/2, at stage 3 each
+        rank's flat partition (``ceil(numel / dp)``, the last one padded) in its own file. In the
+        stream their Adam moments read as zeros (a converted run trains them from a fresh state)."""
+        shapes = model.get("frozen_param_shapes") or {}
+        if self.stage < 3:  # at stage 1 DeepSpeed does not record them: any module parameter the
+            self._index_unrecorded_frozen(model, shapes)  # optimizer does not hold is one
+        if not shapes:
+            return
+        models = [model]
+        if self.stage == 3:
+            files = [tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.dp)]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ConvertError(f"{tag_dir}: {missing} missing: they hold the frozen parameters' partitions; the "
+                                   "checkpoint is incomplete")
+            models += [safe_load(f) for f in files[1:]]
+        for name, shape in shapes.items():
+            parts = [m["frozen_param_fragments"][name].reshape(-1) for m in models]
+            self._add(name, shape, [_Frag(r, -1, 0, p.numel(), frozen=p) for r, p in enumerate(parts)])
+        self.frozen = set(shapes)
+
+    def _index_unrecorded_frozen(self, model: dict, recorded: dict) -> None:
+        """Stage 1/2 save the whole module state dict beside the optimizer's partitions; its
+        parameters that neither the optimizer nor ``frozen_param_shapes`` holds were frozen."""
+        buffers = set(model.get("buffer_names") or ())
+        aliases = set(model.get("shared_params") or {})
+        for name, tensor in (model.get("module") or {}).items():
+            if name in self.infos or name in recorded or name in buffers or name in aliases:
+                continue
+            flat = tensor.reshape(-1)
+            self._add(name, tuple(tensor.shape), [_Frag(0, -1, 0, flat.numel(), frozen=flat)])
+            self.frozen.add(name)
+
     def _add(self, name: str, shape, frags: list[_Frag]) -> None:
         self.infos[name] = TensorInfo(tuple(shape), torch.float32)
         self._frags[name] = frags
@@ -195,8 +233,11 @@ class ZeroSource(Source):
         pos = 0
         for f in self._frags[name]:
             lo, hi = max(start, pos), min(stop, pos + f.length)
-            if lo < hi:
-                yield self._flat(f.rank, f.group, state).narrow(0, f.start + lo - pos, hi - lo)
+            if lo < hi and f.frozen is not None and state != "param":
+                yield torch.zeros(hi - lo, dtype=torch.float32)  # a frozen parameter has no moments
+            elif lo < hi:
+                flat = f.frozen if f.frozen is not None else self._flat(f.rank, f.group, state)
+                yield flat.narrow(0, f.start + lo - pos, hi - lo)
             pos += f.length
 
     def read(self, name: str, state: str = "param") -> torch.Tensor:
@@ -217,7 +258,7 @@ def _sub_frags(frags: list[_Frag], start: int, stop: int) -> list[_Frag]:
     for f in frags:
         lo, hi = max(start, pos), min(stop, pos + f.length)
         if lo < hi:
-            out.append(_Frag(f.rank, f.group, f.start + lo - pos, hi - lo))
+            out.append(dataclasses.replace(f, start=f.start + lo - pos, length=hi - lo))
         pos += f.length
     return out
 

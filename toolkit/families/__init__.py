@@ -23,7 +23,7 @@ from toolkit.families.base import (Family, FamilyError, MappingReader, Packed, R
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
-           "find_family", "Piece", "unpacked_layout", "unpack", "pack"]
+           "find_family", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
 
 
 @lru_cache(maxsize=1)
@@ -142,6 +142,21 @@ def _layer_of(name: str) -> list[int]:
     return [int(name.split(".")[2])] if name.startswith("decoder.layers.") else []
 
 
+EXPERTS = "mlp.experts.local_experts."
+"""Routed experts' mcore parameters: ``decoder.layers.{i}.mlp.experts.local_experts.{e}.<tail>``."""
+
+
+def split_expert(mcore_name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, tail) of a routed expert's mcore parameter name; None for any other name."""
+    if not mcore_name.startswith("decoder.layers."):
+        return None
+    _, _, layer, rest = mcore_name.split(".", 3)
+    if not rest.startswith(EXPERTS):
+        return None
+    expert, tail = rest[len(EXPERTS):].split(".", 1)
+    return int(layer), int(expert), tail
+
+
 def shard(family: Family, hf_config, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """TP rank ``rank``'s part of the full mcore tensor ``name``."""
     return _entry(family, hf_config, name).shard(full, tp, rank)
@@ -197,8 +212,12 @@ def unpacked_layout(family: Family | None, hf_config, module_shapes: Mapping[str
             continue
         p, prefix = packs[name]
         experts, slab = (shape[0], shape[1:]) if p.per_expert else (1, shape)
+        if p.per_expert and experts != family.num_experts(hf_config):
+            raise FamilyError(f"{name} has shape {shape}: {experts} experts on dim 0, but the config has "
+                              f"{family.num_experts(hf_config)}; the checkpoint and its config.json do not match")
         if slab[0] % len(p.parts):
-            raise FamilyError(f"{name}: {slab[0]} rows do not split into the {len(p.parts)} parts {p.parts}")
+            raise FamilyError(f"{name} has shape {shape}: {slab[0]} rows do not split into the parts {p.parts}; "
+                              "the checkpoint and its config.json do not match")
         part_shape = (slab[0] // len(p.parts), *slab[1:])
         for e in range(experts):
             for j, part in enumerate(p.parts):
@@ -216,14 +235,18 @@ def unpack(family: Family | None, hf_config, module_state: Mapping[str, torch.Te
 def pack(family: Family | None, hf_config, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A module state (what ``load_state_dict`` of a transformers model takes) from checkpoint-named
     tensors; the inverse of ``unpack``. Names of no packed parameter pass through."""
-    out, used = {}, set()
+    first_part = {}  # the checkpoint name where each packed parameter goes, to keep the order
     for module, (p, prefix) in _packs(family, hf_config).items():
         experts = range(family.num_experts(hf_config)) if p.per_expert else [None]
         names = [[prefix + part.format(e=e) for part in p.parts] for e in experts]
-        if not all(n in state for group in names for n in group):
-            continue  # already packed, or not in this state
-        slabs = [torch.cat([state[n] for n in group]) for group in names]
-        out[module] = torch.stack(slabs) if p.per_expert else slabs[0]
-        used.update(n for group in names for n in group)
-    out.update({k: v for k, v in state.items() if k not in used})
+        if all(n in state for group in names for n in group):  # else already packed, or not in this state
+            first_part[names[0][0]] = (module, p, names)
+    out, used = {}, {n for _, _, names in first_part.values() for group in names for n in group}
+    for name, tensor in state.items():
+        if name in first_part:
+            module, p, names = first_part[name]
+            slabs = [torch.cat([state[n] for n in group]) for group in names]
+            out[module] = torch.stack(slabs) if p.per_expert else slabs[0]
+        elif name not in used:
+            out[name] = tensor
     return out

@@ -1,0 +1,30 @@
+"""One folder of JIT-built ops (DeepSpeed's CPU Adam, FusedAdam, shm comm) per Python environment.
+
+torch builds C++ extensions under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions/
+py311_cpu``, shared by every environment of that Python), and ninja rebuilds an extension whenever
+its build command changes. The command names the environment's own torch include and library
+folders, so two virtualenvs sharing the default folder rebuild each op (30-80 s on 2 cores, the
+other ranks waiting on its lock) every time the other one built it last. Unless the user set
+``TORCH_EXTENSIONS_DIR``, the toolkit gives each interpreter prefix its own folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+
+def extensions_dir() -> Path:
+    """``~/.cache/toolkit/torch_extensions/<env name>-<hash of sys.prefix>``."""
+    prefix = Path(sys.prefix).resolve()
+    tag = hashlib.sha256(str(prefix).encode()).hexdigest()[:10]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "toolkit" / "torch_extensions" / f"{prefix.name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
+
+
+def install() -> str:
+    """Point ``TORCH_EXTENSIONS_DIR`` (read by torch at each build or load) at this environment's
+    folder, unless it is set; returns the folder in use. Processes started afterwards inherit it."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    return os.environ["TORCH_EXTENSIONS_DIR"]
