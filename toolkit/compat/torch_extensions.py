@@ -20,7 +20,8 @@ def extensions_dir() -> Path:
     prefix = Path(sys.prefix).resolve()
     tag = hashlib.sha256(str(prefix).encode()).hexdigest()[:10]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "toolkit" / "torch_extensions" / f"{prefix.name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
+    name = prefix.name.lstrip(".") or "env"  # a venv named .venv: a folder that ls shows
+    return root / "toolkit" / "torch_extensions" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
 
 
 def install() -> str:
