@@ -1,6 +1,6 @@
 """Mixture of experts (mixtral, qwen2_moe): family tables against transformers' own checkpoint layout,
 the load-balancing loss against HF's, and the megatron path against HF's own forward on 4 ranks at
-EP 2 (x DP 4), TP 2 with sequence parallelism (x DP 2, x EP 2) and PP 2 x EP 2: logits, routing and
+EP 1 and 2 (x DP 4), TP 2 with sequence parallelism (x DP 2, x EP 2) and PP 2 x EP 2: logits, routing and
 per-parameter gradients, aux loss included. The tiny configs live in tests/test_families.py."""
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def test_load_balancing_loss_equals_hfs_on_one_layer():
 # --- megatron vs HF (spawned gloo ranks) ------------------------------------------------------------
 
 LAYOUTS = {  # name: (tp, pp, ep, megatron.* extras), each on 4 ranks: dp = 4 / (tp * pp)
+    "ep1_dp4": (1, 1, 1, {}),
     "ep2_dp4": (1, 1, 2, {}),  # two expert-data-parallel replicas of each expert
     "tp2_sp_dp2": (2, 1, 1, {"sequence_parallel": True}),
     "tp2_sp_ep2": (2, 1, 2, {"sequence_parallel": True}),  # TP x EP: expert tensor parallelism = tp

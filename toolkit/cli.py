@@ -105,7 +105,8 @@ def _add_convert_parsers(sub) -> None:
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
     c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")
-    c.add_argument("--dp", type=int, default=1, help="data parallel size the output is described for")
+    c.add_argument("--dp", type=int, default=None,
+                   help="data parallel size the output is described for (default: --ep for megatron, else 1)")
     c.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage the output is described for")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: as stored)")
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state (Adam restarts)")
