@@ -33,11 +33,24 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, chec
 
 def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
           check: bool = True, base: list[str] = TINY):
-    sets = [*base, f"data.cache_dir={data_cache}", *overrides]
+    return run_cli(train_args(run_dir, data_cache, *overrides, nproc=nproc, base=base), env=env, check=check)
+
+
+def train_args(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, base: list[str] = TINY) -> list[str]:
     args = ["train", "--run-dir", str(run_dir), "--nproc", str(nproc)]
-    for s in sets:
+    for s in [*base, f"data.cache_dir={data_cache}", *overrides]:
         args += ["--set", s]
-    return run_cli(args, env=env, check=check)
+    return args
+
+
+def refused(args: list[str], capsys) -> tuple[int, str, str]:
+    """A command that must fail before anything starts, run in this process: ``toolkit.cli.main``
+    is what a subprocess would run, without its ~8 s of imports. Returns (exit code, stdout, stderr)."""
+    from toolkit.cli import main
+    capsys.readouterr()
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -90,3 +90,16 @@ def test_offload_params_needs_stage3():
     cfg = load_config(None, ["zero.stage=2", "zero.offload_params=true"])
     with pytest.raises(ConfigError, match="offload_params needs ZeRO stage 3"):
         resolve_ds_config(cfg, 2, 64)
+
+
+def test_rank_start_method_is_checked(monkeypatch):
+    from toolkit.cli import _rank_entrypoint
+    cfg = load_config()
+    monkeypatch.setenv("TOOLKIT_RANK_START", "fork")
+    with pytest.raises(ConfigError, match=r"TOOLKIT_RANK_START='fork': choose spawn or forkserver"):
+        _rank_entrypoint(cfg)
+    monkeypatch.setenv("TOOLKIT_RANK_START", "spawn")
+    assert _rank_entrypoint(cfg)[1] == ["-u", "-m", "toolkit.worker"]
+    monkeypatch.setenv("TOOLKIT_RANK_START", "forkserver")
+    entrypoint, _, preload = _rank_entrypoint(cfg)
+    assert entrypoint.__name__ == "forked_main" and "deepspeed" in preload

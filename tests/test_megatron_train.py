@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import train
+from tests.conftest import refused, train, train_args
 from toolkit.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -120,20 +120,20 @@ def test_resume_at_another_layout_continues(new_layout, nproc, runs, tmp_path, d
     (["megatron.preset=tp2_sp", "data.seq_len=33"], 2, "data.seq_len=33 is not divisible by megatron.tp=2"),
     (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
 ])
-def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):
-    proc = train(tmp_path / "r", data_cache, MEGATRON, *overrides, nproc=nproc, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert expected in proc.stderr
-    assert "toolkit: megatron on" not in proc.stdout
+def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache, capsys):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, *overrides, nproc=nproc), capsys)
+    assert code == 2, err[-2000:]
+    assert expected in err
+    assert "toolkit: megatron on" not in out
 
 
-def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
+def test_unsupported_family_fails_before_launch(tmp_path, data_cache, capsys):
     model_dir = tmp_path / "bert"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 2048}))
-    proc = train(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}", check=False)
-    assert proc.returncode == 2
-    assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe']" in proc.stderr
+    code, _, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}"), capsys)
+    assert code == 2
+    assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe']" in err
 
 
 def test_bf16_trains(runs, deepspeed_reference):

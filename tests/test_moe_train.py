@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import losses, run_cli, train
+from tests.conftest import losses, refused, run_cli, train, train_args
 from toolkit.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -134,7 +134,8 @@ def test_expert_parallelism_on_a_dense_model_is_refused():
         resolve_for_world(load_config(None, ["backend=megatron", "megatron.ep=2"]), 2)  # the demo's tiny Llama
 
 
-def test_bad_expert_layout_fails_before_launch(tmp_path, data_cache, model_dir):
-    proc = train(tmp_path / "r", data_cache, f"model.name_or_path={model_dir}", *EP2, nproc=3, check=False)
-    assert proc.returncode == 2 and "world size 3 is not divisible by megatron.tp=1 x ep=2" in proc.stderr
-    assert "toolkit: megatron on" not in proc.stdout
+def test_bad_expert_layout_fails_before_launch(tmp_path, data_cache, model_dir, capsys):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, f"model.name_or_path={model_dir}", *EP2, nproc=3),
+                             capsys)
+    assert code == 2 and "world size 3 is not divisible by megatron.tp=1 x ep=2" in err
+    assert "toolkit: megatron on" not in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import losses, train
+from tests.conftest import losses, refused, train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +60,11 @@ def test_checkpoint_is_self_describing_and_loads_in_hf(runs):
     assert (run_dir / "ds_config.json").exists() and (run_dir / "config.yaml").exists()
 
 
-def test_bad_config_fails_before_launch(tmp_path, data_cache):
-    proc = train(tmp_path / "r", data_cache, "train.micro_batch_size=3", check=False)
-    assert proc.returncode == 2 and "not divisible" in proc.stderr and "toolkit: deepspeed on" not in proc.stdout
-    proc = train(tmp_path / "r", data_cache, "data.text_column=body", check=False)
-    assert proc.returncode == 2 and "body" in proc.stderr
+def test_bad_config_fails_before_launch(tmp_path, data_cache, capsys):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, "train.micro_batch_size=3"), capsys)
+    assert code == 2 and "not divisible" in err and "toolkit: deepspeed on" not in out
+    code, _, err = refused(train_args(tmp_path / "r", data_cache, "data.text_column=body"), capsys)
+    assert code == 2 and "body" in err
 
 
 def test_demo_shortened(tmp_path, data_cache):

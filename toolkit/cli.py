@@ -178,21 +178,42 @@ def _check_data_before_launch(cfg: RunConfig) -> None:
 
 
 def _launch(cfg: RunConfig, args, config_path: Path) -> int:
-    from toolkit.launch import LaunchSpec, python_module
+    from toolkit.launch import LaunchSpec
     r = cfg.restart
+    entrypoint, lead, preload = _rank_entrypoint(cfg)
     spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
-                      node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=r.max_restarts, backoff_s=r.backoff_s,
-                      hang_timeout_s=r.hang_timeout_s)
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, preload=preload,
+                      max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s)
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
-    entrypoint, lead = python_module("toolkit.worker")
     code = _run_supervised(spec, entrypoint, [*lead, str(config_path)])
     if code == 0:
         print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
     return code
 
 
-def _run_supervised(spec, entrypoint: str, args: list[str]) -> int:
+RANK_START_ENV = "TOOLKIT_RANK_START"
+
+
+def _rank_entrypoint(cfg: RunConfig):
+    """(entrypoint, leading args, forkserver preload). Without a GPU, ranks fork from a forkserver
+    that imported the backend once (``toolkit.launch``); with one, or ``TOOLKIT_RANK_START=spawn``,
+    each rank is ``python -u -m toolkit.worker`` (a process that may initialize CUDA is never forked)."""
+    import os
+
+    import torch
+
+    from toolkit.launch import python_module
+    from toolkit.worker import forked_main, preload_modules
+    start = os.environ.get(RANK_START_ENV) or ("spawn" if torch.cuda.is_available() else "forkserver")
+    if start not in ("spawn", "forkserver"):
+        raise ConfigError(f"{RANK_START_ENV}={start!r}: choose spawn or forkserver")
+    if start == "spawn":
+        entrypoint, lead = python_module("toolkit.worker")
+        return entrypoint, lead, ()
+    return forked_main, [], preload_modules(cfg.backend)
+
+
+def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -28,13 +28,16 @@ class LaunchSpec:
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     run_id: str | None = None
+    preload: tuple[str, ...] = ()  # modules the forkserver imports once when the entrypoint is a function
     max_restarts: int = 0
     backoff_s: float = 1.0
     hang_timeout_s: float = 0.0
 
 
-def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict[str, str] | None = None):
-    """Run ``entrypoint *args`` on ``spec.nproc`` local ranks under the agent; raises ChildFailedError."""
+def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str, str] | None = None):
+    """Run ``entrypoint *args`` on ``spec.nproc`` local ranks under the agent; raises ChildFailedError.
+    ``entrypoint`` is a command (a program path, run with ``args``), or a module-level function that
+    each rank calls with ``args``: ranks then fork from a forkserver (see ``_start_method``)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -66,14 +69,15 @@ def launch_workers(spec: LaunchSpec, entrypoint: str, args: list[str], env: dict
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
         monitor_interval=0.2, local_addr=rdzv.local_addr)
     _set_worker_env(spec, env)
-    agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(), start_method="spawn",
-                         run_dir=spec.run_dir, max_restarts=spec.max_restarts, backoff_s=spec.backoff_s,
-                         hang_timeout_s=spec.hang_timeout_s)
+    agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(),
+                         start_method=_start_method(entrypoint, spec.preload), run_dir=spec.run_dir,
+                         max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s)
     shutdown_rdzv = True
     try:
         result = agent.run()
         if result.is_failed():
-            raise ChildFailedError(name=Path(str(entrypoint)).name, failures=result.failures)
+            name = entrypoint.__qualname__ if callable(entrypoint) else Path(str(entrypoint)).name
+            raise ChildFailedError(name=name, failures=result.failures)
     except ChildFailedError as exc:
         exc.preempted = agent.preempted
         raise
@@ -120,6 +124,19 @@ def _set_worker_env(spec: LaunchSpec, env: dict[str, str] | None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc))
     os.environ["TOOLKIT_RUN_DIR"] = str(spec.run_dir)
     os.environ.update(env or {})
+
+
+def _start_method(entrypoint, preload: tuple[str, ...]) -> str:
+    """How the agent starts ranks. A command is spawned. A function runs in ranks forked from
+    multiprocessing's forkserver: a clean interpreter (exec'd, no threads, no CUDA) that imports
+    ``preload`` once, so each rank, and each restarted rank, starts with torch, transformers and the
+    backend already imported instead of importing them itself (on 2 CPU cores: ~9 s of CPU per
+    rank, a third of a tiny job's cost). The forkserver lives as long as this launcher."""
+    if not callable(entrypoint):
+        return "spawn"
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(list(preload))
+    return "forkserver"
 
 
 def python_module(module: str) -> tuple[str, list[str]]:
