@@ -33,10 +33,12 @@ def test_loss_contract_micro_batch_accumulation_dp(nproc, micro, runs, reference
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
+    """The crashed run's ranks are spawned (`python -m toolkit.worker`, as with a GPU), the others'
+    forked from the launcher's forkserver: both start methods make the same run."""
     uninterrupted = losses(runs(f"zero{stage}", f"zero.stage={stage}"))
     run_dir = tmp_path / "crashed"
     crashed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}",
-                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1"}, check=False)
+                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1", "TOOLKIT_RANK_START": "spawn"}, check=False)
     assert crashed.returncode != 0
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
     assert not (run_dir / "checkpoints" / "step_00000006").exists()
