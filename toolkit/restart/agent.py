@@ -39,10 +39,33 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup):
         clear_heartbeats(self.run_dir)
-        return super()._start_workers(worker_group)
+        pids = super()._start_workers(worker_group)
+        self._exits: dict[int, tuple[int, int]] = {}
+        if getattr(self._pcontext, "_pc", None) is not None:  # ranks run a function (forkserver)
+            self._note_every_exit(self._pcontext._pc)
+        return pids
+
+    def _note_every_exit(self, pc) -> None:
+        """torch's process context for function ranks reports only one failed rank (whichever of
+        those already dead it looks at first: after a SIGKILL, often a peer that then failed in a
+        collective); command ranks report all of them. Note every rank already exited with an
+        error, just before each of torch's polls, so ``_monitor_workers`` reports them all."""
+        import multiprocessing.connection
+        join, exits = pc.join, self._exits
+
+        def join_noting_exits(*args, **kwargs):
+            for sentinel in multiprocessing.connection.wait(list(pc.sentinels), timeout=0):
+                index = pc.sentinels[sentinel]
+                process = pc.processes[index]
+                if process.exitcode:
+                    exits.setdefault(index, (process.pid, process.exitcode))
+            return join(*args, **kwargs)
+        pc.join = join_noting_exits
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED:
+            self._add_noted_failures(worker_group, result)
         if result.state == WorkerState.HEALTHY:
             self._watch_for_hang(worker_group)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -64,6 +87,14 @@ class ToolkitAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     # --- failures ----------------------------------------------------------------------------------
+
+    def _add_noted_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+        for local_rank, (pid, code) in getattr(self, "_exits", {}).items():
+            global_rank = worker_group.workers[local_rank].global_rank
+            if global_rank not in result.failures:
+                result.failures[global_rank] = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code,
+                                                              error_file=self._pcontext.error_files[local_rank])
 
     def _record_failure(self, result: RunResult) -> None:
         codes = {rank: f.exitcode for rank, f in result.failures.items()}
@@ -88,7 +119,7 @@ class ToolkitAgent(LocalElasticAgent):
         if not last or all(now - t <= self.hang_timeout_s for t in last.values()):
             return
         stacks = self._dump_stacks(worker_group)
-        stuck = [r for r, text in stacks.items() if text and not any(f in text for f in _COLLECTIVE_FRAMES)]
+        stuck = [r for r, text in stacks.items() if text and not _waiting_in_collective(text)]
         stuck = stuck or [min(last, key=last.get)]
         emit(self.run_dir, "hang", stuck_ranks=sorted(stuck), step=min(beats[r]["step"] for r in ranks),
              seconds_without_progress=round(now - min(last.values()), 1),
@@ -110,6 +141,20 @@ class ToolkitAgent(LocalElasticAgent):
                 f.seek(offsets[rank])
                 stacks[rank] = f.read()
         return stacks
+
+
+def _waiting_in_collective(stacks: str) -> bool:
+    """Whether a rank's dumped main thread waits in a collective. Only its own frames count: a rank
+    forked by the launcher has torch elastic's and multiprocessing's wrappers at the bottom of every
+    stack (``torch/distributed/elastic/...``), which would make every rank look like a waiter."""
+    current = stacks.split("Current thread", 1)[-1]  # faulthandler: the thread that took the signal
+    frames = [line for line in current.splitlines() if line.strip().startswith("File ")]
+    own = []
+    for frame in frames:  # most recent call first: stop at the launcher's wrappers
+        if "torch/distributed/elastic/" in frame or "/multiprocessing/" in frame:
+            break
+        own.append(frame)
+    return any(marker in frame for frame in own for marker in _COLLECTIVE_FRAMES)
 
 
 def _kill(pid: int, sig: int) -> None:
