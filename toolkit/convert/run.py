@@ -15,11 +15,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGETS = ("hf", "zero", "megatron")
 
 
-def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None, zero_stage: int = 2,
-            dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
+def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
+            zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
-    """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source); ``dp``
-    defaults to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary: formats, tensors, bytes, seconds."""
+    """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
+    ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
+    formats, tensors, bytes, seconds."""
     from toolkit.convert.detect import open_source
     from toolkit.convert.staging import staged
     tic = time.perf_counter()

@@ -34,13 +34,14 @@ class ToolkitAgent(LocalElasticAgent):
         self.hang_timeout_s = hang_timeout_s
         self.attempt = 0
         self.preempted = False
+        self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
 
     # --- hooks into the agent's loop ---------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup):
         clear_heartbeats(self.run_dir)
         pids = super()._start_workers(worker_group)
-        self._exits: dict[int, tuple[int, int]] = {}
+        self._exits = {}
         if getattr(self._pcontext, "_pc", None) is not None:  # ranks run a function (forkserver)
             self._note_every_exit(self._pcontext._pc)
         return pids
@@ -64,11 +65,10 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED:
-            self._add_noted_failures(worker_group, result)
         if result.state == WorkerState.HEALTHY:
             self._watch_for_hang(worker_group)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._add_noted_failures(worker_group, result)
             self._record_failure(result)
         return result
 
@@ -90,7 +90,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _add_noted_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-        for local_rank, (pid, code) in getattr(self, "_exits", {}).items():
+        for local_rank, (pid, code) in self._exits.items():
             global_rank = worker_group.workers[local_rank].global_rank
             if global_rank not in result.failures:
                 result.failures[global_rank] = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code,
