@@ -1,9 +1,14 @@
-"""Shared helpers: run the CLI as a user does, in a subprocess, on a tiny configuration."""
+"""Shared helpers: run the CLI as a user does, on a tiny configuration: in a subprocess, or (``train``)
+in this process with ranks forked from this process's preloaded forkserver."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,9 +36,73 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, chec
     return proc
 
 
+RANK_PRELOAD = ["torch", "transformers.modeling_utils", "datasets", "deepspeed", "megatron.core.models.gpt",
+                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.megatron", "toolkit.data",
+                "toolkit.trainer", "toolkit.worker", "tests.convert_helpers"]
+"""What the forkserver of each test process imports once (``toolkit train`` without a GPU does the
+same per launch, for its backend): ranks forked from it, by ``train`` or ``run_ranks``, skip ~10 s
+of imports each."""
+
+
+def start_forkserver() -> None:
+    """This test process's forkserver, started with ``RANK_PRELOAD`` (later preload lists, such as
+    the launcher's, do not restart a running server)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
 def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
-          check: bool = True, base: list[str] = TINY):
-    return run_cli(train_args(run_dir, data_cache, *overrides, nproc=nproc, base=base), env=env, check=check)
+          check: bool = True, base: list[str] = TINY, isolated: bool = False):
+    """``toolkit train`` on the tiny configuration. In this process by default: the launcher runs
+    ``toolkit.cli.main`` here and forks ranks from this process's forkserver, so a job costs its
+    training, not ~16 s of imports in a new launcher and forkserver. ``isolated=True`` runs the
+    command as a user does; tests that read the ranks' own output (which goes to the forkserver's
+    stdout) or signal the launcher need that."""
+    args = train_args(run_dir, data_cache, *overrides, nproc=nproc, base=base)
+    if isolated:
+        return run_cli(args, env=env, check=check)
+    return run_in_process(args, env=env, check=check)
+
+
+def run_in_process(args: list[str], env: dict | None = None, timeout: float = 600, check: bool = True):
+    """``toolkit.cli.main(args)`` in this process, as ``run_cli`` would run it in a subprocess: the
+    environment, working directory and signal handlers are restored afterwards, the launcher's
+    output is captured, and after ``timeout`` the launcher gets SIGTERM (it stops its ranks)."""
+    from toolkit.cli import main
+    start_forkserver()
+    out, err = io.StringIO(), io.StringIO()
+    timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
+    with _restored_process_state():
+        os.environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        os.chdir(REPO)
+        timer.start()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(args)
+        finally:
+            timer.cancel()
+    proc = subprocess.CompletedProcess(["toolkit", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"toolkit {' '.join(args)} exited {code} (in-process launcher)\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@contextlib.contextmanager
+def _restored_process_state():
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
+    handlers = {s: signal.getsignal(s) for s in signals}
+    environ, cwd = dict(os.environ), os.getcwd()
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
 
 
 def train_args(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, base: list[str] = TINY) -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import start_forkserver
 from toolkit.compat import megatron_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inert with a GPU")
@@ -45,17 +46,9 @@ def _rank_main(rank, world, port, fn, out_dir, args):
     os._exit(0)
 
 
-RANK_PRELOAD = ["torch", "transformers.modeling_utils", "deepspeed", "megatron.core.models.gpt",
-                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.megatron",
-                "tests.convert_helpers"]
-"""Imported once per test process by the forkserver that ``run_ranks`` forks ranks from (as ``toolkit
-train`` does without a GPU): each rank then skips ~10 s of imports."""
-
-
 def run_ranks(fn, world: int, tmp_path, *args, timeout: float = 300) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo ranks; their return values, in rank order."""
-    import multiprocessing
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # no effect once the forkserver runs
+    start_forkserver()
     ctx = mp.start_processes(_rank_main, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world,
                              join=False, start_method="forkserver")
     import time

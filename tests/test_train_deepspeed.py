@@ -42,7 +42,7 @@ def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
     assert crashed.returncode != 0
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
     assert not (run_dir / "checkpoints" / "step_00000006").exists()
-    resumed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}")
+    resumed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}", isolated=True)
     assert "resumed from step_00000003 at step 3" in resumed.stdout
     assert losses(run_dir) == uninterrupted  # exact: bit for bit on CPU
 

@@ -37,7 +37,9 @@ class LaunchSpec:
 def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str, str] | None = None):
     """Run ``entrypoint *args`` on ``spec.nproc`` local ranks under the agent; raises ChildFailedError.
     ``entrypoint`` is a command (a program path, run with ``args``), or a module-level function that
-    each rank calls with ``args``: ranks then fork from a forkserver (see ``_start_method``)."""
+    each rank calls with ``*args, launcher_env``: ranks then fork from a forkserver (see
+    ``_start_method``), and ``launcher_env`` is this process's environment at launch, which the rank
+    adopts (``adopt_launcher_env``): a forkserver keeps the environment it started with."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -64,11 +66,12 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
         **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
     if not single_node and spec.node_rank > 0:
         _wait_for_rendezvous_host(spec.rdzv_endpoint)
+    _set_worker_env(spec, env)
+    rank_args = (*args, dict(os.environ)) if callable(entrypoint) else tuple(args)
     worker_spec = WorkerSpec(
-        role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=tuple(args),
+        role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=rank_args,
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
         monitor_interval=0.2, local_addr=rdzv.local_addr)
-    _set_worker_env(spec, env)
     agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(),
                          start_method=_start_method(entrypoint, spec.preload), run_dir=spec.run_dir,
                          max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s)
@@ -137,6 +140,22 @@ def _start_method(entrypoint, preload: tuple[str, ...]) -> str:
     import multiprocessing
     multiprocessing.set_forkserver_preload(list(preload))
     return "forkserver"
+
+
+AGENT_RANK_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES")
+"""What torch's agent sets in each rank's environment (besides ``TORCHELASTIC_*``)."""
+
+
+def adopt_launcher_env(launcher_env: dict[str, str]) -> None:
+    """In a forked rank: the launcher's environment at launch, plus the variables torch's agent set
+    for this rank. Without this a rank would see the forkserver's environment, which is the one of
+    the first launch in this process (its TOOLKIT_FAULT, its run dir), not of this one."""
+    from_agent = {k: v for k, v in os.environ.items() if k in AGENT_RANK_VARS or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(from_agent)
 
 
 def python_module(module: str) -> tuple[str, list[str]]:

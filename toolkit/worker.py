@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def forked_main(config_path: str) -> None:
+def forked_main(config_path: str, launcher_env: dict[str, str]) -> None:
     """A rank forked by the launcher's forkserver (``toolkit.launch``); ``main`` otherwise."""
+    from toolkit.launch import adopt_launcher_env
+    adopt_launcher_env(launcher_env)
     for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
         stream.reconfigure(line_buffering=True)
     main([config_path])
@@ -89,7 +91,7 @@ def forked_main(config_path: str) -> None:
 def preload_modules(backend: str) -> tuple[str, ...]:
     """What a rank of ``backend`` imports before it trains, for the launcher's forkserver to import once.
     Nothing that touches CUDA at import: the launcher forks ranks only on machines without a GPU."""
-    common = ("torch", "transformers.modeling_utils", "datasets", "toolkit.data", "toolkit.trainer")
+    common = ("torch", "transformers.modeling_utils", "datasets", "toolkit.data", "toolkit.trainer", "toolkit.worker")
     if backend == "megatron":
         return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
     return (*common, "deepspeed", "toolkit.adapters.deepspeed")
