@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
+if TYPE_CHECKING:  # annotations only: the direct ZeRO -> HF route (direct.py) runs without torch
+    import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 """What a source can hold per parameter: the fp32 weight and Adam's first and second moments."""

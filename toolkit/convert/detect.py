@@ -3,6 +3,7 @@ checkpoint; a toolkit checkpoint directory means its ``engine/``."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.convert.canonical import Source
@@ -14,27 +15,82 @@ FORMATS = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN
           "toolkit run/checkpoint directory"
 
 
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint found on disk before any tensor of it is read (torch-free, so the direct
+    ZeRO -> HF route can decide without importing a reader): its format, the folder its reader
+    opens, the HF config, and a toolkit checkpoint's trainer state."""
+    format: str
+    """hf | megatron | megatron-legacy | zero | zero-universal"""
+    path: Path
+    hf_config: dict
+    extras: dict = field(default_factory=dict)
+
+
 def open_source(path, hf_config: str | None = None) -> Source:
+    return open_located(locate(path, hf_config))
+
+
+def locate(path, hf_config: str | None = None) -> Located:
+    """Which format ``path`` holds, where, and its config (a damaged manifest is refused here)."""
+    from toolkit.convert.hf import is_hf_dir
+    from toolkit.convert.zero_index import find_tag_dir
     path = Path(path)
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
     path = _resolve_run_dir(path)
     check_manifest(path)
-    from toolkit.convert import hf, megatron, zero
     config = _explicit_config(hf_config)
-    if hf.is_hf_dir(path):
-        return hf.HFSource(path, config)
-    mdir = megatron.find_dist_dir(path)
+    if is_hf_dir(path):
+        return Located("hf", path, config or json.loads((path / "config.json").read_text()))
+    mdir = find_dist_dir(path)
     if mdir is not None:
-        return megatron.MegatronSource(mdir, config or _config_near(mdir), **_toolkit_extras(mdir))
-    legacy = megatron.find_legacy_dir(path)
+        return Located("megatron", mdir, config or _config_near(mdir), _toolkit_extras(mdir))
+    legacy = find_legacy_dir(path)
     if legacy is not None:
-        return megatron.LegacySource(legacy, config or _config_near(legacy))
-    tag = zero.find_tag_dir(path)
+        return Located("megatron-legacy", legacy, config or _config_near(legacy))
+    tag = find_tag_dir(path)
     if tag is not None:
-        cls = zero.UniversalSource if (tag / "zero" / "optimizer_state.pt").is_file() else zero.ZeroSource
-        return cls(tag, config or _config_near(tag), **_toolkit_extras(tag))
+        kind = "zero-universal" if (tag / "zero" / "optimizer_state.pt").is_file() else "zero"
+        return Located(kind, tag, config or _config_near(tag), _toolkit_extras(tag))
     raise ConvertError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+
+
+def open_located(found: Located) -> Source:
+    """The reader of a located checkpoint (these import torch)."""
+    from toolkit.convert import hf, megatron, zero
+    if found.format == "hf":
+        return hf.HFSource(found.path, found.hf_config)
+    if found.format == "megatron":
+        return megatron.MegatronSource(found.path, found.hf_config, **found.extras)
+    if found.format == "megatron-legacy":
+        return megatron.LegacySource(found.path, found.hf_config)
+    cls = zero.UniversalSource if found.format == "zero-universal" else zero.ZeroSource
+    return cls(found.path, found.hf_config, **found.extras)
+
+
+def find_dist_dir(path: Path) -> Path | None:
+    """A megatron-core ``torch_dist`` checkpoint: the folder (or its ``engine/``) with its metadata.json."""
+    for cand in (path, path / "engine"):
+        meta = cand / "metadata.json"
+        if meta.is_file():
+            try:
+                if json.loads(meta.read_text()).get("sharded_backend") == "torch_dist":
+                    return cand
+            except ValueError:
+                raise ConvertError(f"{meta}: not valid JSON; the checkpoint is damaged") from None
+    return None
+
+
+def find_legacy_dir(path: Path) -> Path | None:
+    """Megatron-LM's ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (the folder holding them)."""
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
+    if any(path.glob("mp_rank_*/model_optim_rng.pt")):
+        return path
+    return None
 
 
 def _resolve_run_dir(path: Path) -> Path:

@@ -4,7 +4,9 @@ slices; write sharded safetensors + ``model.safetensors.index.json`` one tensor 
 safetensors' Python API serializes a whole dict at once; a shard is written here as its header
 (dtype, shape, byte offsets of every tensor, known up front from the source) followed by each
 tensor's bytes as the stream delivers it, so memory holds one tensor, not a shard. The result is
-read back by safetensors' own ``safe_open`` in the tests.
+read back by safetensors' own ``safe_open`` in the tests. ``write_hf_files`` (plan, headers, index,
+config) imports no torch: the direct ZeRO -> HF route (``direct.py``) writes through it too, so
+both routes produce the same bytes.
 """
 from __future__ import annotations
 
@@ -12,20 +14,25 @@ import json
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.errors import ConvertError
+
+if TYPE_CHECKING:  # annotations only: the writer runs without torch on the direct route
+    import torch
 
 INDEX = "model.safetensors.index.json"
 CARRY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
          "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja")
 """Files an HF output carries over from the source (or from the directory of ``--hf-config``)."""
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+             "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+"""torch dtype name -> safetensors dtype. By name, so that the writer needs no torch import (the
+direct ZeRO -> HF route in ``direct.py`` writes through it without torch)."""
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -39,7 +46,7 @@ class HFSource(Source):
     def __init__(self, path: Path, hf_config: dict | None = None):
         config = hf_config or json.loads((path / "config.json").read_text())
         super().__init__(path=path, format="hf", hf_config=config)
-        from safetensors import safe_open
+        from safetensors import safe_open  # framework="pt" imports torch: an HF source is read with it
         self._where = {}
         for file in self._files(path):
             try:
@@ -88,10 +95,11 @@ class HFSource(Source):
 
 
 def _dtype(name: str) -> torch.dtype:
-    back = {v: k for k, v in _ST_DTYPES.items()}
+    import torch
+    back = {v: k for k, v in ST_DTYPES.items()}
     if name not in back:
         raise ConvertError(f"safetensors dtype {name} is not supported by the converter")
-    return back[name]
+    return getattr(torch, back[name])
 
 
 def _check_size(file: Path, handle) -> None:
@@ -108,81 +116,133 @@ def _check_size(file: Path, handle) -> None:
 
 # --- writer ------------------------------------------------------------------------------------------
 
-def plan_shards(infos: dict[str, TensorInfo], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of the output as its shard header lists it: safetensors dtype, shape, bytes."""
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+TensorWriter = Callable[[object, str], int]
+"""``write(f, name)``: append tensor ``name``'s bytes to the unbuffered file ``f``; returns bytes."""
+
+
+def plan_shards(slots: dict[str, Slot], max_bytes: int) -> list[list[str]]:
     """Names per shard in stream order, each shard at most ``max_bytes`` (or one larger tensor)."""
     shards, size = [[]], 0
-    for name, info in infos.items():
-        n = info.nbytes // info.dtype.itemsize * (dtype or info.dtype).itemsize
-        if shards[-1] and size + n > max_bytes:
+    for name, slot in slots.items():
+        if shards[-1] and size + slot.nbytes > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += n
+        size += slot.nbytes
     return shards
 
 
 def write_hf(source: Source, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30,
              progress=None) -> None:
     """``out/model[-i-of-n].safetensors`` (+ index when sharded), config.json and carried files."""
-    shards = plan_shards(source.infos, dtype, max_shard_bytes)
+    slots = {n: _slot(info, dtype) for n, info in source.infos.items()}
+    config = dict(source.hf_config)
+    if dtype is not None:
+        config["dtype"] = _dtype_name(dtype)
+    write_hf_files(out, slots, _tensor_writer(source, dtype), config, source.carry_files, max_shard_bytes, progress)
+
+
+def write_hf_files(out: Path, slots: dict[str, Slot], write: TensorWriter, config: dict, carry_files: list[Path],
+                   max_shard_bytes: int, progress=None) -> None:
+    """The files of an HF directory, the tensors' bytes appended by ``write`` in ``slots`` order."""
+    shards = plan_shards(slots, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map = {}
     for file, shard in zip(names, shards):
-        _write_shard(source, out / file, shard, dtype, progress)
+        _write_shard(out / file, {n: slots[n] for n in shard}, write, progress)
         weight_map.update({n: file for n in shard})
     if len(shards) > 1:
-        total = sum(source.infos[n].nbytes // source.infos[n].dtype.itemsize * (dtype or source.infos[n].dtype).itemsize
-                    for n in weight_map)
+        total = sum(slot.nbytes for slot in slots.values())
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = dict(source.hf_config)
-    if dtype is not None:
-        config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for f in source.carry_files:
+    for f in carry_files:
         shutil.copy2(f, out / f.name)
 
 
-def _write_shard(source: Source, path: Path, names: list[str], dtype, progress) -> None:
+def _write_shard(path: Path, slots: dict[str, Slot], write: TensorWriter, progress) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for n in names:
-        info = source.infos[n]
-        d = dtype or info.dtype
-        size = info.nbytes // info.dtype.itemsize * d.itemsize
-        header[n] = {"dtype": _ST_DTYPES[d], "shape": list(info.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+    for n, slot in slots.items():
+        header[n] = {"dtype": slot.dtype, "shape": list(slot.shape), "data_offsets": [offset, offset + slot.nbytes]}
+        offset += slot.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
     with open(path, "wb", buffering=0) as f:  # unbuffered: kernel copies and writes share the offset
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for n in names:
-            nbytes = 0
-            for piece in _pieces(source, n):
-                piece = piece.to(dtype or source.infos[n].dtype).contiguous()
-                _write_piece(f, piece, getattr(source, "maps", None))
-                nbytes += piece.nbytes
+        for n, slot in slots.items():
+            nbytes = write(f, n)
+            if nbytes != slot.nbytes:
+                raise ConvertError(f"{n}: {nbytes} bytes written, the header says {slot.nbytes}")
             if progress:
                 progress(n, nbytes)
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _slot(info: TensorInfo, dtype) -> Slot:
+    d = dtype or info.dtype
+    return Slot(ST_DTYPES[_dtype_name(d)], tuple(info.shape), info.nbytes // info.dtype.itemsize * d.itemsize)
+
+
+def _tensor_writer(source: Source, dtype) -> TensorWriter:
+    """Writes a source's tensor piece by piece (cast to ``dtype`` when given)."""
+    maps = getattr(source, "maps", None)
+
+    def write(f, name: str) -> int:
+        nbytes = 0
+        for piece in _pieces(source, name):
+            piece = piece.to(dtype or source.infos[name].dtype).contiguous()
+            _write_piece(f, piece, maps)
+            nbytes += piece.nbytes
+        return nbytes
+    return write
+
+
 def _write_piece(f, piece: torch.Tensor, maps) -> None:
-    """A tensor's bytes appended to ``f``: copied file to file inside the kernel when the tensor is
-    a view into a memory-mapped checkpoint (``os.copy_file_range``, the bytes never enter this
-    process), else written from memory."""
-    where = maps.location(piece) if maps is not None and hasattr(os, "copy_file_range") else None
+    """A tensor's bytes appended to ``f``: copied file to file when the tensor is a view into a
+    memory-mapped checkpoint, else written from memory."""
+    where = maps.location(piece) if maps is not None else None
     if where is not None:
-        done = 0
-        try:
-            with open(where[0], "rb", buffering=0) as src:
-                while done < piece.nbytes:
-                    n = os.copy_file_range(src.fileno(), f.fileno(), piece.nbytes - done, where[1] + done)
+        copy_range(f, where[0], where[1], piece.nbytes)
+        return
+    import torch
+    _write_all(f, memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+
+
+def copy_range(f, path: str, offset: int, nbytes: int) -> None:
+    """Bytes ``[offset, offset + nbytes)`` of file ``path`` appended to the unbuffered file ``f``:
+    inside the kernel (``os.copy_file_range``, the bytes never enter this process) where it can,
+    else read and written in blocks (another filesystem on an old kernel)."""
+    done = 0
+    with open(path, "rb", buffering=0) as src:
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < nbytes:
+                    n = os.copy_file_range(src.fileno(), f.fileno(), nbytes - done, offset + done)
                     if n == 0:
-                        raise OSError("short copy")
+                        break  # the file ends early: the read below says so
                     done += n
-            return
-        except OSError:  # another filesystem on an old kernel, or a short file: write from memory
-            f.seek(-done, os.SEEK_CUR)
-    data = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
+            except OSError:
+                pass
+        while done < nbytes:
+            block = os.pread(src.fileno(), min(nbytes - done, 16 << 20), offset + done)
+            if not block:
+                raise ConvertError(f"{path}: ends before byte {offset + nbytes}; the file is truncated")
+            _write_all(f, memoryview(block))
+            done += len(block)
+
+
+def _write_all(f, data: memoryview) -> None:
     while data:
         data = data[f.write(data):]
 

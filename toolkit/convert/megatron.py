@@ -43,29 +43,6 @@ OPT_PREFIX = "optimizer.state."
 TOOLKIT_JSON = "toolkit_megatron.json"
 
 
-def find_dist_dir(path: Path) -> Path | None:
-    for cand in (path, path / "engine"):
-        meta = cand / "metadata.json"
-        if meta.is_file():
-            try:
-                if json.loads(meta.read_text()).get("sharded_backend") == "torch_dist":
-                    return cand
-            except ValueError:
-                raise ConvertError(f"{meta}: not valid JSON; the checkpoint is damaged") from None
-    return None
-
-
-def find_legacy_dir(path: Path) -> Path | None:
-    """Megatron-LM's ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (the folder holding them)."""
-    tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
-        it = tracker.read_text().strip()
-        path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
-    if any(path.glob("mp_rank_*/model_optim_rng.pt")):
-        return path
-    return None
-
-
 STORED_EXPERTS = "mlp.experts.experts."
 """megatron's SequentialMLP stores its local experts under this name, with an expert axis."""
 

@@ -6,12 +6,11 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-
 from toolkit.convert.canonical import Source
 from toolkit.convert.errors import ConvertError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""--dtype -> torch dtype name (torch is imported only where a reader or writer needs it)."""
 TARGETS = ("hf", "zero", "megatron")
 
 
@@ -21,17 +20,18 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, bytes, seconds."""
-    from toolkit.convert.detect import open_source
+    from toolkit.convert.detect import locate, open_located
     from toolkit.convert.staging import staged
     tic = time.perf_counter()
-    source = open_source(src, hf_config)
-    to = to or ("zero" if source.format == "hf" else "hf")
+    found = locate(src, hf_config)
+    to = to or ("zero" if found.format == "hf" else "hf")
     dp = dp or (ep if to == "megatron" else 1)
-    _check_request(source, to, (tp, pp, ep, dp), zero_stage, dtype)
+    _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype)
+    source = open_located(found)
     try:
         with staged(Path(dst)) as stage, _progress(source, show_progress) as progress:
-            _write(source, stage, to, (tp, pp, ep, dp), zero_stage, DTYPES.get(dtype) if dtype else None,
-                   weights_only, max_shard_bytes, progress)
+            _write(source, stage, to, (tp, pp, ep, dp), zero_stage, _torch_dtype(dtype), weights_only,
+                   max_shard_bytes, progress)
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
@@ -40,7 +40,14 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _check_request(source: Source, to: str, parallel: tuple[int, int, int, int], stage: int,
+def _torch_dtype(name: str | None):
+    if name is None:
+        return None
+    import torch
+    return getattr(torch, DTYPES[name])
+
+
+def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,
                    dtype: str | None) -> None:
     tp, pp, ep, dp = parallel
     if to not in TARGETS:
@@ -54,7 +61,7 @@ def _check_request(source: Source, to: str, parallel: tuple[int, int, int, int],
     if to != "megatron" and (tp, pp, ep) != (1, 1, 1):
         raise ConvertError(f"--tp/--pp/--ep apply to --to megatron only (got --to {to})")
     if to == "megatron":
-        _check_megatron_layout(source.hf_config, tp, pp, ep)
+        _check_megatron_layout(hf_config, tp, pp, ep)
         if dp % ep:
             raise ConvertError(f"--dp {dp} --ep {ep}: megatron takes the ep ranks from the dp ranks; choose dp a "
                                f"multiple of {ep}")
@@ -103,6 +110,8 @@ def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, m
 def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int) -> None:
     """meta.json, trainer.json, config.json and per-rank RNG files, as the trainer's checkpoints have
     them, so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
+    import torch
+
     from toolkit import __version__
     from toolkit.parallel import rng_state, seed_everything
     trainer = dict(source.trainer_state or {"step": source.step or 0})
@@ -130,15 +139,16 @@ def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dty
         set_rng_state(saved)
 
 
-def _progress(source: Source, show: bool):
-    """A rich progress bar over bytes written and tensors done (a no-op when not shown)."""
+def _progress(source, show: bool):
+    """A rich progress bar over bytes written and tensors done (a no-op when not shown). ``source``:
+    a ``Source``, or the direct route's reader (``infos``: name -> anything with ``nbytes``)."""
     if not show:
         return nullcontext(None)
     return _RichProgress(source)
 
 
 class _RichProgress:
-    def __init__(self, source: Source):
+    def __init__(self, source):
         self.total = sum(i.nbytes for i in source.infos.values())
         self.count = len(source.infos)
 

@@ -11,8 +11,6 @@ import re
 import zipfile
 from pathlib import Path
 
-import torch
-
 from toolkit.convert.errors import ConvertError
 
 class Fields:
@@ -68,6 +66,7 @@ def trusted_extra() -> tuple[str, ...]:
 def safe_load(path: Path, mmap: bool = True):
     """``torch.load`` of a checkpoint file with weights_only=True and the allowlist; memory-mapped
     (tensors are read from disk only when touched). Refusals and damage get their own messages."""
+    import torch  # here, not at the top: torchzip reads STAND_INS without importing torch
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: file is missing; the checkpoint is incomplete (copy it again, or convert "
