@@ -10,7 +10,7 @@ from toolkit.convert.canonical import Source
 from toolkit.convert.errors import ConvertError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""--dtype -> torch dtype name (torch is imported only where a reader or writer needs it)."""
+"""--dtype -> torch dtype name (resolved only on the torch path: the direct ZeRO -> HF route never imports torch)."""
 TARGETS = ("hf", "zero", "megatron")
 
 
@@ -21,17 +21,22 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, bytes, seconds."""
     from toolkit.convert.detect import locate, open_located
+    from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
     tic = time.perf_counter()
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
     dp = dp or (ep if to == "megatron" else 1)
     _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype)
-    source = open_located(found)
+    direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
+    source = direct or open_located(found)
     try:
         with staged(Path(dst)) as stage, _progress(source, show_progress) as progress:
-            _write(source, stage, to, (tp, pp, ep, dp), zero_stage, _torch_dtype(dtype), weights_only,
-                   max_shard_bytes, progress)
+            if direct is not None:
+                direct.write_hf(stage, max_shard_bytes, progress)
+            else:
+                _write(source, stage, to, (tp, pp, ep, dp), zero_stage, _torch_dtype(dtype), weights_only,
+                       max_shard_bytes, progress)
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
