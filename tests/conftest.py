@@ -67,11 +67,12 @@ def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env:
 
 
 def run_in_process(args: list[str], env: dict | None = None, timeout: float = 600, check: bool = True):
-    """``toolkit.cli.main(args)`` in this process, as ``run_cli`` would run it in a subprocess: the
+    """``toolkit.cli.main(args)`` in this process, as ``run_cli`` runs it in a subprocess: the
     environment, working directory and signal handlers are restored afterwards, the launcher's
     output is captured, and after ``timeout`` the launcher gets SIGTERM (it stops its ranks)."""
     from toolkit.cli import main
-    start_forkserver()
+    if args[0] == "train":
+        start_forkserver()
     out, err = io.StringIO(), io.StringIO()
     timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
     with _restored_process_state():
@@ -120,6 +121,13 @@ def refused(args: list[str], capsys) -> tuple[int, str, str]:
     code = main(args)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def resumes(run_dir: Path) -> list[tuple[str, int, str]]:
+    """(checkpoint, step, how it was loaded) of each resume recorded in ``metrics.jsonl``."""
+    import json
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["checkpoint"], r["step"], r["loaded"]) for r in rows if r.get("event") == "resume"]
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -5,8 +5,8 @@ imported into podman (standing in for the public python:*-slim base), podman run
 containers.conf without default ulimits, pip in the build reaches PyPI through the host's CA bundle,
 and the CPU torch wheel comes from the host's wheel folder when it has one.
 
-The build takes minutes and mostly waits on disk and unpacking, so ``tests/conftest.py`` starts it
-in the background at collection (``python -m tests.container_image``, at the lowest CPU and I/O
+The build takes minutes and mostly waits on disk and unpacking, so ``.ci/run`` starts it before
+the set-up (``--detach``), or else ``tests/conftest.py`` starts it in the background at collection (``python -m tests.container_image``, at the lowest CPU and I/O
 priority) and runs the container tests last; their fixture waits for it, or builds inline when no
 background build was started. Under pytest-xdist the controller starts it (workers are not its
 owners: the one that finishes first would otherwise kill it) and the build reports to a status file.
@@ -92,14 +92,18 @@ def _status_file() -> Path | None:
     return WORK / f"build-{build_id}.rc" if build_id else None
 
 
-def start_background_build() -> None:
-    """Start the build now, niced, so it uses the cores the other tests leave idle."""
+def start_background_build() -> int | None:
+    """Start the build now, niced, so it uses the cores the other tests leave idle; its process id
+    (the leader of its own process group). Nothing when this build id's build was already started,
+    as ``.ci/run`` does before ``make test`` so that the build overlaps the set-up too."""
     global _background
     if _background is not None or missing_tools():
-        return
+        return None
     WORK.mkdir(exist_ok=True)
     os.environ.setdefault(BUILD_ID_ENV, uuid.uuid4().hex)
     status = _status_file()
+    if (WORK / f"{status.name}.started").exists():
+        return None
     status.unlink(missing_ok=True)
     log = open(WORK / "build.log", "wb")
     _background = subprocess.Popen(["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m",
@@ -107,6 +111,7 @@ def start_background_build() -> None:
                                    stderr=subprocess.STDOUT,
                                    start_new_session=True)  # its own group: stopped whole, podman included
     (WORK / f"{status.name}.started").touch()
+    return _background.pid
 
 
 def stop_background_build() -> None:
@@ -149,4 +154,9 @@ def _build_and_report(status: Path) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--detach"]:  # .ci/run: start the build for $TOOLKIT_CONTAINER_BUILD_ID, print its pid
+        if BUILD_ID_ENV not in os.environ:
+            sys.exit(f"--detach needs {BUILD_ID_ENV} set: the test session finds the build by it")
+        print(start_background_build() or "")
+        sys.exit(0)
     sys.exit(_build_and_report(Path(sys.argv[1])))

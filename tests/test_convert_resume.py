@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import losses, run_cli, train
+from tests.conftest import losses, run_in_process, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 STEPS = ["train.steps=4", "checkpoint.every=2"]
@@ -19,7 +19,7 @@ K = 2
 def _convert_and_resume(tmp_path, data_cache, source_run, to_args, target_overrides):
     ckpt = source_run / "checkpoints" / "step_00000002"
     resumed = tmp_path / "resumed"
-    run_cli(["convert", str(ckpt), str(resumed / "checkpoints" / "step_00000002"), *to_args])
+    run_in_process(["convert", str(ckpt), str(resumed / "checkpoints" / "step_00000002"), *to_args])
     train(resumed, data_cache, *STEPS, *target_overrides, "resume=auto")
     return losses(source_run), losses(resumed)
 

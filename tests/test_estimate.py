@@ -8,7 +8,7 @@ import math
 import pytest
 from transformers import LlamaConfig
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_in_process
 from toolkit.cli import main
 from toolkit.config import load_config
 from toolkit.estimate import (GiB, Cluster, collective_seconds, layout_of, memory, model_shape, step_time,
@@ -111,9 +111,9 @@ def test_estimate_cli_json_and_exit_codes():
     fits = run_cli(["estimate", "--json", "--device-memory", "16"])
     result = json.loads(fits.stdout)
     assert result["fits"] and result["layout_text"] == "ZeRO-2 dp=2 ckpt=none" and result["model"]["params"] == 1_262_720
-    tight = run_cli(["estimate", "--device-memory", "0.001", "--set", "zero.stage=3"], check=False)
+    tight = run_in_process(["estimate", "--device-memory", "0.001", "--set", "zero.stage=3"], check=False)
     assert tight.returncode == 3 and "does NOT fit in 0.001 GiB" in tight.stdout
-    bad = run_cli(["estimate", "--cluster", "inter_gbs=50"], check=False)
+    bad = run_in_process(["estimate", "--cluster", "inter_gbs=50"], check=False)
     assert bad.returncode == 2 and "--cluster 'inter_gbs=50': expected KEY=VALUE with KEY one of nodes" in bad.stderr
 
 

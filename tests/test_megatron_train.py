@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import refused, train, train_args
+from tests.conftest import refused, resumes, train, train_args
 from toolkit.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -91,9 +91,8 @@ def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
                     env={"TOOLKIT_FAULT": "kill:step=5:rank=1"}, check=False)
     assert crashed.returncode != 0
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
-    resumed = train(run_dir, data_cache, "checkpoint.every=3", "train.eval_every=3", MEGATRON, "megatron.tp=2",
-                    isolated=True)
-    assert "resumed from step_00000003 at step 3" in resumed.stdout
+    train(run_dir, data_cache, "checkpoint.every=3", "train.eval_every=3", MEGATRON, "megatron.tp=2")
+    assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
     assert losses(run_dir) == uninterrupted
 
 
@@ -104,8 +103,8 @@ def test_resume_at_another_layout_continues(new_layout, nproc, runs, tmp_path, d
     run_dir = tmp_path / "reshard"
     train(run_dir, data_cache, "checkpoint.every=3", MEGATRON, "megatron.tp=2",
           env={"TOOLKIT_FAULT": "kill:step=4:rank=0"}, check=False)
-    resumed = train(run_dir, data_cache, "checkpoint.every=3", MEGATRON, new_layout, nproc=nproc, isolated=True)
-    assert "resharding step_00000003" in resumed.stdout
+    train(run_dir, data_cache, "checkpoint.every=3", MEGATRON, new_layout, nproc=nproc)
+    assert resumes(run_dir) == [("step_00000003", 3, "resharded")]
     assert losses(run_dir) == pytest.approx(uninterrupted, rel=2e-5)
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import losses, refused, run_cli, train, train_args
+from tests.conftest import losses, refused, resumes, run_in_process, train, train_args
 from toolkit.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -64,15 +64,15 @@ def test_megatron_checkpoint_resumes_at_another_ep(runs, tmp_path, data_cache, m
     full = runs("ep2", *EP2)
     run_dir = tmp_path / "ep1"
     shutil.copytree(full / "checkpoints" / "step_00000002", run_dir / "checkpoints" / "step_00000002")
-    proc = train(run_dir, data_cache, *STEPS, f"model.name_or_path={model_dir}", "backend=megatron", "megatron.ep=1",
-                 isolated=True)  # its ranks' own output is read
-    assert "resharding step_00000002" in proc.stdout or "resumed from step_00000002" in proc.stdout
+    train(run_dir, data_cache, *STEPS, f"model.name_or_path={model_dir}", "backend=megatron", "megatron.ep=1")
+    [(ckpt, step, loaded)] = resumes(run_dir)
+    assert (ckpt, step) == ("step_00000002", 2) and loaded in ("resharded", "converted")
     assert losses(run_dir) == pytest.approx(losses(full)[K:], rel=2e-5)
 
 
 def _convert_and_resume(tmp_path, data_cache, model_dir, source, to_args, overrides):
     resumed = tmp_path / "resumed"
-    run_cli(["convert", str(source / "checkpoints" / "step_00000002"),
+    run_in_process(["convert", str(source / "checkpoints" / "step_00000002"),
              str(resumed / "checkpoints" / "step_00000002"), *to_args])
     train(resumed, data_cache, *STEPS, f"model.name_or_path={model_dir}", *overrides)
     return losses(source), losses(resumed)
@@ -109,7 +109,7 @@ def test_conversions_across_ep_sizes_are_exact(runs, tmp_path):
         report = compare_tensors(a, b)
         assert report.ok and report.moments == 2 * report.tensors == 2 * 41, (name, report.lines())
     assert verify(src, tmp_path / "hf").ok
-    info = json.loads(run_cli(["inspect", str(tmp_path / "ep2"), "--json"]).stdout)
+    info = json.loads(run_in_process(["inspect", str(tmp_path / "ep2"), "--json"]).stdout)
     assert info["family"] == "mixtral" and info["layout"]["ep"] == 2 and info["optimizer_state"]
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import REPO, run_cli, train
+from tests.conftest import REPO, run_in_process, train
 from toolkit.flops import flops_per_token, peak_flops
 from toolkit.profile import kind_of, summarize_trace
 
@@ -89,7 +89,8 @@ def test_profile_run_writes_summary_and_logs_to_wandb(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": f"{fake}:{REPO}", "FAKE_WANDB_LOG": str(log)}
     train(run_dir, data_cache, "profile.enabled=true", "profile.start_step=3", "profile.steps=2",
-          "metrics.wandb_project=toolkit-test", "zero.stage=2", env=env)
+          "metrics.wandb_project=toolkit-test", "zero.stage=2", env=env,
+          isolated=True)  # the stand-in wandb is found through PYTHONPATH: new processes only
     summaries = [json.loads((run_dir / "profile" / f"summary_rank_{r:05d}.json").read_text()) for r in range(2)]
     for s in summaries:
         assert s["steps"] == 2 and s["step_ms"] > 0
@@ -111,6 +112,6 @@ def test_wandb_project_without_wandb_is_a_clear_error(tmp_path):
         pytest.skip("wandb is installed here")
     except ImportError:
         pass
-    proc = run_cli(["train", "--run-dir", str(tmp_path / "r"), "--set", "metrics.wandb_project=x"], check=False)
+    proc = run_in_process(["train", "--run-dir", str(tmp_path / "r"), "--set", "metrics.wandb_project=x"], check=False)
     assert proc.returncode != 0
     assert "pip install 'toolkit[wandb]'" in proc.stderr + proc.stdout

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_in_process
 from toolkit.config import ConfigError
 from toolkit.report import write_report
 
@@ -82,7 +82,7 @@ def test_report_cli(tmp_path):
     _fake_run(run_dir)
     proc = run_cli(["report", str(run_dir)])
     assert f"report written to {run_dir}/report/report.md" in proc.stdout
-    bad = run_cli(["report", str(tmp_path / "nope")], check=False)
+    bad = run_in_process(["report", str(tmp_path / "nope")], check=False)
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import losses, refused, train, train_args
+from tests.conftest import losses, refused, resumes, train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +33,21 @@ def test_loss_contract_micro_batch_accumulation_dp(nproc, micro, runs, reference
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
-    """The crashed run's ranks are spawned (`python -m toolkit.worker`, as with a GPU), the others'
-    forked from the launcher's forkserver: both start methods make the same run."""
+    """At stage 2 the crashed run's ranks are spawned (`python -m toolkit.worker`, as with a GPU) and
+    the resume is the user's command in a new process, its message read; at stage 3 both runs fork
+    their ranks from a forkserver. Either way the same run."""
     uninterrupted = losses(runs(f"zero{stage}", f"zero.stage={stage}"))
     run_dir = tmp_path / "crashed"
+    start = {"TOOLKIT_RANK_START": "spawn"} if stage == 2 else {}
     crashed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}",
-                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1", "TOOLKIT_RANK_START": "spawn"}, check=False)
+                    env={"TOOLKIT_FAULT": "kill:step=5:rank=1", **start}, check=False)
     assert crashed.returncode != 0
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
     assert not (run_dir / "checkpoints" / "step_00000006").exists()
-    resumed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}", isolated=True)
-    assert "resumed from step_00000003 at step 3" in resumed.stdout
+    resumed = train(run_dir, data_cache, "checkpoint.every=3", f"zero.stage={stage}", isolated=stage == 2)
+    if stage == 2:
+        assert "resumed from step_00000003 at step 3" in resumed.stdout
+    assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
     assert losses(run_dir) == uninterrupted  # exact: bit for bit on CPU
 
 

@@ -260,7 +260,9 @@ class Trainer:
         else:
             seed_everything(self.cfg.train.seed + self.step)
         self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")
-        self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name})
+        loaded = "as saved" if same_layout else "resharded" if engine_dir == ckpt / "engine" else "converted"
+        self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name, "loaded": loaded,
+                          "saved_layout": saved_layout})
 
     def _checkpoint_skipped(self, message: str) -> None:
         self.metrics.note(message)
