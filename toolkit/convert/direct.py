@@ -54,13 +54,13 @@ class ZeroBytes:
 
     def __init__(self, found):
         _check_no_packed_experts(found.hf_config)
-        self.path, self.hf_config, self.carry_files = found.path, found.hf_config, []
+        self.path, self.hf_config = found.path, found.hf_config
+        self.carry_files: list[Path] = []  # as ZeroSource: nothing beside a ZeRO checkpoint is carried
         self.index = ZeroIndex(found.path, torchzip.load, _tied(found.hf_config))
         self.step = self.index.step
-        self.ranges = {name: _byte_ranges(self.index, name) for name in self.index.shapes}
-        self.infos = {name: Slot("F32", shape, sum(n for _, _, n in self.ranges[name]))
-                      for name, shape in self.index.shapes.items()}
+        self.infos = {name: Slot("F32", shape, math.prod(shape) * 4) for name, shape in self.index.shapes.items()}
         """HF name -> ``hf.Slot`` (what the writer and the progress bar read)."""
+        self.ranges = {name: _byte_ranges(self.index, name, slot.nbytes) for name, slot in self.infos.items()}
 
     @property
     def model_type(self) -> str | None:
@@ -94,12 +94,14 @@ def _tied(config: dict) -> bool:
     return bool(config["tie_word_embeddings"])
 
 
-def _byte_ranges(index: ZeroIndex, name: str) -> list[tuple[str, int, int]]:
-    """Where tensor ``name``'s elements lie, in order, padding left out."""
+def _byte_ranges(index: ZeroIndex, name: str, nbytes: int) -> list[tuple[str, int, int]]:
+    """Where tensor ``name``'s ``nbytes`` fp32 bytes lie, in order, padding left out."""
     out = []
     for frag, first, count in spans(index.frags[name], 0, math.prod(index.shapes[name])):
         holder = index.holder(frag)
         if not isinstance(holder, torchzip.Tensor) or holder.dtype != "float32":
             raise NotDirect(f"{name}: stored as {getattr(holder, 'dtype', type(holder).__name__)}, not fp32")
         out.append(holder.byte_range(first, count))
+    if sum(n for _, _, n in out) != nbytes:  # fragments short of the shape: the torch path names it
+        raise NotDirect(f"{name}: fragments hold {sum(n for _, _, n in out)} of {nbytes} bytes")
     return out
