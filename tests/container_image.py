@@ -5,11 +5,12 @@ imported into podman (standing in for the public python:*-slim base), podman run
 containers.conf without default ulimits, pip in the build reaches PyPI through the host's CA bundle,
 and the CPU torch wheel comes from the host's wheel folder when it has one.
 
-The build takes minutes and mostly waits on disk and unpacking, so ``.ci/run`` starts it before
-the set-up (``--detach``), or else ``tests/conftest.py`` starts it in the background at collection (``python -m tests.container_image``, at the lowest CPU and I/O
-priority) and runs the container tests last; their fixture waits for it, or builds inline when no
-background build was started. Under pytest-xdist the controller starts it (workers are not its
-owners: the one that finishes first would otherwise kill it) and the build reports to a status file.
+The build takes minutes and mostly waits on disk and unpacking, so it runs in the background at the
+lowest CPU and I/O priority (``python -m tests.container_image``), started by ``.ci/run`` before the
+set-up (``--detach``) or else by ``tests/conftest.py`` at collection, and the container tests run
+last; their fixture waits for it, or builds inline when no background build was started. Under
+pytest-xdist the controller starts it (workers are not its owners: the one that finishes first
+would otherwise kill it) and the build reports to a status file.
 """
 from __future__ import annotations
 
