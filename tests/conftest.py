@@ -68,27 +68,37 @@ def train(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2, env:
 
 def run_in_process(args: list[str], env: dict | None = None, timeout: float = 600, check: bool = True):
     """``toolkit.cli.main(args)`` in this process, as ``run_cli`` runs it in a subprocess: the
-    environment, working directory and signal handlers are restored afterwards, the launcher's
-    output is captured, and after ``timeout`` the launcher gets SIGTERM (it stops its ranks)."""
+    environment, working directory and signal handlers are restored afterwards, the output is
+    captured, an argparse exit becomes the exit code, and after ``timeout`` the command gets SIGTERM
+    (a running launcher stops its ranks; before the ranks start it raises ``TimeoutError``)."""
     from toolkit.cli import main
     if args[0] == "train":
         start_forkserver()
     out, err = io.StringIO(), io.StringIO()
-    timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
+    expired = threading.Event()
+    timer = threading.Timer(timeout, lambda: (expired.set(), os.kill(os.getpid(), signal.SIGTERM)))
     with _restored_process_state():
         os.environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         os.chdir(REPO)
+        signal.signal(signal.SIGTERM, _timed_out)  # until torch's agent installs its own
         timer.start()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 code = main(args)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
         finally:
             timer.cancel()
     proc = subprocess.CompletedProcess(["toolkit", *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
-        raise AssertionError(f"toolkit {' '.join(args)} exited {code} (in-process launcher)\n"
+        why = f"timed out after {timeout:.0f} s" if expired.is_set() else f"exited {code}"
+        raise AssertionError(f"toolkit {' '.join(args)} {why} (in-process launcher)\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _timed_out(signum, frame):
+    raise TimeoutError("run_in_process: the command did not finish in time")
 
 
 @contextlib.contextmanager

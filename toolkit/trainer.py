@@ -249,18 +249,16 @@ class Trainer:
         ckpt = Path(box[0])
         check_same_model(ckpt, self.hf_config)
         saved_layout = json.loads((ckpt / "meta.json").read_text())["layout"]
-        same_layout = saved_layout == self.engine.layout()
-        engine_dir = engine_state_dir(ckpt, saved_layout, self.engine, self.cfg.backend, self.run_dir, self.rank,
-                                      note=self.metrics.note)
+        engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.cfg.backend, self.run_dir,
+                                              self.rank, note=self.metrics.note)
         self.engine.load(engine_dir)
         drop_conversion(engine_dir, self.run_dir, self.rank)
         self.step = json.loads((ckpt / "trainer.json").read_text())["step"]
-        if same_layout:  # per-rank RNG streams only mean something for the same ranks
+        if loaded == "as saved":  # per-rank RNG streams only mean something for the same ranks
             set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
         else:
             seed_everything(self.cfg.train.seed + self.step)
         self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")
-        loaded = "as saved" if same_layout else "resharded" if engine_dir == ckpt / "engine" else "converted"
         self.metrics.log({"event": "resume", "step": self.step, "checkpoint": ckpt.name, "loaded": loaded,
                           "saved_layout": saved_layout})
 

@@ -28,17 +28,18 @@ def check_same_model(ckpt: Path, hf_config) -> None:
 
 
 def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_dir: Path, rank: int,
-                     note=print) -> Path:
-    """Where this run's engine should load from: the checkpoint itself when the layout matches or the
-    engine reshards on load, else a conversion to this layout under ``RUN_DIR/resharded/`` (made once
-    by rank 0 with the converter; collective)."""
+                     note=print) -> tuple[Path, str]:
+    """Where this run's engine should load from, and how: the checkpoint itself when the layout
+    matches ("as saved") or the engine reshards on load ("resharded"), else a conversion to this
+    layout under ``RUN_DIR/resharded/`` ("converted"; made once by rank 0 with the converter;
+    collective)."""
     layout = engine.layout()
     if saved_layout == layout:
-        return ckpt / "engine"
+        return ckpt / "engine", "as saved"
     native = getattr(engine, "can_load_layout", None)
     if native is not None and native(saved_layout):
         note(f"resharding {ckpt.name} from {saved_layout} to {layout} on load")
-        return ckpt / "engine"
+        return ckpt / "engine", "resharded"
     out = run_dir / "resharded" / f"{ckpt.name}-{_tag(layout)}"
     error = None
     if rank == 0 and not out.exists():  # the converter stages its output: `out` exists only complete
@@ -48,7 +49,7 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
     dist.broadcast_object_list(box, src=0)
     if box[0]:
         raise RuntimeError(box[0])
-    return out / "engine"
+    return out / "engine", "converted"
 
 
 def drop_conversion(engine_dir: Path, run_dir: Path, rank: int) -> None:

@@ -17,8 +17,8 @@ def cmd_convert(args) -> int:
         print(f"toolkit convert: error: {exc}", file=sys.stderr)
         return 2
     print(f"converted {summary['from']} -> {summary['to']}: {summary['tensors']} tensors, step {summary['step']}, "
-          f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['seconds']} s "
-          f"-> {args.dst}")
+          f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['reader']} reader, "
+          f"{summary['seconds']} s -> {args.dst}")
     if args.verify:
         from toolkit.convert.verify import verify
         report = verify(args.src, args.dst, args.hf_config)

@@ -19,7 +19,8 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
-    formats, tensors, bytes, seconds."""
+    formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
+    the torch one), seconds."""
     from toolkit.convert.detect import locate, open_located
     from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
@@ -42,7 +43,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step,
             "optimizer_state": to != "hf" and source.has_optimizer and not weights_only,
-            "seconds": round(time.perf_counter() - tic, 3)}
+            "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
 def _torch_dtype(name: str | None):

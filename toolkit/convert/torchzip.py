@@ -9,7 +9,7 @@ entry ``ARCHIVE/data/KEY`` per storage, stored uncompressed. ``load`` unpickles 
 ``pickle.Unpickler``, whose ``find_class`` answers only the names listed in ``_GLOBALS`` plus
 ``safeload.STAND_INS`` (data-only stand-ins, never the real classes) and whose ``persistent_load``
 turns a storage reference into a ``Storage`` record: the absolute byte offset of that entry's data
-in the file (local zip header + 30 + name length + extra length). Nothing is executed, no tensor
+in the file (local zip header + 30 + name length + extra length). Only the listed stand-ins are called, no tensor
 byte is read. Whatever this reader does not take (another class, a compressed entry, a big-endian
 file, tensor metadata) raises ``Unsupported``: the caller then uses the torch reader, which either
 reads it or refuses it with ``safeload``'s message.
@@ -22,6 +22,7 @@ import math
 import os
 import pickle
 import struct
+import types
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,8 @@ class Tensor:
         if start < 0 or count < 0 or start + count > self.numel():
             raise Unsupported(f"elements [{start}, {start + count}) of a tensor of {self.numel()}")
         first = self.storage_offset + start
-        if first + count > self.storage.numel:
-            raise Unsupported("a tensor reaching past its storage")
+        if self.storage_offset < 0 or first + count > self.storage.numel:
+            raise Unsupported("a tensor reaching outside its storage")
         size = self.storage.itemsize
         return self.storage.path, self.storage.offset + first * size, count * size
 
@@ -127,22 +128,40 @@ def _rebuild_parameter(data, requires_grad, backward_hooks):
 def _rebuild_from_type(func, new_type, args, state):
     """A plain tensor saved with Python attributes (DeepSpeed's ``ds_id`` on stage 3 partitions):
     the attributes do not change its bytes and are dropped."""
-    if func is not _rebuild_tensor or new_type is not _TENSOR_TYPE:
+    if func is not _REBUILD_TENSOR or new_type is not _TENSOR_TYPE:
         raise Unsupported("a tensor subclass")
     return _rebuild_tensor(*args)
 
 
+class _Sealed:
+    """An allowed function as the unpickler hands it out. A pickle's BUILD opcode sets attributes on
+    any object without ``__setstate__``: on a plain function it could rewrite its defaults for the
+    rest of the process. This wrapper has no attributes to set and refuses a state."""
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn):
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+    def __setstate__(self, state):
+        raise Unsupported(f"a pickle setting state on {self._fn.__name__}")
+
+
+_REBUILD_TENSOR = _Sealed(_rebuild_tensor)
 _GLOBALS = {
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+    "torch._utils._rebuild_tensor_v2": _REBUILD_TENSOR,
+    "torch._utils._rebuild_parameter": _Sealed(_rebuild_parameter),
+    "torch._tensor._rebuild_from_type_v2": _Sealed(_rebuild_from_type),
     "torch.Tensor": _TENSOR_TYPE,
     "torch.Size": tuple,
     "collections.OrderedDict": collections.OrderedDict,
     **{f"torch.{name}": _StorageType(*spec) for name, spec in _STORAGE_TYPES.items()},
-    **STAND_INS,
+    **{name: _Sealed(fn) if isinstance(fn, types.FunctionType) else fn for name, fn in STAND_INS.items()},
 }
-"""Every name a checkpoint pickle may reference, and what it means here."""
+"""Every name a checkpoint pickle may reference, and what it means here (functions sealed; the
+classes are immutable types or, like ``safeload.Fields``, take a state by their own ``__setstate__``)."""
 
 
 class _Unpickler(pickle.Unpickler):
