@@ -123,14 +123,11 @@ def train_args(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2,
     return args
 
 
-def refused(args: list[str], capsys) -> tuple[int, str, str]:
-    """A command that must fail before anything starts, run in this process: ``toolkit.cli.main``
-    is what a subprocess would run, without its ~8 s of imports. Returns (exit code, stdout, stderr)."""
-    from toolkit.cli import main
-    capsys.readouterr()
-    code = main(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+def refused(args: list[str]) -> tuple[int, str, str]:
+    """A command that must fail before anything starts, in this process (``run_in_process``, without
+    a subprocess's ~8 s of imports): (exit code, stdout, stderr)."""
+    proc = run_in_process(args, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def resumes(run_dir: Path) -> list[tuple[str, int, str]]:

@@ -65,6 +65,18 @@ def save_zero_checkpoints(rank: int, world: int, root: str, combos, steps: int =
     return True
 
 
+def build_zero_checkpoints(tmp_path_factory, name: str, matrix) -> Path:
+    """``ROOT/FAMILY-zSTAGE-dpDP`` for each (family, stage, dp) of ``matrix``, written by DeepSpeed
+    itself: one ``run_ranks`` job per DP size saves all of that size's combinations."""
+    from tests.test_megatron_compat import run_ranks
+    root = tmp_path_factory.mktemp(name)
+    for dp in sorted({d for _, _, d in matrix}):
+        combos = [(f, s) for f, s, d in matrix if d == dp]
+        run_ranks(save_zero_checkpoints, dp, tmp_path_factory.mktemp(f"{name}_ranks{dp}"), str(root), combos,
+                  timeout=900)
+    return root
+
+
 def load_universal(rank: int, world: int, family: str, stage: int, ckpt: str):
     """DeepSpeed's own load_checkpoint of a universal checkpoint at (stage, world); the full fp32
     weights and Adam moments it then holds, gathered with DeepSpeed's own accessors."""

@@ -109,9 +109,12 @@ def test_forked_rank_takes_the_launchers_environment_not_the_forkservers(monkeyp
     """A forkserver keeps the environment it started with (an earlier launch's fault spec, run dir);
     a rank forked from it runs with this launch's, plus what torch's agent set for the rank."""
     from toolkit.launch import adopt_launcher_env
+    threads = []
+    monkeypatch.setattr("torch.set_num_threads", threads.append)
     monkeypatch.setattr("os.environ", {"TOOLKIT_FAULT": "kill:step=1", "TOOLKIT_RUN_DIR": "/old", "PATH": "/bin",
                                        "RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job"})
     adopt_launcher_env({"TOOLKIT_RUN_DIR": "/new", "PATH": "/venv/bin:/bin", "OMP_NUM_THREADS": "1"})
     import os
     assert os.environ == {"TOOLKIT_RUN_DIR": "/new", "PATH": "/venv/bin:/bin", "OMP_NUM_THREADS": "1", "RANK": "1",
                           "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job"}
+    assert threads == [1]  # torch's pool was sized when the forkserver imported it

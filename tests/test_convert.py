@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, run_in_process
-from tests.convert_helpers import (FAMILIES, FROZEN, MOE_FAMILIES, STAGES, load_universal, megatron_load,
-                                    save_legacy_megatron, save_zero_checkpoints)
+from tests.convert_helpers import (FAMILIES, FROZEN, MOE_FAMILIES, STAGES, build_zero_checkpoints, load_universal,
+                                    megatron_load, save_legacy_megatron)
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
 from toolkit.convert.canonical import hf_config_object
@@ -38,11 +38,7 @@ PREBUILT = os.environ.get("TOOLKIT_CONVERT_CKPTS")
 def zero_ckpts(tmp_path_factory) -> Path:
     if PREBUILT:
         return Path(PREBUILT)
-    root = tmp_path_factory.mktemp("zero_ckpts")
-    for dp in DPS:
-        combos = [(f, s) for f, s, d in MATRIX if d == dp]
-        run_ranks(save_zero_checkpoints, dp, tmp_path_factory.mktemp(f"ranks{dp}"), str(root), combos, timeout=900)
-    return root
+    return build_zero_checkpoints(tmp_path_factory, "zero_ckpts", MATRIX)
 
 
 def _equal_sources(a, b, states=("param",)) -> None:

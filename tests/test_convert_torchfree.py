@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.convert_helpers import FROZEN, save_zero_checkpoints
+from tests.convert_helpers import FROZEN, build_zero_checkpoints
 from tests.test_convert import PREBUILT
-from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert
 from toolkit.convert.detect import locate
 from toolkit.convert.direct import NotDirect, open_direct
@@ -33,12 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def direct_ckpts(tmp_path_factory) -> Path:
     if PREBUILT:  # TOOLKIT_CONVERT_CKPTS: test_convert.py's full set holds these too
         return Path(PREBUILT)
-    root = tmp_path_factory.mktemp("direct_ckpts")
-    for dp in (1, 3):
-        combos = [(f, s) for f, s, d in CASES if d == dp]
-        run_ranks(save_zero_checkpoints, dp, tmp_path_factory.mktemp(f"direct_ranks{dp}"), str(root), combos,
-                  timeout=900)
-    return root
+    return build_zero_checkpoints(tmp_path_factory, "direct_ckpts", CASES)
 
 
 def _torch_path(monkeypatch) -> None:
@@ -78,6 +72,7 @@ def test_cli_direct_route_imports_no_torch(direct_ckpts, tmp_path):
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout and "converted zero -> hf" in proc.stdout, proc.stdout
+    assert "torch-free reader" in proc.stdout
     from toolkit.checkpoint.manager import verify_checkpoint
     assert verify_checkpoint(dst) == []
 
@@ -100,7 +95,7 @@ def test_dtype_and_missing_tie_flag_take_the_torch_path(direct_ckpts, tmp_path):
     from safetensors import safe_open
     ckpt = direct_ckpts / "qwen2-z3-dp3"
     convert(ckpt, tmp_path / "fp32", to="hf")
-    convert(ckpt, tmp_path / "bf16", to="hf", dtype="bf16")
+    assert convert(ckpt, tmp_path / "bf16", to="hf", dtype="bf16")["reader"] == "torch"
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     fp32 = safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt")
     bf16 = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")

@@ -49,3 +49,26 @@ def test_pickle_allowlist(tmp_path):
     (tmp_path / "cut.pt").write_bytes((tmp_path / "ok.pt").read_bytes()[:100])
     with pytest.raises(ConvertError, match="truncated"):
         safe_load(tmp_path / "cut.pt")
+
+
+def test_torch_free_unpickler_reads_tensor_locations_and_lets_nothing_be_rewritten(tmp_path):
+    """torchzip against torch.save itself: a tensor's record points at its bytes in the file. A
+    pickle that tries to set state on an allowed function, or a tensor starting before its storage,
+    is refused (the caller then takes the torch reader)."""
+    import pickle
+
+    from toolkit.convert import torchzip
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torch.save({"w": t[1:]}, tmp_path / "x.pt")
+    rec = torchzip.load(tmp_path / "x.pt")["w"]
+    path, offset, nbytes = rec.byte_range(0, rec.numel())
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(nbytes) == t[1:].contiguous().numpy().tobytes()
+    build_on_function = pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + pickle.EMPTY_DICT + pickle.BUILD + b"."
+    with pytest.raises(torchzip.Unsupported, match="setting state"):
+        torchzip._Unpickler(b"\x80\x02" + build_on_function, None).load()
+    assert torchzip._rebuild_tensor.__defaults__ == (None,)
+    before = torchzip.Tensor(rec.storage, -4, (4,), (1,))
+    with pytest.raises(torchzip.Unsupported, match="outside its storage"):
+        before.byte_range(0, 4)

@@ -120,18 +120,18 @@ def test_resume_at_another_layout_continues(new_layout, nproc, runs, tmp_path, d
     (["megatron.preset=tp2_sp", "data.seq_len=33"], 2, "data.seq_len=33 is not divisible by megatron.tp=2"),
     (["megatron.preset=nope"], 2, "megatron.preset='nope' is neither a file nor one of megatron_configs/"),
 ])
-def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache, capsys):
-    code, out, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, *overrides, nproc=nproc), capsys)
+def test_bad_layout_fails_before_launch(overrides, nproc, expected, tmp_path, data_cache):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, *overrides, nproc=nproc))
     assert code == 2, err[-2000:]
     assert expected in err
     assert "toolkit: megatron on" not in out
 
 
-def test_unsupported_family_fails_before_launch(tmp_path, data_cache, capsys):
+def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
     model_dir = tmp_path / "bert"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 2048}))
-    code, _, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}"), capsys)
+    code, _, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}"))
     assert code == 2
     assert "no megatron family; supported: ['gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe']" in err
 

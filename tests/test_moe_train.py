@@ -135,8 +135,7 @@ def test_expert_parallelism_on_a_dense_model_is_refused():
         resolve_for_world(load_config(None, ["backend=megatron", "megatron.ep=2"]), 2)  # the demo's tiny Llama
 
 
-def test_bad_expert_layout_fails_before_launch(tmp_path, data_cache, model_dir, capsys):
-    code, out, err = refused(train_args(tmp_path / "r", data_cache, f"model.name_or_path={model_dir}", *EP2, nproc=3),
-                             capsys)
+def test_bad_expert_layout_fails_before_launch(tmp_path, data_cache, model_dir):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, f"model.name_or_path={model_dir}", *EP2, nproc=3))
     assert code == 2 and "world size 3 is not divisible by megatron.tp=1 x ep=2" in err
     assert "toolkit: megatron on" not in out

@@ -154,7 +154,7 @@ def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, 
     killed = next(e for e in events(run_dir) if e["kind"] == "failure")
     assert killed["rank"] == 0 and killed["signal"] == "SIGKILL"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["checkpoint"] for r in rows if r.get("event") == "resume"] == ["step_00000002"]
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved")]
     saves = [r for r in rows if r.get("event") == "checkpoint"]
     assert saves and all(r["async"] for r in saves)
     ckpts = run_dir / "checkpoints"

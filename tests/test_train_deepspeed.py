@@ -66,10 +66,10 @@ def test_checkpoint_is_self_describing_and_loads_in_hf(runs):
     assert (run_dir / "ds_config.json").exists() and (run_dir / "config.yaml").exists()
 
 
-def test_bad_config_fails_before_launch(tmp_path, data_cache, capsys):
-    code, out, err = refused(train_args(tmp_path / "r", data_cache, "train.micro_batch_size=3"), capsys)
+def test_bad_config_fails_before_launch(tmp_path, data_cache):
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, "train.micro_batch_size=3"))
     assert code == 2 and "not divisible" in err and "toolkit: deepspeed on" not in out
-    code, _, err = refused(train_args(tmp_path / "r", data_cache, "data.text_column=body"), capsys)
+    code, _, err = refused(train_args(tmp_path / "r", data_cache, "data.text_column=body"))
     assert code == 2 and "body" in err
 
 

@@ -152,12 +152,16 @@ def adopt_launcher_env(launcher_env: dict[str, str]) -> None:
     """In a forked rank: the launcher's environment at launch, plus the variables torch's agent set
     for this rank. Without this a rank would see the forkserver's environment, which is the one of
     the first launch in this process (its TOOLKIT_FAULT, its run dir), not of this one. Variables a
-    library read when the forkserver imported it keep their effect from then (``forked_main``
-    re-applies OMP_NUM_THREADS; HF_HOME and the like do not change within a launching program)."""
+    library read when the forkserver imported it keep their effect from then: OMP_NUM_THREADS is
+    applied again here (torch sized its thread pool at import); HF_HOME and the like do not change
+    within a launching program."""
     from_agent = {k: v for k, v in os.environ.items() if k in AGENT_RANK_VARS or k.startswith("TORCHELASTIC_")}
     os.environ.clear()
     os.environ.update(launcher_env)
     os.environ.update(from_agent)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def python_module(module: str) -> tuple[str, list[str]]:

@@ -5,7 +5,6 @@ environment they set.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -84,9 +83,6 @@ def forked_main(config_path: str, launcher_env: dict[str, str]) -> None:
     """A rank forked by the launcher's forkserver (``toolkit.launch``); ``main`` otherwise."""
     from toolkit.launch import adopt_launcher_env
     adopt_launcher_env(launcher_env)
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch sized its pool when the forkserver imported it
-        import torch
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
         stream.reconfigure(line_buffering=True)
     main([config_path])
