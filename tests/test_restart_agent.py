@@ -30,3 +30,23 @@ def test_only_the_ranks_own_frames_count():
     assert _waiting_in_collective(WAITING)
     spawned = "Stack (most recent call first):\n" + WAITING.split("\n", 1)[1].replace(WRAPPERS, "")
     assert _waiting_in_collective(spawned)
+
+
+def test_every_noted_exit_is_reported_not_only_the_one_torch_saw():
+    """torch's process context for function ranks reports one failed rank; the agent adds every rank
+    it noted exiting with an error (here: torch saw rank 0 fail in a collective after rank 1's SIGKILL)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from toolkit.restart.agent import ToolkitAgent
+    agent = ToolkitAgent.__new__(ToolkitAgent)  # only the bookkeeping under test, no rendezvous
+    agent._exits = {0: (100, 1), 1: (101, -9)}
+    agent._pcontext = SimpleNamespace(error_files={0: "/e0", 1: "/e1"})
+    group = SimpleNamespace(workers=[SimpleNamespace(global_rank=2), SimpleNamespace(global_rank=3)])
+    seen = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="/e0")
+    result = RunResult(state=WorkerState.FAILED, failures={2: seen})
+    agent._add_noted_failures(group, result)
+    assert result.failures[2] is seen  # torch's own record kept
+    assert (result.failures[3].local_rank, result.failures[3].pid, result.failures[3].exitcode) == (1, 101, -9)
