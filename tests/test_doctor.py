@@ -13,3 +13,25 @@ def test_doctor_reports_and_flags_drift(monkeypatch, capsys):
     assert not errors
     monkeypatch.setattr(doctor, "installed", lambda name: None if name == "deepspeed" else "1.0")
     assert doctor.main() == 1 and "deepspeed is not installed" in capsys.readouterr().out
+
+
+def test_cpu_only_torch_on_a_gpu_machine_is_an_error():
+    errors: list[str] = []
+    gpus = ["GPU 0: NVIDIA H200 (UUID: GPU-1)", "GPU 1: NVIDIA H200 (UUID: GPU-2)"]
+    lines = doctor.hardware_lines(errors, gpus, "2.13.0+cpu", None, cuda_available=False)
+    assert len(errors) == 1 and "CPU-only build but the machine has 2 NVIDIA GPU(s)" in errors[0]
+    assert "driver lists 2 GPU(s)" in lines[0]
+    errors.clear()
+    doctor.hardware_lines(errors, gpus, "2.13.0+cu128", "12.8", cuda_available=False)
+    assert len(errors) == 1 and "cannot use the machine's 2 GPU(s)" in errors[0]
+    errors.clear()
+    assert "CPU only" in doctor.hardware_lines(errors, [], "2.13.0+cpu", None, cuda_available=False)[0]
+    assert not errors  # a CPU machine with a CPU torch is fine
+
+
+def test_doctor_fails_on_cpu_torch_with_gpus(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "driver_gpus", lambda: ["GPU 0: NVIDIA H200 (UUID: GPU-1)"])
+    monkeypatch.setattr("torch.version.cuda", None)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert doctor.main() == 1
+    assert "CPU-only build" in capsys.readouterr().out

@@ -52,15 +52,41 @@ def _hardware_lines(errors: list[str]) -> list[str]:
         import torch
     except ImportError:
         return []
-    if not torch.cuda.is_available():
-        return ["devices      CPU only: DeepSpeed uses its CPU accelerator with gloo; the Megatron path uses "
-                "toolkit.compat.megatron_cpu"]
-    lines = [f"cuda          {torch.version.cuda}   nccl {'.'.join(map(str, torch.cuda.nccl.version()))}"]
+    return hardware_lines(errors, driver_gpus(), torch.__version__, torch.version.cuda, torch.cuda.is_available())
+
+
+def driver_gpus() -> list[str]:
+    """The NVIDIA GPUs the driver lists (``nvidia-smi -L`` lines), whatever torch was built for."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return [p.name for p in sorted(Path("/proc/driver/nvidia/gpus").glob("*"))]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def hardware_lines(errors: list[str], gpus: list[str], torch_version: str, torch_cuda: str | None,
+                   cuda_available: bool) -> list[str]:
+    """What the machine has against what torch can use: a CPU-only torch on a machine with NVIDIA
+    GPUs, or a CUDA torch that cannot reach them, is an error (training would run on the CPU)."""
+    if gpus and torch_cuda is None:
+        errors.append(f"torch {torch_version} is a CPU-only build but the machine has {len(gpus)} NVIDIA GPU(s) "
+                      "(nvidia-smi -L): install torch's CUDA build, e.g. pip install torch==<pinned version> "
+                      "--index-url https://download.pytorch.org/whl/cu128, or use the GPU image (docker/Dockerfile)")
+    elif gpus and not cuda_available:
+        errors.append(f"torch {torch_version} (CUDA {torch_cuda}) cannot use the machine's {len(gpus)} GPU(s): check the "
+                      "driver version against that CUDA and CUDA_VISIBLE_DEVICES")
+    if not cuda_available:
+        return [f"devices       CPU only{f' (driver lists {len(gpus)} GPU(s))' if gpus else ''}: DeepSpeed uses its "
+                "CPU accelerator with gloo; the Megatron path uses toolkit.compat.megatron_cpu"]
+    import torch
+    lines = [f"cuda          {torch_cuda}   nccl {'.'.join(map(str, torch.cuda.nccl.version()))}"]
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         lines.append(f"gpu {i}         {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
-    if torch.version.cuda is None:
-        errors.append("torch was built without CUDA on a machine with GPUs: install the CUDA build of torch")
     return lines + _deepspeed_ops_lines()
 
 
