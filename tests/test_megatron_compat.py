@@ -14,7 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import start_forkserver
-from toolkit.compat import megatron_cpu
+from toolkit import device
+from toolkit.compat import megatron_core, megatron_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inert with a GPU")
 
@@ -32,6 +33,8 @@ def _rank_main(rank, world, port, fn, out_dir, args):
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device.strict_requested():  # as toolkit.worker does: the suite runs every rank in strict mode
+        device.enable_strict()
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -65,8 +68,7 @@ def run_ranks(fn, world: int, tmp_path, *args, timeout: float = 300) -> list:
 
 def _originals():
     from megatron.core.tensor_parallel import random as r
-    from megatron.core.transformer.moe import moe_utils
-    return (hasattr(moe_utils, "te_general_gemm"), torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state, torch.cuda.set_rng_state,
+    return (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state, torch.cuda.set_rng_state,
             torch.cuda.manual_seed, torch.Tensor.cuda, torch.Tensor.type, r._get_cuda_rng_state,
             r._set_cuda_rng_state, "cuda" in torch.Tensor.__dict__, "type" in torch.Tensor.__dict__,
             *(fn.__dict__["backward"] for fn in megatron_cpu._megatron_autograd_functions()))
@@ -145,6 +147,7 @@ def test_gpt_model_tp2_forward_backward_on_gloo(tmp_path):
 
 def _moe_ep2_forward_backward(rank, world):
     """4 experts, top-2, expert parallel 2 (2 experts per rank), megatron's allgather dispatcher."""
+    megatron_core.bind_missing_te_names()  # no Transformer Engine here
     with megatron_cpu.cpu_compat():
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel

@@ -32,6 +32,11 @@ class ModelConfig(_Section):
     tokenizer: str | None = None
     """Tokenizer directory; default: name_or_path, or the demo's BPE trained offline when absent."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision. bf16/fp16: weights and activations in that dtype, fp32 master weights and
+    optimizer state; fp16 uses dynamic loss scaling (skipped steps are counted in metrics.jsonl)."""
+    tf32: bool = True
+    """On NVIDIA GPUs, fp32 matmuls run on tensor cores in TF32 (as PyTorch Lightning and HF Trainer
+    offer); false keeps strict IEEE fp32. MFU uses the matching peak."""
     activation_checkpointing: bool = False
 
 
@@ -85,6 +90,8 @@ class TrainConfig(_Section):
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
+    export_hf: bool = True
+    """Write the trained model to RUN_DIR/hf_final (``save_pretrained``, fp32) when training ends."""
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/moe.py``);
     default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
@@ -145,7 +152,8 @@ class MegatronConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = 100
+    every: int = Field(100, ge=0)
+    """Save every N steps and at the last step; 0: never (a preemption still saves)."""
     keep_last: int = 2
     async_save: bool = False
     """Block only while the checkpoint is written to ``local_dir``; copy it to RUN_DIR in the background

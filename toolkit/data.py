@@ -59,6 +59,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.config import DEMO_DIR, ConfigError, RunConfig
+from toolkit.device import host_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -664,7 +665,7 @@ def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int) -> l
     rows = ds.with_format("numpy", columns=["input_ids", "labels"])[[int(i) for i in indices]]
     input_ids = torch.from_numpy(np.ascontiguousarray(rows["input_ids"], dtype=np.int64))
     labels = torch.from_numpy(np.ascontiguousarray(rows["labels"], dtype=np.int64))
-    return [{"input_ids": input_ids[i:i + micro_batch_size], "labels": labels[i:i + micro_batch_size]}
+    return [host_batch({"input_ids": input_ids[i:i + micro_batch_size], "labels": labels[i:i + micro_batch_size]})
             for i in range(0, len(indices), micro_batch_size)]
 
 

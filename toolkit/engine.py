@@ -12,6 +12,8 @@ from typing import Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from toolkit.device import require_on_device
+
 IGNORE_INDEX = -100
 
 
@@ -19,10 +21,15 @@ IGNORE_INDEX = -100
 class StepStats:
     loss: float
     """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks)."""
-    grad_norm: float
-    """Global L2 norm of the gradient before clipping."""
+    grad_norm: float | None
+    """Global L2 norm of the gradient before clipping; None when the step was skipped."""
     compute_s: float = 0.0
-    """This rank's own forward time in the step (no waiting on peers): the straggler signal."""
+    """This rank's own device time for its forwards in the step (CUDA events on a GPU), not
+    waiting on peers: the straggler signal."""
+    skipped: bool = False
+    """fp16: the loss scaler found inf/nan gradients and skipped the update (the scale drops)."""
+    loss_scale: float | None = None
+    """fp16: the dynamic loss scale after the step."""
     extra: dict = field(default_factory=dict)
     """More per-step metrics for metrics.jsonl (mixture of experts: ``toolkit/moe.py``)."""
 
@@ -53,6 +60,13 @@ class Engine(Protocol):
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """This rank's model parameters (its shard under TP/PP; the full model below ZeRO-3)."""
 
+    def rng_state(self) -> dict:
+        """RNG streams the engine keeps beyond torch's default generators (megatron's model-parallel
+        CUDA RNG tracker, which drives dropout), for the per-rank checkpoint; {} if none."""
+
+    def set_rng_state(self, state: dict) -> None:
+        """Restore what ``rng_state`` returned (a checkpoint without it: ``{}``, nothing to do)."""
+
     def layout(self) -> dict:
         """The parallel layout, recorded in checkpoint metadata (e.g. ``{"dp": 2, "zero_stage": 2}``)."""
 
@@ -63,6 +77,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     logits: [batch, seq, vocab] (any float dtype; computed in fp32), labels: [batch, seq] with
     IGNORE_INDEX where no loss is taken. Labels are already shifted by the data pipeline.
     """
+    require_on_device(labels, "labels")
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, (labels != IGNORE_INDEX).sum()

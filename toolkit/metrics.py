@@ -73,8 +73,10 @@ class MetricsLogger:
             status = f"loss {r['loss']:.4f} lr {r['lr']:.2e} {r['tokens_per_s']:.0f} tok/s"
             if self._progress:
                 self._progress.update(self._task, completed=r["step"], status=status)
-            elif r["step"] == 1 or r["step"] % self.log_every == 0 or r["step"] == self.total:
-                print(f"step {r['step']}/{self.total} {status} grad_norm {r['grad_norm']:.3f}", flush=True)
+            elif r["step"] == 1 or r["step"] % self.log_every == 0 or r["step"] == self.total or r.get("skipped"):
+                norm = (f"grad_norm {r['grad_norm']:.3f}" if r["grad_norm"] is not None else
+                        f"skipped (fp16 overflow; loss scale now {r.get('loss_scale')})")
+                print(f"step {r['step']}/{self.total} {status} {norm}", flush=True)
         elif "eval_loss" in r:
             self.note(f"step {r['step']}: eval_loss {r['eval_loss']:.4f}")
 

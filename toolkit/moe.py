@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from toolkit.device import rank_device
+
 
 def is_router_model(hf_config) -> bool:
     """An HF mixture-of-experts config (transformers' MoE models all carry ``output_router_logits``)."""
@@ -100,7 +102,7 @@ class RouterStats:
         busiest expert relative to an even load (1.0 = balanced). Collective when distributed;
         a rank whose routers did not run (a pipeline stage without MoE layers) sends zeros."""
         both = torch.zeros(self.layers * (self.experts + 1), dtype=torch.float64,
-                           device=self.counts.device if self.counts is not None else _comm_device())
+                           device=self.counts.device if self.counts is not None else rank_device())
         if self.counts is not None:
             both = torch.cat([self.counts.reshape(-1), self.aux_sum])
         if dist.is_initialized():
@@ -116,7 +118,3 @@ class RouterStats:
                 "moe_load_max": round(load, 4),
                 "moe_expert_tokens": [[int(c) for c in row] for row in counts]}
 
-
-def _comm_device() -> torch.device:
-    """Where this process's collectives run (NCCL needs CUDA tensors)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

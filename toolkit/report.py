@@ -118,7 +118,7 @@ def _plot_loss(run: Run, out: Path) -> Path:
 
 def _plot_series(run: Run, out: Path, key: str, label: str) -> Path:
     fig, ax = _figure(label, "step", label)
-    steps = [s for s in sorted(run.steps) if key in run.steps[s]]
+    steps = [s for s in sorted(run.steps) if run.steps[s].get(key) is not None]  # None: an fp16 skipped step
     ax.plot(steps, [run.steps[s][key] for s in steps], lw=1)
     return _save(fig, out / f"{key}.png")
 
@@ -245,6 +245,10 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
     wall = (max(r["time"] for r in run.steps.values()) - run.start) / 60
     lines.append(f"- throughput: median {statistics.median(tps):,.0f} tokens/s, median step {statistics.median(step_s):.3f} s "
                  f"(first step excluded); wall clock {wall:.1f} min")
+    skipped = [s for s in steps if run.steps[s].get("skipped")]
+    if skipped:
+        lines.append(f"- fp16: {len(skipped)} step(s) skipped by the loss scaler (inf/nan gradients), first at step "
+                     f"{skipped[0]}; loss scale at the end {last.get('loss_scale')}")
     lines += _expert_lines(run)
     lines += _event_lines(run)
     lines += ["", *[f"![{Path(name).stem}]({name})" for name in images], ""]

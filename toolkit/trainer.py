@@ -44,12 +44,13 @@ class Trainer:
         self.rank = dist.get_rank()
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last)
         self.step = 0
+        self.skipped_steps = 0  # fp16 steps whose update the loss scaler skipped (kept across resumes)
         self.metrics = MetricsLogger(self.run_dir, cfg.train.steps, enabled=self.rank == 0,
                                      log_every=cfg.train.log_every, wandb_project=cfg.metrics.wandb_project,
                                      run_config=cfg.model_dump(mode="json"))
         p = cfg.profile
         self.profiler = StepProfiler(self.run_dir, self.rank, p.start_step, p.steps) if p.enabled else None
-        self._peak = peak_flops(cfg.model.dtype)  # None on CPU: no MFU there
+        self._peak = peak_flops(cfg.model.dtype, tf32=cfg.model.tf32)  # None on CPU: no MFU there
         self._flops_per_token = flops_per_token(hf_config, cfg.data.seq_len) if self._peak else None
         self.faults = FaultInjector(self.run_dir, self.rank)
         self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
@@ -80,6 +81,7 @@ class Trainer:
                 if self.step + 1 < t.steps:  # load the next global batch while this one computes
                     upcoming = prefetch.submit(self._batch, self.step + 1)
                 self.faults.step_delay(self.step + 1)
+                self.faults.before_step(self.step + 1, params=self.engine.parameters)
                 self.monitor.add_busy(time.perf_counter() - tic)
                 if self.profiler:
                     self.profiler.before_step(self.step + 1)
@@ -89,7 +91,8 @@ class Trainer:
                 self.monitor.add_busy(stats.compute_s)
                 self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
-        self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+        if self.cfg.train.export_hf:
+            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
         self._poll_async(wait=True)  # the last checkpoint is committed before we report success
 
     def _after_step(self) -> None:
@@ -109,7 +112,8 @@ class Trainer:
                 emit(self.run_dir, "preempt_saved", step=self.step)
                 self.metrics.note(f"stop requested: saved step {self.step}, exiting with {PREEMPTED_EXIT}")
             sys.exit(PREEMPTED_EXIT)
-        if self.step % self.cfg.checkpoint.every == 0 or self.step == t.steps:
+        every = self.cfg.checkpoint.every
+        if every and (self.step % every == 0 or self.step == t.steps):
             self.save()
 
     def _after_profiled_step(self) -> None:
@@ -140,6 +144,9 @@ class Trainer:
         record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
                   "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
                   "step_s": step_s, "elapsed_s": elapsed_s}
+        if stats.loss_scale is not None:  # fp16: dynamic loss scaling
+            self.skipped_steps += stats.skipped
+            record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
         record.update(stats.extra)
         if self._peak:  # GPUs only; the formula and peaks: toolkit/flops.py
             record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
@@ -217,7 +224,7 @@ class Trainer:
         self.engine.save(stage / "engine", self.step)
         self.faults.in_save(self.step)
         (stage / "trainer").mkdir(exist_ok=True)
-        torch.save(rng_state(), stage / "trainer" / f"rank_{self.rank:05d}.pt")
+        torch.save({**rng_state(), "engine": self.engine.rng_state()}, stage / "trainer" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             self._write_descriptions(stage)
 
@@ -231,7 +238,8 @@ class Trainer:
         t = self.cfg.train
         write_json_durable(stage / "trainer.json", {
             "step": self.step, "consumed_samples": self.step * t.global_batch_size,
-            "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed})
+            "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed,
+            "skipped_steps": self.skipped_steps})
         write_json_durable(stage / "meta.json", {
             "format": f"toolkit-{self.cfg.backend}", "family": self.hf_config.model_type,
             "step": self.step, "layout": self.engine.layout(), "vocab_size": self.hf_config.vocab_size,
@@ -253,9 +261,12 @@ class Trainer:
                                               self.rank, note=self.metrics.note)
         self.engine.load(engine_dir)
         drop_conversion(engine_dir, self.run_dir, self.rank)
-        self.step = json.loads((ckpt / "trainer.json").read_text())["step"]
+        progress = json.loads((ckpt / "trainer.json").read_text())
+        self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
         if loaded == "as saved":  # per-rank RNG streams only mean something for the same ranks
-            set_rng_state(torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True))
+            state = torch.load(ckpt / "trainer" / f"rank_{self.rank:05d}.pt", weights_only=True)
+            set_rng_state(state)
+            self.engine.set_rng_state(state.get("engine", {}))
         else:
             seed_everything(self.cfg.train.seed + self.step)
         self.metrics.note(f"resumed from {ckpt.name} at step {self.step}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.adapters.hf import build_model, load_hf_config
 from toolkit.config import ConfigError, RunConfig, dump_config, load_config
 from toolkit.data import load_tokenizer, prepare_data
@@ -33,6 +34,9 @@ def resolve_for_world(cfg: RunConfig, world_size: int):
 
 def run_worker(cfg: RunConfig) -> None:
     init_process_group()
+    if device.strict_requested():
+        device.enable_strict()
+    device.use_tf32(cfg.model.tf32)
     rank, world = dist.get_rank(), dist.get_world_size()
     hf_config, backend_config = resolve_for_world(cfg, world)
     run_dir = Path(cfg.run_dir)

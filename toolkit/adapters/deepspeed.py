@@ -5,14 +5,13 @@ Only this module (and convert/) imports deepspeed.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from toolkit import moe
+from toolkit import device, moe
 from toolkit.adapters.hf import param_groups
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import StepStats, token_loss_sum
@@ -192,20 +191,21 @@ class DeepSpeedEngine:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds_config)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        self.device = self.engine.device
+        device.guard_inputs(self.engine.module, "the HF model")
 
     def train_step(self, micro_batches, loss_tokens, lr):
         self._set_lr(lr)
         # DeepSpeed averages gradients over DP ranks; scaling by dp makes the sum over ranks of
         # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract).
         scale = self.dp_size / loss_tokens
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        grad_norm, compute_s = None, 0.0
+        local_sum = device.zeros((), dtype=torch.float64)
+        grad_norm, forward_time, skipped_before = None, device.Stopwatch(), self.engine.skipped_steps
         for i, mb in enumerate(micro_batches):
-            tic = time.perf_counter()
-            out = self._forward(mb["input_ids"].to(self.device))
-            compute_s += time.perf_counter() - tic
-            loss_sum, _ = token_loss_sum(out.logits, mb["labels"].to(self.device))
+            mb = device.to_device(mb)
+            forward_time.start()
+            out = self._forward(mb["input_ids"])
+            forward_time.stop()
+            loss_sum, _ = token_loss_sum(out.logits, mb["labels"])
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 objective = objective + self.router.loss(out.router_logits) / len(micro_batches)
@@ -215,10 +215,24 @@ class DeepSpeedEngine:
             self.engine.step()
             local_sum += loss_sum.detach().double()
         dist.all_reduce(local_sum)
+        skipped = self.engine.skipped_steps > skipped_before  # fp16 overflow: DeepSpeed skipped the update
         if grad_norm is None:
             grad_norm = float(self.engine.get_global_grad_norm())
         extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router and self.router.stats else {}
-        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=grad_norm, compute_s=compute_s, extra=extra)
+        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=None if skipped else grad_norm,
+                         compute_s=forward_time.seconds(), skipped=skipped, loss_scale=self._loss_scale(),
+                         extra=extra)
+
+    def _loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale (DeepSpeed's fp16 and ZeRO optimizers keep it in different places)."""
+        if self.cfg.model.dtype != "fp16":
+            return None
+        opt = self.engine.optimizer
+        for holder in (opt, getattr(opt, "loss_scale_config", None), getattr(opt, "loss_scaler", None)):
+            scale = getattr(holder, "cur_scale", None)
+            if scale is not None:
+                return float(scale)
+        return None
 
     def _forward(self, input_ids):
         if self.router:
@@ -237,10 +251,10 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches):
         self.engine.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
-            logits = self.engine(input_ids=mb["input_ids"].to(self.device)).logits
-            loss_sum, count = token_loss_sum(logits, mb["labels"].to(self.device))
+        totals = device.zeros(2, dtype=torch.float64)
+        for mb in map(device.to_device, micro_batches):
+            logits = self.engine(input_ids=mb["input_ids"]).logits
+            loss_sum, count = token_loss_sum(logits, mb["labels"])
             totals += torch.stack([loss_sum.double(), count.double()])
         self.engine.train()
         dist.all_reduce(totals)
@@ -295,6 +309,12 @@ class DeepSpeedEngine:
         for i, p in enumerate(self.engine.module.parameters()):
             total += (i + 1) * p.detach().double().sum().cpu()
         return total.item()
+
+    def rng_state(self) -> dict:
+        return {}  # DeepSpeed draws from torch's default generators only (checkpointed by the trainer)
+
+    def set_rng_state(self, state: dict) -> None:
+        pass
 
     def layout(self) -> dict:
         return {"dp": self.dp_size, "tp": 1, "pp": 1, "zero_stage": self.cfg.zero.stage}

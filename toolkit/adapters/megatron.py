@@ -10,14 +10,14 @@ Only this module (and convert/) imports megatron. Order of what ``MegatronEngine
 Loss contract (same as the DeepSpeed path): the gradient is that of ``sum(token losses of the global
 batch) / loss_tokens``. Megatron is run with ``calculate_per_token_loss=True`` so neither the
 schedule (which would divide by the number of micro-batches) nor DDP (which would divide by dp)
-rescales; after the DP all-reduce has summed the per-rank sums, the grads are scaled by
-``1 / loss_tokens`` once. Padded vocabulary columns get -inf logits before the vocab-parallel
+rescales; each micro-batch's backward starts from its loss sum / loss_tokens (as the HF path's
+does; a plain sum would make every token's logit gradient loss-scale sized and overflow fp16 at
+the usual 2^16 scale), and the DP all-reduce sums the ranks' parts. Padded vocabulary columns get -inf logits before the vocab-parallel
 cross entropy, so they never reach the loss.
 """
 from __future__ import annotations
 
 import json
-import time
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Mapping
@@ -25,6 +25,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import IGNORE_INDEX, StepStats
 from toolkit.families.base import Reader
@@ -464,6 +465,7 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: i
     if start + width > vocab:
         pad = torch.arange(start, start + width, device=logits.device) >= vocab
         logits = logits.masked_fill(pad, float("-inf"))
+    device.require_on_device(labels, "labels")
     valid = labels != IGNORE_INDEX
     losses = vocab_parallel_cross_entropy(logits.contiguous(), labels.masked_fill(~valid, 0))
     return (losses * valid).sum(), valid.sum()
@@ -481,6 +483,11 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[batch, seq]`` of packed rows (0..seq-1 each), on the ids' device."""
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+
+
 # --- engine -----------------------------------------------------------------------------------------
 
 class MegatronEngine:
@@ -488,6 +495,8 @@ class MegatronEngine:
 
     def __init__(self, cfg: RunConfig, hf_config, hf_state: Mapping[str, torch.Tensor] | None = None):
         from toolkit.families import get_family
+        from toolkit.compat import megatron_core
+        megatron_core.bind_missing_te_names()
         if not torch.cuda.is_available():  # never imported on a GPU machine
             from toolkit.compat import megatron_cpu
             megatron_cpu.enable()  # stays on for the process: megatron allocates lazily, also in backward
@@ -503,6 +512,8 @@ class MegatronEngine:
             load_hf_into_chunk(c, self.family, hf_config, hf_state, self.plan["padded_vocab"], cfg.megatron.tp,
                                self.tp_rank)
         del hf_state
+        for c in chunks:
+            device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
         self.optimizer = self._build_optimizer()
         self._configure_schedule()
@@ -554,11 +565,10 @@ class MegatronEngine:
         for router in self.routers:
             router.stats = self.router_stats
 
-    def _set_aux_scale(self, loss_tokens: int, micro_batches: int) -> None:
-        """Weight of each micro-batch's layer aux loss so that, after the DP sum and the
-        ``1 / loss_tokens`` scaling of every gradient, the objective gets ``coeff`` x the mean over
-        MoE layers and the global batch's micro-batches (``toolkit/moe.py``)."""
-        per = self.aux_coeff * loss_tokens / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
+    def _set_aux_scale(self, micro_batches: int) -> None:
+        """Weight of each micro-batch's layer aux loss so that, after the DP sum, the objective gets
+        ``coeff`` x the mean over MoE layers and the global batch's micro-batches (``toolkit/moe.py``)."""
+        per = self.aux_coeff / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
         if self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
             per *= float(self.optimizer.get_loss_scale())
         for router in self.routers:
@@ -572,8 +582,6 @@ class MegatronEngine:
         def finalize(model, num_tokens=None, **kw):
             # DP sum (no averaging: per-token loss mode); an all-reduce when grads are inspected
             finalize_model_grads(model, num_tokens=None, **{**kw, "force_all_reduce": self._complete_grads})
-            for chunk in model:
-                chunk.scale_gradients(1.0 / self._loss_tokens)
 
         self.tconfig.finalize_model_grads_func = finalize
         self.tconfig.grad_scale_func = self.optimizer.scale_loss if self.cfg.model.dtype == "fp16" else None
@@ -583,15 +591,14 @@ class MegatronEngine:
     # --- steps ----------------------------------------------------------------------------------------
 
     def _forward_step(self, data_iterator, model):
-        mb = next(data_iterator)
+        mb = device.to_device(next(data_iterator))
         ids = mb["input_ids"]
-        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        output = model(ids, positions, None)
+        output = model(ids, _positions(ids), None)
         return output, partial(self._loss_func, mb["labels"])
 
     def _loss_func(self, labels, logits):
         loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size)
-        return loss_sum, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
+        return loss_sum / self._loss_tokens, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
 
     def _run_schedule(self, micro_batches, forward_only: bool) -> torch.Tensor:
         """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only)."""
@@ -603,7 +610,7 @@ class MegatronEngine:
             forward_step_func=self._forward_step, data_iterator=iters if chunks > 1 else iters[0],
             model=self.model, num_microbatches=len(micro_batches), seq_length=mb.shape[1],
             micro_batch_size=mb.shape[0], forward_only=forward_only)
-        totals = torch.zeros(2, dtype=torch.float64)
+        totals = device.zeros(2, dtype=torch.float64)
         if self.is_last_stage and self.tp_rank == 0:  # TP ranks hold the same (reduced) losses
             for d in out:
                 totals += torch.stack([d["loss_sum"], d["count"]])
@@ -615,7 +622,7 @@ class MegatronEngine:
         so every rank holds the whole gradient, for inspection); returns this rank's [loss sum,
         token count]."""
         self._loss_tokens, self._complete_grads = loss_tokens, complete_grads
-        self._set_aux_scale(loss_tokens, len(micro_batches))
+        self._set_aux_scale(len(micro_batches))
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -627,16 +634,18 @@ class MegatronEngine:
             # megatron's groups carry wd_mult (0 for biases and norms); its own scheduler applies it,
             # and we replace that scheduler, so apply it here (as DeepSpeed's no-decay group does).
             group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
-        tic = time.perf_counter()
+        compute = device.Stopwatch()
+        compute.start()
         totals = self.forward_backward(micro_batches, loss_tokens)
-        compute_s = time.perf_counter() - tic  # includes pipeline waits: megatron interleaves them
+        compute.stop()  # includes pipeline waits: megatron interleaves them with compute
+        # fp16: megatron's dynamic scaler skips the update on inf/nan gradients and lowers the scale
+        # (from 2^32 with hysteresis 2, its default, the first steps are usually skipped)
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("megatron optimizer step was skipped (inf/nan gradients)")
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
         extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
-        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm), compute_s=compute_s,
-                         extra=extra)
+        scale = float(self.optimizer.get_loss_scale()) if self.cfg.model.dtype == "fp16" else None
+        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm) if ok else None,
+                         compute_s=compute.seconds(), skipped=not ok, loss_scale=scale, extra=extra)
 
     @property
     def dp_group(self):
@@ -658,7 +667,8 @@ class MegatronEngine:
     def eval_loss_sum(self, micro_batches):
         for chunk in self.model:
             chunk.eval()
-        totals = self._run_schedule(micro_batches, forward_only=True) if micro_batches else torch.zeros(2, dtype=torch.float64)
+        totals = (self._run_schedule(micro_batches, forward_only=True) if micro_batches
+                  else device.zeros(2, dtype=torch.float64))
         for chunk in self.model:
             chunk.train()
         dist.all_reduce(totals)
@@ -674,12 +684,11 @@ class MegatronEngine:
 
         def loss_func(output):
             full = gather_from_tensor_model_parallel_region(output)[..., :vocab].float().clone()
-            return output.sum() * 0, torch.tensor(1, dtype=torch.int), {"logits": full}
+            return output.sum() * 0, device.tensor(1, dtype=torch.int), {"logits": full}
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            ids = mb["input_ids"]
-            return model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), None), loss_func
+            ids = device.to_device(next(data_iterator))["input_ids"]
+            return model(ids, _positions(ids), None), loss_func
 
         for chunk in self.model:
             chunk.eval()
@@ -716,14 +725,17 @@ class MegatronEngine:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         _in_process_write_results()
+        self._materialize_optimizer_state()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         if dist.get_rank() == 0:  # after megatron's save, which warns about a folder not empty before it
             (path / "toolkit_megatron.json").write_text(json.dumps(self.describe(), indent=2))
         dist.barrier()
 
     def _materialize_optimizer_state(self) -> None:
-        """A fresh torch Adam has no state (no ``step``) for the checkpoint template to describe;
-        one step at lr=0 on zero grads creates it without changing a weight. Loading overwrites it."""
+        """A fresh torch Adam has no state (no ``step``) for the checkpoint template to describe (a
+        load), nor for megatron's ``state_dict`` (a save after fp16 skipped every step so far); one
+        step at lr=0 on zero grads creates it without changing a weight, and ``step`` is set back
+        to 0, so zero moments at step 0 behave exactly as the absent state. A load overwrites it."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
             if inner.state:
@@ -738,6 +750,8 @@ class MegatronEngine:
                 g["lr"] = lr
                 for p in g["params"]:
                     p.grad = None
+            for state in inner.state.values():
+                state["step"].zero_()
 
     def _tolerate_step_state(self) -> None:
         """megatron-core 0.16 with torch's Adam (no Apex/TE): loading the fully reshardable format
@@ -864,6 +878,16 @@ class MegatronEngine:
     def can_load_layout(self, saved: dict) -> bool:
         """torch_dist with a fully reshardable optimizer: megatron reshards any TP/PP/DP on load."""
         return saved.get("format") == "torch_dist"
+
+    def rng_state(self) -> dict:
+        """The model-parallel RNG tracker's streams (dropout inside TP regions, expert-parallel init)."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return {"mcore_rng_tracker": get_cuda_rng_tracker().get_states()}
+
+    def set_rng_state(self, state: dict) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        if "mcore_rng_tracker" in state:
+            get_cuda_rng_tracker().set_states(state["mcore_rng_tracker"])
 
     def layout(self) -> dict:
         m = self.cfg.megatron

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, _fsync, step_dir_name
 
 COPY_CHUNK = 1 << 22
@@ -96,7 +97,7 @@ class AsyncCheckpointer:
         """Whether every node's local storage can take a snapshot (collective: all ranks agree)."""
         self.root.parent.mkdir(parents=True, exist_ok=True)
         need = need_bytes * 1.1
-        ok = torch.tensor([int(shutil.disk_usage(self.root.parent).free >= need)])
+        ok = device.tensor([int(shutil.disk_usage(self.root.parent).free >= need)], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())
 
@@ -123,7 +124,7 @@ class AsyncCheckpointer:
             if wait and self._thread is not None:
                 self._thread.join()
             busy = int(self._thread is not None and self._thread.is_alive())
-            state = torch.tensor([busy, int(self._error is not None)])
+            state = device.tensor([busy, int(self._error is not None)], dtype=torch.int32)
             dist.all_reduce(state, op=dist.ReduceOp.MAX)
             if state[1]:
                 self._fail()

@@ -91,7 +91,6 @@ _ORIGINAL_TYPE = torch.Tensor.type
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, stand-in) for everything the layer replaces."""
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False):
         return torch.get_rng_state()
@@ -110,9 +109,6 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.Tensor, "type", _cuda_type),
         (mcore_random, "_get_cuda_rng_state", get_rng_state),
         (mcore_random, "_set_cuda_rng_state", set_rng_state),
-        # The MoE router's gating GEMM tests ``te_general_gemm is not None``, a name megatron binds
-        # only when Transformer Engine imports (NameError without TE); None selects its torch path.
-        (moe_utils, "te_general_gemm", None),
     ]
 
 

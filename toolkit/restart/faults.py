@@ -11,6 +11,7 @@
   corrupt   after committing the checkpoint of step S, flip one byte in it (rank 0)
   slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
   diverge   perturb one parameter on this rank after step S (replicas drift apart)
+  overflow  make step S's gradients infinite on this rank (fp16: the loss scaler must skip the step)
 Each fault fires once per run directory (``RUN_DIR/faults_fired``), so a restarted job does not
 trip over the same fault again.
 """
@@ -21,7 +22,8 @@ import signal
 import time
 from pathlib import Path
 
-KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge"}
+KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
+         "overflow"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -83,6 +85,19 @@ class FaultInjector:
             import torch
             with torch.no_grad():
                 next(p for p in params() if p.numel() > 0).add_(1e-3)
+
+    def before_step(self, step: int, params) -> None:
+        """``params``: a callable giving this rank's parameters (for ``overflow``)."""
+        if not self.faults or not self._take("overflow", step):
+            return
+        param = next(p for p in params() if p.requires_grad and p.numel() > 0)
+        handle = None
+
+        def to_inf(grad):  # once: the first backward of the step (inf survives accumulation)
+            handle.remove()
+            return grad * float("inf")
+
+        handle = param.register_hook(to_inf)
 
     def step_delay(self, step: int) -> None:
         for f in self.faults:

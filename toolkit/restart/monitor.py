@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.config import RestartConfig
 from toolkit.restart.agent import STACKS_DIR
 from toolkit.restart.events import emit
@@ -54,7 +55,7 @@ class RankMonitor:
 
     def stop_agreed(self) -> bool:
         """True on every rank if any rank was asked to stop (one tiny all-reduce per step)."""
-        flag = torch.tensor([int(self._stop_requested)])
+        flag = device.tensor([int(self._stop_requested)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -1,0 +1,54 @@
+"""Mixed precision: fp16 dynamic loss scaling skips overflowing steps and training goes on; MFU peaks.
+
+megatron-core's fp16 path runs on the CPU (DeepSpeed's CPU accelerator has no fp16; its fp16 path
+is in tests/gpu/), so the skip, the metrics and a resume from a checkpoint written before any
+update are checked here on every CI run.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from tests.conftest import losses, resumes, train
+from toolkit.flops import peak_flops
+
+FP16 = ("backend=megatron", "model.dtype=fp16", "train.steps=26")
+FORCED = 21  # a step after the scale has settled (megatron starts at 2^32, halving on each overflow)
+
+
+def records(run_dir) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_cache):
+    run = tmp_path / "fp16"
+    train(run, data_cache, *FP16, "checkpoint.every=100", nproc=1, env={"TOOLKIT_FAULT": f"overflow:step={FORCED}"})
+    r = records(run)
+    assert r[1]["skipped"] and r[1]["loss_scale"] == 2.0**32  # megatron's default initial scale
+    forced, before = r[FORCED], r[FORCED - 1]
+    assert not before["skipped"] and forced["skipped"] and forced["grad_norm"] is None
+    assert forced["loss_scale"] == before["loss_scale"] / 2
+    after = [r[s] for s in range(FORCED + 1, 27)]
+    assert sum(not x["skipped"] for x in after) >= 3 and all(math.isfinite(x["grad_norm"]) for x in after
+                                                             if not x["skipped"])
+    assert r[26]["skipped_steps"] == sum(x["skipped"] for x in r.values())
+    assert all(math.isfinite(x["loss"]) for x in r.values())
+    assert r[26]["loss"] < r[1]["loss"] - 0.3  # it learns once the scale fits
+
+    # Killed after the step-4 checkpoint, written before any update succeeded (megatron's optimizer
+    # has no state to save then): the restarted run continues the uninterrupted, never-saved curve
+    # bit for bit, so neither the save nor the resume changed the optimizer.
+    again = tmp_path / "fp16_killed"
+    train(again, data_cache, *FP16, "checkpoint.every=4", "restart.max_restarts=1", nproc=1,
+          env={"TOOLKIT_FAULT": f"overflow:step={FORCED};kill:step=6"})
+    assert resumes(again) == [("step_00000004", 4, "as saved")]
+    assert losses(again) == losses(run)
+    assert records(again)[26]["skipped_steps"] == r[26]["skipped_steps"]  # counted across the restart
+
+
+def test_mfu_peaks_follow_tf32():
+    assert peak_flops("fp32", "NVIDIA H200", tf32=True) == 494.5e12
+    assert peak_flops("fp32", "NVIDIA H200", tf32=False) == 67.0e12
+    assert peak_flops("bf16", "NVIDIA H100 80GB HBM3", tf32=False) == 989.0e12
+    assert peak_flops("bf16", "some CPU") is None

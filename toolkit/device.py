@@ -1,0 +1,251 @@
+"""Where tensors live: the rank's device, the one host -> device hand-off, GPU-honest timers, and a
+strict mode in which a CPU run catches the device mistakes a GPU run would die of.
+
+On a GPU every tensor a collective (NCCL) or the model sees must be on the rank's CUDA device. On a
+CPU machine host and device are the same memory, so a tensor left on the host passes unnoticed,
+and megatron's CPU layer (``compat/megatron_cpu.py``) hides more. Strict mode
+(``TOOLKIT_STRICT_DEVICES=1``; the test suite turns it on for every job) tells them apart by origin:
+
+- a *host tensor* is one the data pipeline built (``host_batch``), or one that toolkit code made
+  with a factory call (``torch.zeros``, ``torch.tensor``, ``torch.arange``, ...) without a
+  ``device=`` argument, or computed in toolkit code from a host tensor;
+- ``to_device`` (the one hand-off) returns new, unmarked tensors, as a copy to the GPU would;
+- every ``torch.distributed`` collective, a guarded module's forward (``guard_inputs``) and the loss
+  functions (``require_on_device``) refuse a host tensor, naming where it was made.
+
+Strict mode tracks only the main thread's toolkit code (torch-function modes are per thread); the
+data pipeline's prefetch thread marks its batches itself.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+STRICT_ENV = "TOOLKIT_STRICT_DEVICES"
+_HOST_ORIGIN = "_toolkit_host_origin"  # attribute on a host tensor: where it was made
+_EXEMPT = ("toolkit.device", "toolkit.compat")  # the hand-off itself; the CPU stand-ins for CUDA
+
+
+class DeviceError(RuntimeError):
+    """A tensor on the host where the rank's device is required (strict mode)."""
+
+
+def rank_device() -> torch.device:
+    """This rank's compute device: ``cuda:<current>`` with a GPU (``parallel.init_process_group``
+    sets it from LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on the rank's device (for collectives on Python numbers)."""
+    return torch.tensor(values, dtype=dtype, device=rank_device())
+
+
+def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype, device=rank_device())
+
+
+def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The one host -> device hand-off of a micro-batch (non-blocking from pinned memory on GPUs).
+    In strict mode on the CPU, a copy, as the GPU copy would be."""
+    device, copy = rank_device(), _strict["on"] and not torch.cuda.is_available()
+    return {k: v.to(device, non_blocking=True, copy=copy) for k, v in batch.items()}
+
+
+def host_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The data pipeline's micro-batch on the host: pinned when a GPU will receive it (so
+    ``to_device`` copies asynchronously), marked as host memory in strict mode."""
+    if torch.cuda.is_available():
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    if _strict["on"]:
+        for v in batch.values():
+            _mark(v, "the data pipeline (toolkit.data)")
+    return batch
+
+
+def synchronize() -> None:
+    """Wait for this rank's queued GPU work (no-op on the CPU): timers read after it measure work,
+    not kernel launches."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def use_tf32(enabled: bool) -> None:
+    """fp32 matmuls on NVIDIA tensor cores in TF32 (Ampere and newer; what ``toolkit.flops`` assumes
+    for an fp32 run's peak), or strict IEEE fp32. Nothing changes on the CPU."""
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+
+
+class Stopwatch:
+    """Accumulated time of code regions on this rank's device. On a GPU, CUDA events around each
+    region (no synchronization while running; ``seconds`` waits for the last one); on the CPU,
+    the wall clock."""
+
+    def __init__(self):
+        self._cuda = torch.cuda.is_available()
+        self._pairs: list = []
+        self._wall = 0.0
+        self._start = None
+
+    def start(self) -> None:
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pairs.append((self._start, end))
+        else:
+            self._wall += time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        if self._cuda:
+            if self._pairs:
+                self._pairs[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
+        return self._wall
+
+
+# --- strict mode ------------------------------------------------------------------------------------
+
+_strict: dict = {"on": False, "mode": None, "originals": {}}
+
+_FACTORIES = frozenset({torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+                        torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye})
+_PLACEMENTS = frozenset({torch.Tensor.to, torch.Tensor.cuda})
+# Point-to-point ops are left alone: torch's P2POp accepts only its own isend/irecv objects, and
+# toolkit code sends nothing point to point (megatron's pipeline does, on its own buffers).
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single")
+
+
+def strict_requested() -> bool:
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def enable_strict() -> None:
+    """Track host tensors made by toolkit code on this thread and check every collective. Idempotent."""
+    if _strict["on"]:
+        return
+    _strict["on"] = True
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+        _strict["originals"][name] = original
+        setattr(dist, name, _checked_collective(name, original))
+    mode = _HostTracker()
+    mode.__enter__()
+    _strict["mode"] = mode
+
+
+def disable_strict() -> None:
+    if not _strict["on"]:
+        return
+    _strict["mode"].__exit__(None, None, None)
+    for name, original in _strict["originals"].items():
+        setattr(dist, name, original)
+    _strict.update(on=False, mode=None, originals={})
+
+
+def host_origin(t) -> str | None:
+    """Where a host tensor was made (strict mode), or None."""
+    return getattr(t, _HOST_ORIGIN, None) if isinstance(t, torch.Tensor) else None
+
+
+def require_on_device(t: torch.Tensor, what: str) -> None:
+    """Strict mode: refuse a host tensor where the device is required (e.g. labels in a loss)."""
+    origin = host_origin(t)
+    if origin is not None:
+        raise DeviceError(f"{what} is a host tensor (made at {origin}); on a GPU this fails. "
+                          "Move it with toolkit.device.to_device or create it with device=rank_device()")
+
+
+def guard_inputs(module: torch.nn.Module, name: str) -> None:
+    """Strict mode: ``module``'s forward refuses host tensors among its inputs."""
+    if not _strict["on"]:
+        return
+
+    def check(mod, args, kwargs):
+        for i, value in enumerate([*args, *kwargs.values()]):
+            require_on_device(value, f"input {i} of {name}.forward")
+
+    module.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _mark(t: torch.Tensor, origin: str) -> None:
+    try:
+        setattr(t, _HOST_ORIGIN, origin)
+    except (AttributeError, RuntimeError):
+        pass  # a tensor type without attributes: left unchecked
+
+
+def _toolkit_caller(depth: int = 2) -> str | None:
+    """``file:line`` of the calling frame when it is toolkit code (outside the exempt modules).
+    Other torch-function modes' frames (megatron's CPU layer stacks one above this) are skipped."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__", "")
+    if not module.startswith("toolkit.") or module.startswith(_EXEMPT):
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+class _HostTracker(TorchFunctionMode):
+    """Marks what toolkit code makes on the host: factory calls without ``device=``, and results
+    computed from host tensors (except explicit placements, ``.to(device)`` / ``.cuda()``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        site = _toolkit_caller()
+        if site is None:
+            return out
+        if func in _FACTORIES:
+            if kwargs.get("device") is None:
+                _mark(out, site)
+        elif func in _PLACEMENTS and (len(args) > 1 or "device" in kwargs or func is torch.Tensor.cuda):
+            pass  # an explicit placement: where it lands is the caller's stated intent
+        else:
+            origin = next((host_origin(t) for t in _tensors([*args, *kwargs.values()]) if host_origin(t)), None)
+            if origin is not None:
+                _mark(out, origin)
+        return out
+
+
+def _checked_collective(name: str, original):
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        for t in _tensors([*args, *kwargs.values()]):
+            origin = host_origin(t)
+            if origin is not None:
+                raise DeviceError(
+                    f"torch.distributed.{name} of a host tensor made at {origin}; under NCCL this fails "
+                    "('No backend type associated with device type cpu'). Create it with "
+                    "device=toolkit.device.rank_device() or move it with toolkit.device.to_device")
+        return original(*args, **kwargs)
+    return collective
