@@ -28,7 +28,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not container"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not container and not gpu"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

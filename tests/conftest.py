@@ -15,6 +15,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Every rank the suite starts runs in strict device mode (toolkit/device.py): a tensor toolkit code
+# leaves on the host where a GPU run needs it on the device fails the test, as NCCL would.
+os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
+
 # Small enough for 2 cores: the demo's tiny Llama, short sequences, a few steps.
 TINY = ["data.seq_len=32", "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.warmup_steps=2", "train.eval_every=0", "checkpoint.every=100", "train.log_every=1"]
@@ -163,7 +167,13 @@ def _has_container_tests_and_others(nodeids: list[str]) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Container tests run last, their image building in the background from the start."""
+    """GPU tests only with ``-m gpu`` (never in a plain run, so never on CI); container tests run
+    last, their image building in the background from the start."""
+    if "gpu" not in (config.option.markexpr or ""):
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     container = [item for item in items if item.get_closest_marker("container")]
     if not container:
         return

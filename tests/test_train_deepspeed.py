@@ -99,9 +99,17 @@ def test_zero3_cpu_offload_matches_reference(runs, reference):
 
 
 def test_bf16_trains(runs, reference):
-    got = losses(runs("bf16", "zero.stage=2", "model.dtype=bf16"))
+    run = runs("bf16", "zero.stage=2", "model.dtype=bf16")
+    got = losses(run)
     assert got[0] == pytest.approx(losses(reference)[0], rel=2e-2)  # bf16 rounding of the same model
     assert got[-1] < got[0]
+    # the export holds the fp32 master weights, and its config says so: HF loads them as they are
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(run / "hf_final"))
+    saved = load_file(str(run / "hf_final" / "model.safetensors"))
+    assert model.dtype == torch.float32
+    assert all(torch.equal(p, saved[n]) for n, p in model.state_dict().items() if n in saved)
 
 
 def _launch_externally(launcher: str, toolkit_args: list[str]) -> list:

@@ -290,6 +290,7 @@ class DeepSpeedEngine:
             if self.dp_rank == 0:
                 state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in module.state_dict().items()}
                 module.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+                _config_says_fp32(path)
                 tokenizer.save_pretrained(str(path))
         dist.barrier()
 
@@ -318,6 +319,14 @@ class DeepSpeedEngine:
 
     def layout(self) -> dict:
         return {"dp": self.dp_size, "tp": 1, "pp": 1, "zero_stage": self.cfg.zero.stage}
+
+
+def _config_says_fp32(path: Path) -> None:
+    """The exported tensors are fp32, but ``save_pretrained`` records the module's dtype (bf16/fp16
+    under DeepSpeed's mixed precision) in config.json, and ``from_pretrained`` loads in that dtype."""
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 class _RouterLoss:

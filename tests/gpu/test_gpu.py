@@ -1,0 +1,228 @@
+"""The GPU layer: ``pytest -m gpu`` on a machine with one NVIDIA GPU (``benchmarks/gpu_check.py``
+runs it first). Deselected unless ``-m gpu`` is given; never part of CI.
+
+What only a GPU can show: both backends on NCCL with every tensor on the device, megatron vs HF
+parity with GPU kernels in fp32 (TF32 off) and bf16, fp16 dynamic loss scaling on DeepSpeed (its CPU
+accelerator has no fp16), a train + kill + resume + export cycle per backend, the converter on
+GPU-written checkpoints, and megatron's MoE router without Transformer Engine.
+
+``TOOLKIT_GPU_TESTS_ON_CPU=1`` runs the same tests on the CPU (gloo, fp32 and bf16 only) to
+rehearse them before the short time on a GPU machine. Every test prints what it measured.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
+                                 reason="needs a GPU (or TOOLKIT_GPU_TESTS_ON_CPU=1 to rehearse on the CPU)")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 on DeepSpeed needs a GPU")
+
+SMALL = ["--nproc", "1", "--set", "data.seq_len=128", "--set", "train.global_batch_size=8",
+         "--set", "train.micro_batch_size=4", "--set", "train.eval_every=4", "--set", "train.log_every=1",
+         "--set", "train.warmup_steps=2"]
+MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 2048, "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "tie_word_embeddings": False, "pad_token_id": 0}
+
+
+def toolkit_train(run_dir: Path, *sets: str, env: dict | None = None, check: bool = True):
+    args = ["train", "--run-dir", str(run_dir), *SMALL]
+    for s in sets:
+        args += ["--set", s]
+    return run_cli(args, env=env, check=check, timeout=900)
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def resume_events(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == "resume"]
+
+
+# --- megatron vs HF on the device --------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank, fn, args, out, port):
+    """One rank in a fresh process (CUDA is never forked): process group, then ``fn``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from toolkit import device
+    from toolkit.parallel import init_process_group
+    init_process_group()
+    if device.strict_requested():
+        device.enable_strict()
+    torch.save(fn(*args), out)
+
+
+def in_fresh_process(fn, *args, tmp_path: Path):
+    out = tmp_path / "result.pt"
+    torch.multiprocessing.start_processes(_spawned, args=(fn, args, str(out), _free_port()), nprocs=1,
+                                          start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+def _parity(family: str, dtype: str) -> dict:
+    """Max relative errors of megatron's and HF's logits and gradients against HF in fp32 (IEEE, no
+    TF32), for one batch; in ``dtype`` for the two under test."""
+    from tests.test_families import tiny_model
+    from toolkit import device
+    from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.config import validate
+    from toolkit.engine import IGNORE_INDEX, token_loss_sum
+    torch.set_float32_matmul_precision("highest")
+    dev, dt = device.rank_device(), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    g = torch.Generator().manual_seed(3)
+    vocab = tiny_model(family).config.vocab_size
+    micro = [{"input_ids": torch.randint(0, vocab, (2, 32), generator=g),
+              "labels": torch.randint(0, vocab, (2, 32), generator=g)} for _ in range(2)]
+    for mb in micro:
+        mb["labels"][:, :3] = IGNORE_INDEX
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+
+    def hf_run(model):
+        model.zero_grad()
+        logits = []
+        for mb in micro:
+            out = model(input_ids=mb["input_ids"].to(dev)).logits
+            (token_loss_sum(out, mb["labels"].to(dev))[0] / tokens).backward()
+            logits.append(out.detach().float().cpu())
+        return logits, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+
+    ref_logits, ref_grads = hf_run(tiny_model(family).to(dev))
+    hf_logits, hf_grads = hf_run(tiny_model(family).to(dev, dt))
+    cfg = validate({"backend": "megatron", "model": {"dtype": dtype, "tf32": False},
+                    "train": {"global_batch_size": 4, "micro_batch_size": 2}})
+    model = tiny_model(family)
+    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    mg_logits = [x.float().cpu() for x in engine.logits(micro)]
+    engine.forward_backward(micro, tokens, complete_grads=True)
+    mg_grads = engine.hf_state(attr="main_grad")
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+    return {"hf_logits": max(rel(a, b) for a, b in zip(hf_logits, ref_logits)),
+            "mg_logits": max(rel(a, b) for a, b in zip(mg_logits, ref_logits)),
+            "hf_grads": {n: rel(hf_grads[n], g) for n, g in ref_grads.items()},
+            "mg_grads": {n: rel(mg_grads[n], g) for n, g in ref_grads.items()}}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_megatron_logits_and_grads_match_hf_fp32(family, tmp_path):
+    r = in_fresh_process(_parity, family, "fp32", tmp_path=tmp_path)
+    worst = max(r["mg_grads"].values())
+    print(f"\n{family} fp32: megatron logits rel {r['mg_logits']:.2e}, worst per-parameter grad rel {worst:.2e}")
+    assert r["mg_logits"] < 1e-5  # IEEE fp32 on both sides: reduction order only
+    assert worst < 1e-4, {n: v for n, v in r["mg_grads"].items() if v >= 1e-4}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_megatron_bf16_is_as_close_to_fp32_as_hf_bf16(family, tmp_path):
+    """bf16 has no exact answer; megatron's bf16 must be about as far from the fp32 result as HF's own
+    bf16 is (both keep fp32 master weights' values; megatron reduces grads in fp32)."""
+    r = in_fresh_process(_parity, family, "bf16", tmp_path=tmp_path)
+    print(f"\n{family} bf16 vs fp32: logits rel megatron {r['mg_logits']:.2e} HF {r['hf_logits']:.2e}; "
+          f"median grad rel megatron {sorted(r['mg_grads'].values())[len(r['mg_grads']) // 2]:.2e} "
+          f"HF {sorted(r['hf_grads'].values())[len(r['hf_grads']) // 2]:.2e}")
+    assert r["mg_logits"] < 3 * r["hf_logits"] + 1e-3
+    for name, err in r["mg_grads"].items():
+        assert err < 3 * r["hf_grads"][name] + 2e-2, name
+
+
+# --- train, kill, resume, export -------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+def test_train_kill_resume_export(backend, tmp_path):
+    dtype = "bf16"
+    common = (f"backend={backend}", f"model.dtype={dtype}", "train.steps=8", "checkpoint.every=4")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    toolkit_train(whole, *common)
+    toolkit_train(killed, *common, "restart.max_restarts=1", env={"TOOLKIT_FAULT": "kill:step=6"})
+    assert [(e["checkpoint"], e["loaded"]) for e in resume_events(killed)] == [("step_00000004", "as saved")]
+    a, b = records(whole), records(killed)
+    print(f"\n{backend} {dtype} losses uninterrupted {[round(a[s]['loss'], 4) for s in a]}")
+    print(f"{backend} {dtype} losses killed+resumed {[round(b[s]['loss'], 4) for s in b]}")
+    assert a[8]["loss"] < a[1]["loss"]
+    for s in a:  # GPU kernels (flash attention's backward) are not bit-deterministic
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=2e-2), s
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(killed / "hf_final"))
+    assert model.dtype == torch.float32 and all(torch.isfinite(p).all() for p in model.parameters())
+    ref = AutoModelForCausalLM.from_pretrained(str(whole / "hf_final"))
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p, q, rtol=5e-2, atol=1e-3), n
+
+
+@needs_cuda
+def test_deepspeed_fp16_skips_a_forced_overflow_and_trains_on(tmp_path):
+    run = tmp_path / "fp16"
+    toolkit_train(run, "model.dtype=fp16", "train.steps=10", env={"TOOLKIT_FAULT": "overflow:step=5"})
+    r = records(run)
+    print(f"\nDeepSpeed fp16 loss scales {[r[s]['loss_scale'] for s in r]}, skipped {[s for s in r if r[s]['skipped']]}")
+    assert r[1]["loss_scale"] == 2.0**16  # ds_configs: initial_scale_power 16
+    assert r[5]["skipped"] and r[5]["grad_norm"] is None and r[5]["loss_scale"] <= r[4]["loss_scale"]
+    assert not r[6]["skipped"] and r[6]["grad_norm"] > 0  # the inf gradients did not outlive the step
+    assert r[10]["loss"] < r[1]["loss"] and r[10]["skipped_steps"] == sum(r[s]["skipped"] for s in r)
+
+
+def test_megatron_fp16_skips_and_trains_on(tmp_path):
+    run = tmp_path / "fp16"
+    toolkit_train(run, "backend=megatron", "model.dtype=fp16", "train.steps=30", env={"TOOLKIT_FAULT": "overflow:step=26"})
+    r = records(run)
+    print(f"\nmegatron fp16 loss scales {[r[s]['loss_scale'] for s in r]}")
+    assert r[26]["skipped"] and r[30]["loss"] < r[1]["loss"]
+
+
+# --- the converter on GPU-written checkpoints, MoE without Transformer Engine --------------------------
+
+def test_converter_reads_gpu_checkpoints_exactly(tmp_path):
+    zero, meg = tmp_path / "zero3", tmp_path / "meg"
+    toolkit_train(zero, "zero.stage=3", "model.dtype=bf16", "train.steps=2", "checkpoint.every=2")
+    toolkit_train(meg, "backend=megatron", "model.dtype=bf16", "train.steps=2", "checkpoint.every=2")
+    for src, to in ((zero, "megatron"), (zero, "hf"), (meg, "zero"), (meg, "hf")):
+        out = tmp_path / f"{src.name}_to_{to}"
+        extra = ["--tp", "1"] if to == "megatron" else []
+        proc = run_cli(["convert", str(src / "checkpoints" / "step_00000002"), str(out), "--to", to, "--verify", *extra])
+        print(f"\n{src.name} -> {to}: {proc.stdout.strip().splitlines()[-1]}")
+
+
+def test_megatron_moe_without_transformer_engine(tmp_path):
+    model = tmp_path / "mixtral"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MIXTRAL))
+    run = tmp_path / "moe"
+    toolkit_train(run, "backend=megatron", f"model.name_or_path={model}", "model.dtype=bf16", "train.steps=4")
+    r = records(run)
+    assert all(r[s]["moe_load_max"] >= 1.0 for s in r) and r[4]["loss"] < r[1]["loss"]
+    te = importlib.util.find_spec("transformer_engine") is not None
+    print(f"\nMoE on megatron, Transformer Engine {'present' if te else 'absent'}: losses "
+          f"{[round(r[s]['loss'], 4) for s in r]}")
+
+
+def test_doctor_sees_the_gpu():
+    proc = run_cli(["doctor"], check=False)
+    print("\n" + proc.stdout)
+    assert proc.returncode == 0 and ("gpu 0" in proc.stdout or REHEARSAL), proc.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-m", "gpu", "-v", "-s"]))
