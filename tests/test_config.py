@@ -118,3 +118,32 @@ def test_forked_rank_takes_the_launchers_environment_not_the_forkservers(monkeyp
     assert os.environ == {"TOOLKIT_RUN_DIR": "/new", "PATH": "/venv/bin:/bin", "OMP_NUM_THREADS": "1", "RANK": "1",
                           "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job"}
     assert threads == [1]  # torch's pool was sized when the forkserver imported it
+
+
+def test_ranks_take_their_share_of_the_cores(monkeypatch):
+    """The deepspeed launcher and srun set no OMP_NUM_THREADS: each rank takes cores / local ranks,
+    as torchrun's 1 and the toolkit's launcher do (else losses depend on the launcher)."""
+    import os
+
+    import torch
+
+    from toolkit import parallel
+    for key in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS",
+                "SLURM_NNODES"):
+        monkeypatch.delenv(key, raising=False)
+    assert parallel.local_world_size() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher
+    assert parallel.local_world_size() == 2
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert parallel.local_world_size() == 4
+    threads = torch.get_num_threads()
+    try:
+        parallel.share_cores()
+        assert os.environ["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 4)) == str(torch.get_num_threads())
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        parallel.share_cores()  # a user's setting wins
+        assert os.environ["OMP_NUM_THREADS"] == "7"
+    finally:
+        torch.set_num_threads(threads)

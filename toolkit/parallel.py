@@ -42,6 +42,30 @@ def adopt_slurm_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def local_world_size() -> int:
+    """Ranks on this node, as the launcher says: torchrun (LOCAL_WORLD_SIZE), the deepspeed launcher
+    (LOCAL_SIZE), srun (SLURM_NTASKS_PER_NODE, else SLURM_NTASKS / SLURM_NNODES); 1 if none does."""
+    env = os.environ
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    if env.get("SLURM_NTASKS", "").isdigit():
+        return max(1, int(env["SLURM_NTASKS"]) // int(env.get("SLURM_NNODES", "1") or 1))
+    return 1
+
+
+def share_cores() -> None:
+    """Give this rank its share of the node's cores, unless OMP_NUM_THREADS says otherwise. torchrun
+    and the toolkit's launcher set it; the deepspeed launcher and srun do not, and each rank's torch
+    would then use every core: oversubscribed, and with matmul reductions (hence losses, ~1e-8)
+    that depend on which launcher started the job."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // local_world_size())
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def comm_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -49,6 +73,7 @@ def comm_backend() -> str:
 def init_process_group(timeout_s: float = 600) -> None:
     """Join the job's default process group (env:// rendezvous) on the right device."""
     adopt_slurm_env()
+    share_cores()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
