@@ -20,7 +20,7 @@ Per case (zero2, zero3, megatron):
           both lines are timestamped as they arrive on the launcher's stdout. Startup (imports,
           random init of the model, engine build) is in both and cancels, up to its run-to-run noise
           (a few seconds on a busy machine). The manifest check (sha256 of every byte) is part of
-          every resume; it is also timed alone here (``verify_checkpoint`` on cold files), so the
+          every resume; it is also timed alone here (``verify_complete`` on cold files), so the
           engine's own load is about the difference.
   baseline  the same bytes through ``cp -r`` (source in the page cache, as the engine's tensors are
           in memory), also with an fsync of every copied file (``sync FILES``: the toolkit fsyncs),
@@ -129,10 +129,10 @@ def baselines(ckpt: Path, scratch: Path) -> dict:
         shutil.rmtree(dst, ignore_errors=True)
     evict(ckpt)
     out["cat_cold_s"] = timed(f"find '{ckpt}' -type f -exec cat {{}} + > /dev/null")
-    from toolkit.checkpoint.manager import verify_checkpoint
+    from toolkit.storage import verify_complete
     evict(ckpt)
     tic = time.perf_counter()
-    problems = verify_checkpoint(ckpt)
+    problems = verify_complete(ckpt)
     out["verify_sha256_cold_s"] = time.perf_counter() - tic
     assert not problems, problems
     return out

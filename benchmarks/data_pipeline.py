@@ -101,7 +101,7 @@ def child_prepare(corpus: Path, cache: Path, num_proc: int) -> dict:
 
 
 def child_wait(corpus: Path, cache: Path, num_proc: int, steps: int) -> dict:
-    """The trainer's prefetch loop (toolkit/trainer.py ``fit``) with the same data calls."""
+    """The trainer's prefetch loop (toolkit/train/trainer.py ``fit``) with the same data calls."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch

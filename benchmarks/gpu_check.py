@@ -17,7 +17,7 @@ short still leaves what it measured):
      steps after warm-up, and the two backends' step-1 losses, which must agree within bf16 rounding.
 A short table ends the run.
 
-MFU = achieved model FLOP/s / the GPU's dense bf16 peak (``toolkit/flops.py``, the formula and peak
+MFU = achieved model FLOP/s / the GPU's dense bf16 peak (``toolkit/plan/flops.py``, the formula and peak
 table ``toolkit train`` logs per step on GPUs): model FLOPs per token
 ``6 * N + 12 * n_layers * attention_width * seq_len`` (PaLM, appendix B), N without the input embedding.
 """

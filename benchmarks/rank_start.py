@@ -1,4 +1,4 @@
-"""How ranks start: forked from a preloaded forkserver vs spawned as ``python -m toolkit.worker``.
+"""How ranks start: forked from a preloaded forkserver vs spawned as ``python -m toolkit.train.worker``.
 
 Cases: a tiny 2-rank ``toolkit train`` (the demo model, seq 32, 6 steps, one checkpoint) on each
 backend (DeepSpeed ZeRO-2; megatron TP=2), with ``TOOLKIT_RANK_START=forkserver`` and ``=spawn``, and

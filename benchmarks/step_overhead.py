@@ -152,7 +152,7 @@ def run_case(case: str, workdir: Path, rnd: int, steps: int) -> dict:
     log = open(run_dir.parent / f"{case}_r{rnd}.log", "w")
     launch = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    sampler = RssSampler(proc.pid, "toolkit.worker" if case.startswith("toolkit") else "--worker")
+    sampler = RssSampler(proc.pid, "toolkit.train.worker" if case.startswith("toolkit") else "--worker")
     sampler.start()
     rc = proc.wait()
     total = time.time() - launch

@@ -42,10 +42,21 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, chec
 
 RANK_PRELOAD = ["torch", "transformers.modeling_utils", "datasets", "deepspeed", "megatron.core.models.gpt",
                 "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.megatron", "toolkit.data",
-                "toolkit.trainer", "toolkit.worker", "tests.convert_helpers"]
+                "toolkit.train.trainer", "toolkit.train.worker", "tests.convert_helpers"]
 """What the forkserver of each test process imports once (``toolkit train`` without a GPU does the
 same per launch, for its backend): ranks forked from it, by ``train`` or ``run_ranks``, skip ~10 s
 of imports each."""
+
+
+def megatron_engine(cfg, model, hf_state=None):
+    """A ``MegatronEngine`` for this job's world size from an HF ``model`` (its config, and its weights
+    unless ``hf_state`` is given), as tests that drive the engine directly build it."""
+    import torch.distributed as dist
+
+    from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.plan import build_plan
+    plan = build_plan(cfg, [dist.get_world_size()], hf_config=model.config)
+    return MegatronEngine(plan, model.state_dict() if hf_state is None else hf_state)
 
 
 def start_forkserver() -> None:
@@ -142,7 +153,7 @@ def resumes(run_dir: Path) -> list[tuple[str, int, str]]:
 
 
 def losses(run_dir: Path) -> list[float]:
-    from toolkit.metrics import read_metrics
+    from toolkit.observe.metrics import read_metrics
     return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
 
 

@@ -103,12 +103,12 @@ def write_config(path: Path, family: str) -> None:
 def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str, ep: int = 1):
     """megatron-core's own dist_checkpointing.load (through the toolkit's MegatronEngine.load) of a
     converted torch_dist checkpoint at (tp, pp, ep); the HF weights it then holds."""
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     from toolkit.config import validate
     model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "ep": ep},
                     "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1}})
-    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    engine = megatron_engine(cfg, model)
     engine.load(Path(ckpt))
     return {"weights": engine.hf_state()}
 
@@ -121,12 +121,12 @@ def save_legacy_megatron(rank: int, world: int, family: str, tp: int, pp: int, r
 
     import torch.distributed as dist
 
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     from toolkit.config import validate
     model = tiny_model(family, seed=3)
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
                     "train": {"global_batch_size": 2, "micro_batch_size": 1}})
-    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    engine = megatron_engine(cfg, model)
     name = f"mp_rank_{engine.tp_rank:02d}" + (f"_{engine.pp_rank:03d}" if pp > 1 else "")
     out = Path(root) / "iter_0000003" / name
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 import json
 
-from toolkit.checkpoint import CheckpointManager, find_latest_complete, verify_checkpoint
+from toolkit.checkpoint import CheckpointManager, find_latest_complete
+from toolkit.storage import verify_complete
 
 
 def _save(mgr, step, payload=b"x" * 100):
@@ -14,7 +15,7 @@ def test_commit_is_complete_and_latest_points_to_it(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2)
     final = _save(mgr, 5)
     assert final.name == "step_00000005" and not mgr.staging(5).exists()
-    assert verify_checkpoint(final) == []
+    assert verify_complete(final) == []
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000005"
     manifest = json.loads((final / "manifest.json").read_text())["files"]
     assert manifest["engine/weights.bin"]["bytes"] == 100
@@ -48,13 +49,13 @@ def test_missing_complete_marker(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5)
     final = _save(mgr, 1)
     (final / "COMPLETE").unlink()
-    assert "no COMPLETE marker" in verify_checkpoint(final)[0]
+    assert "no COMPLETE marker" in verify_complete(final)[0]
     assert find_latest_complete(tmp_path, log=lambda m: None) is None
 
 
 def test_background_persist_writes_the_manifest_a_synchronous_save_would(tmp_path):
     from toolkit.checkpoint.async_save import persist_tree
-    from toolkit.checkpoint.manager import build_manifest
+    from toolkit.storage import build_manifest
     src = tmp_path / "snapshot"
     (src / "engine" / "global_step4").mkdir(parents=True)
     (src / "engine" / "global_step4" / "model.pt").write_bytes(bytes(range(256)) * 40000)

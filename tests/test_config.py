@@ -2,8 +2,13 @@ import json
 
 import pytest
 
-from toolkit.adapters.deepspeed import resolve_ds_config
 from toolkit.config import ConfigError, load_config
+from toolkit.plan import build_plan
+
+
+def ds_config(cfg, world: int = 2) -> dict:
+    """The DeepSpeed JSON the plan resolves for ``world`` ranks (the demo model: hidden 128)."""
+    return build_plan(cfg, [world]).ds_config(world)
 
 
 def test_defaults_are_the_demo():
@@ -49,16 +54,16 @@ def test_global_batch_divisibility_lists_valid_choices():
     cfg = load_config(None, ["train.global_batch_size=12", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=r"global_batch_size=12 is not divisible by train.micro_batch_size=4 x dp=2; "
                                           r"choose micro_batch_size in \[1, 2, 3, 6\]"):
-        cfg.check_layout(2)
+        build_plan(cfg, [2])
 
 
 def test_ds_config_auto_resolution():
     cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "zero.stage=3"])
-    ds = resolve_ds_config(cfg, world_size=2, hidden_size=64)
+    ds = ds_config(cfg)
     assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 4 and ds["zero_optimization"]["stage"] == 3
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
-    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128  # the demo model's hidden size, squared
     assert ds["bf16"]["enabled"] is False
 
 
@@ -68,14 +73,17 @@ def test_ds_config_contradiction_names_both(tmp_path):
                                 "zero_optimization": {"stage": 1}}))
     cfg = load_config(None, [f"zero.ds_config={path}", "train.micro_batch_size=2"])
     with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=8 contradicts train.micro_batch_size=2"):
-        resolve_ds_config(cfg, 2, 64)
+        ds_config(cfg)
 
 
 def test_ds_config_values_adopted_when_not_set(tmp_path):
     cfg = load_config(None, ["zero.ds_config=zero3_offload"])
-    ds = resolve_ds_config(cfg, 2, 64)
-    assert cfg.zero.stage == 3 and cfg.zero.offload_optimizer and cfg.zero.offload_params
-    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    plan = build_plan(cfg, [2])
+    resolved = plan.config
+    assert resolved.zero.stage == 3 and resolved.zero.offload_optimizer and resolved.zero.offload_params
+    assert plan.ds_config(2)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert plan.layout(2).zero_stage == 3 and plan.layout(2).offload_params
+    assert cfg.zero.stage == 2 and not cfg.zero.offload_optimizer  # the plan is a new config, not a changed one
 
 
 def test_ds_config_scheduler_refused(tmp_path):
@@ -83,13 +91,13 @@ def test_ds_config_scheduler_refused(tmp_path):
     path.write_text(json.dumps({"scheduler": {"type": "WarmupLR"}}))
     cfg = load_config(None, [f"zero.ds_config={path}"])
     with pytest.raises(ConfigError, match="owns the LR schedule"):
-        resolve_ds_config(cfg, 2, 64)
+        ds_config(cfg)
 
 
 def test_offload_params_needs_stage3():
     cfg = load_config(None, ["zero.stage=2", "zero.offload_params=true"])
     with pytest.raises(ConfigError, match="offload_params needs ZeRO stage 3"):
-        resolve_ds_config(cfg, 2, 64)
+        ds_config(cfg)
 
 
 def test_rank_start_method_is_checked(monkeypatch):
@@ -99,7 +107,7 @@ def test_rank_start_method_is_checked(monkeypatch):
     with pytest.raises(ConfigError, match=r"TOOLKIT_RANK_START='fork': choose spawn or forkserver"):
         _rank_entrypoint(cfg)
     monkeypatch.setenv("TOOLKIT_RANK_START", "spawn")
-    assert _rank_entrypoint(cfg)[1] == ["-u", "-m", "toolkit.worker"]
+    assert _rank_entrypoint(cfg)[1] == ["-u", "-m", "toolkit.train.worker"]
     monkeypatch.setenv("TOOLKIT_RANK_START", "forkserver")
     entrypoint, _, preload = _rank_entrypoint(cfg)
     assert entrypoint.__name__ == "forked_main" and "deepspeed" in preload
@@ -108,7 +116,7 @@ def test_rank_start_method_is_checked(monkeypatch):
 def test_forked_rank_takes_the_launchers_environment_not_the_forkservers(monkeypatch):
     """A forkserver keeps the environment it started with (an earlier launch's fault spec, run dir);
     a rank forked from it runs with this launch's, plus what torch's agent set for the rank."""
-    from toolkit.launch import adopt_launcher_env
+    from toolkit.launch.elastic import adopt_launcher_env
     threads = []
     monkeypatch.setattr("torch.set_num_threads", threads.append)
     monkeypatch.setattr("os.environ", {"TOOLKIT_FAULT": "kill:step=1", "TOOLKIT_RUN_DIR": "/old", "PATH": "/bin",

@@ -73,8 +73,8 @@ def test_cli_direct_route_imports_no_torch(direct_ckpts, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout and "converted zero -> hf" in proc.stdout, proc.stdout
     assert "torch-free reader" in proc.stdout
-    from toolkit.checkpoint.manager import verify_checkpoint
-    assert verify_checkpoint(dst) == []
+    from toolkit.storage import verify_complete
+    assert verify_complete(dst) == []
 
 
 def test_foreign_pickle_class_refused_as_before(direct_ckpts, tmp_path):

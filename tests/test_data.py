@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from toolkit import data
-from toolkit.config import validate
+from toolkit.data import batches as batches_module
+from toolkit.data import tokenizer as tokenizer_module
+from toolkit.config import DEMO_DIR, validate
 from toolkit.data import DataError
 
 datasets.disable_progress_bars()
@@ -156,7 +158,7 @@ def test_global_batches_walk_epoch_permutations_and_straddle():
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
     assert flat[:10] != flat[10:]  # each epoch has its own permutation
     assert batches[2] == flat[8:12]  # positions 8..11: the end of epoch 0 and the start of epoch 1
-    data._epoch_permutation.cache_clear()
+    batches_module._epoch_permutation.cache_clear()
     assert data.global_batch_indices(n, g, seed=7, step=2) == batches[2]  # no dependence on history
     assert data.global_batch_indices(n, g, seed=8, step=0) != batches[0]
 
@@ -306,14 +308,14 @@ def test_demo_tokenizer_is_deterministic_and_cached(tok, tmp_path, monkeypatch):
     assert fresh.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
     built = list((tmp_path / "tokenizers").iterdir())
     assert len(built) == 1 and not built[0].name.startswith(".")  # no temporary directory left
-    monkeypatch.setattr(data, "_train_demo_tokenizer", lambda *a: pytest.fail("cache not used"))
+    monkeypatch.setattr(tokenizer_module, "_train_demo_tokenizer", lambda *a: pytest.fail("cache not used"))
     assert data.load_tokenizer(validate({})).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
 
 
 def test_tokenizer_from_model_dir_or_field_and_vocab_check(tok, tmp_path):
     model = tmp_path / "model"
     tok.save_pretrained(model)
-    config = json.loads((data.DEMO_DIR / "tiny-llama" / "config.json").read_text())
+    config = json.loads((DEMO_DIR / "tiny-llama" / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config))
     found = data.load_tokenizer(validate({"model": {"name_or_path": str(model / "config.json")}}))
     assert found.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()

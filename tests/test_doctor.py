@@ -1,4 +1,4 @@
-from toolkit import doctor
+from toolkit.observe import doctor
 
 
 def test_pins_parse_and_match_setup_cfg_names():

@@ -11,8 +11,10 @@ from transformers import LlamaConfig
 from tests.conftest import REPO, run_cli, run_in_process
 from toolkit.cli import main
 from toolkit.config import load_config
-from toolkit.estimate import (GiB, Cluster, collective_seconds, layout_of, memory, model_shape, step_time,
-                              suggestions)
+from toolkit.plan.layout import check_layout
+from toolkit.plan.memory import GiB, memory, suggestions
+from toolkit.plan.model import model_spec
+from toolkit.plan.steptime import Cluster, collective_seconds, step_time
 
 LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32000)
@@ -20,7 +22,7 @@ BIG_RUN = ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batc
 
 
 def test_parameter_count_is_hf_own():
-    shape = model_shape(LLAMA_7B)
+    shape = model_spec(LLAMA_7B)
     assert shape.total == 6_738_415_616  # what HF's Llama-2-7B reports
     assert len(shape.per_layer) == 32 and shape.embedding == shape.output == 32000 * 4096
 
@@ -28,15 +30,15 @@ def test_parameter_count_is_hf_own():
 def test_mixture_of_experts_split_over_ep_and_only_active_experts_count_as_flops():
     from transformers import MixtralConfig
 
-    from toolkit.flops import flops_per_token
+    from toolkit.plan.flops import flops_per_token
     mixtral = MixtralConfig()  # 8x7B: 46.7B parameters, 12.9B active per token (Mistral AI's figures)
-    shape = model_shape(mixtral)
+    shape = model_spec(mixtral)
     assert shape.experts == 8 and shape.experts_per_token == 2 and round(shape.total / 1e9, 1) == 46.7
-    assert round((flops_per_token(mixtral, 0) / 6 + shape.embedding) / 1e9, 1) == 12.9
+    assert round((flops_per_token(shape, 0) / 6 + shape.embedding) / 1e9, 1) == 12.9
     held = {}
     for ep in (1, 8):
         cfg = load_config(None, [*BIG_RUN, "backend=megatron", f"megatron.ep={ep}"])
-        held[ep] = memory(cfg, shape, layout_of(cfg, 8))
+        held[ep] = memory(cfg, shape, check_layout(cfg, shape, 8))
     experts = sum(shape.per_layer_experts)
     assert held[1].params - held[8].params == pytest.approx(experts * 7 / 8)
     # each expert's optimizer state is sharded over the dp / ep = 1 replicas that hold it
@@ -45,43 +47,43 @@ def test_mixture_of_experts_split_over_ep_and_only_active_experts_count_as_flops
 
 
 def test_zero_stages_and_offload_shrink_the_device_share():
-    shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
+    shape, cfg = model_spec(LLAMA_7B), load_config(None, BIG_RUN)
     states = []
     for stage in range(4):
         cfg.zero.stage = stage
-        states.append(memory(cfg, shape, layout_of(cfg, 8)).model_state)
+        states.append(memory(cfg, shape, check_layout(cfg, shape, 8)).model_state)
     phi = shape.total
     assert states[0] == pytest.approx(16 * phi)  # bf16 weights + grads + fp32 master, m, v
     assert states[3] == pytest.approx(16 * phi / 8)  # the ZeRO paper's (2 + 2 + 12) / N_d
     assert states[0] > states[1] == states[2] > states[3]  # ZeRO-1 partitions gradients too (measured)
     cfg.zero.offload_optimizer = True
-    off = memory(cfg, shape, layout_of(cfg, 8))
+    off = memory(cfg, shape, check_layout(cfg, shape, 8))
     assert off.optimizer == 0 and off.host == pytest.approx(16 * phi / 8 - 2 * phi / 8)
 
 
 def test_activation_checkpointing_and_tp_cut_activations():
-    shape = model_shape(LLAMA_7B)
+    shape = model_spec(LLAMA_7B)
     cfg = load_config(None, BIG_RUN)
-    mem = memory(cfg, shape, layout_of(cfg, 8))
+    mem = memory(cfg, shape, check_layout(cfg, shape, 8))
     assert mem.activations_ckpt < mem.activations_no_ckpt / 5
     mcfg = load_config(None, [*BIG_RUN, "backend=megatron", "megatron.tp=8"])
-    tp8 = memory(mcfg, shape, layout_of(mcfg, 8))
+    tp8 = memory(mcfg, shape, check_layout(mcfg, shape, 8))
     assert tp8.activations_no_ckpt < mem.activations_no_ckpt / 2 and tp8.params < shape.total / 7
 
 
 def test_sequence_parallel_splits_the_norm_activations():
     """Per token per layer, sequence parallelism moves the 4h norm tensors to 4h / t (the module docstring)."""
-    shape = model_shape(LLAMA_7B)
+    shape = model_spec(LLAMA_7B)
     run = [*BIG_RUN, "backend=megatron", "megatron.tp=8", "train.global_batch_size=1"]  # 1 micro-batch in flight
     plain, sp = (load_config(None, run + extra) for extra in ([], ["megatron.sequence_parallel=true"]))
-    a, b = (memory(c, shape, layout_of(c, 8)) for c in (plain, sp))
+    a, b = (memory(c, shape, check_layout(c, shape, 8)) for c in (plain, sp))
     tokens, w = 4096, 2  # b x s, bf16
     assert a.activations_no_ckpt - b.activations_no_ckpt == pytest.approx(32 * tokens * w * 4 * 4096 * (1 - 1 / 8))
     assert b.activations_ckpt < a.activations_ckpt  # the kept layer inputs are split too
 
 
 def test_suggestions_are_the_least_sharded_layouts_that_fit():
-    shape, cfg = model_shape(LLAMA_7B), load_config(None, BIG_RUN)
+    shape, cfg = model_spec(LLAMA_7B), load_config(None, BIG_RUN)
     found = suggestions(cfg, shape, 8, device_gib=80)
     assert found and found[0][0].describe() == "ZeRO-1 dp=8 ckpt=none"  # ZeRO-0: 16 B/param, 100 GiB
     assert all(m.total <= 0.92 * 80 * GiB for _, m in found)
@@ -99,10 +101,10 @@ def test_collectives_follow_the_alpha_beta_formulas():
 
 
 def test_communication_share_grows_when_dp_crosses_nodes():
-    shape = model_shape(LLAMA_7B)
+    shape = model_spec(LLAMA_7B)
     cfg = load_config(None, [*BIG_RUN, "zero.stage=3"])
-    one = step_time(cfg, shape, layout_of(cfg, 8), Cluster(nodes=1))
-    four = step_time(cfg, shape, layout_of(cfg, 32), Cluster(nodes=4))
+    one = step_time(cfg, shape, check_layout(cfg, shape, 8), Cluster(nodes=1))
+    four = step_time(cfg, shape, check_layout(cfg, shape, 32), Cluster(nodes=4))
     assert not any(c.inter_node for c in one.collectives) and all(c.inter_node for c in four.collectives)
     assert four.comm_share > one.comm_share and math.isclose(four.compute_s * 4, one.compute_s)
 
@@ -131,8 +133,9 @@ def test_dry_run_prints_resolved_deepspeed_json_and_starts_nothing(capsys, tmp_p
 def test_dry_run_megatron_prints_the_layout(capsys):
     assert main(["train", "--dry-run", "--nproc", "4", "--set", "backend=megatron", "--set", "megatron.preset=tp2_pp2"]) == 0
     out = capsys.readouterr().out
-    layout = json.loads(out.split("# Megatron layout\n")[1].split("\n# estimate")[0])
-    assert layout == {"tp": 2, "pp": 2, "vpp": None, "ep": 1, "dp": 1, "sequence_parallel": False, "padded_vocab": 2048}
+    layout = json.loads(out.split("# layout at 4 rank(s)\n")[1].split("\n# estimate")[0])
+    assert {k: layout[k] for k in ("tp", "pp", "vpp", "ep", "dp", "sequence_parallel", "padded_vocab")} == \
+        {"tp": 2, "pp": 2, "vpp": None, "ep": 1, "dp": 1, "sequence_parallel": False, "padded_vocab": 2048}
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -162,8 +165,9 @@ def test_model_state_within_15_percent_of_what_real_engines_hold(tmp_path):
     rows = _measure(tmp_path, configs)
     for overrides, rank, measured in rows:
         cfg = load_config(None, overrides)
-        lay = layout_of(cfg, 2)
-        est = memory(cfg, model_shape(_hf(cfg)), lay) if lay.pp == 1 else _stage_memory(cfg, lay, rank)
+        spec = model_spec(_hf(cfg))
+        lay = check_layout(cfg, spec, 2)
+        est = memory(cfg, spec, lay) if lay.pp == 1 else _stage_memory(cfg, lay, rank)
         ratio = measured / est.model_state
         print(f"{lay.describe():32s} rank {rank}: estimated {est.model_state / 2**20:7.2f} MiB, "
               f"measured {measured / 2**20:7.2f} MiB ({ratio:.3f})")
@@ -191,13 +195,13 @@ def _measure(tmp_path, configs: list[list[str]]) -> list[tuple[list[str], int, i
 
 
 def _hf(cfg):
-    from toolkit.adapters.hf import load_hf_config
+    from toolkit.plan.model import load_hf_config
     return load_hf_config(cfg.model.name_or_path)
 
 
 def _stage_memory(cfg, lay, rank: int):
-    from toolkit.estimate import DTYPE_BYTES, _megatron_stage_memory
-    return _megatron_stage_memory(cfg, model_shape(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
+    from toolkit.plan.memory import DTYPE_BYTES, _megatron_stage_memory
+    return _megatron_stage_memory(cfg, model_spec(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
 
 
 def test_activation_model_within_15_percent_of_what_autograd_saves():
@@ -207,9 +211,10 @@ def test_activation_model_within_15_percent_of_what_autograd_saves():
 
     from toolkit.adapters.hf import build_model
     from toolkit.engine import token_loss_sum
-    from toolkit.estimate import _activations
+    from toolkit.plan import build_plan
+    from toolkit.plan.memory import _activations
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
-    model = build_model(cfg)
+    model = build_model(build_plan(cfg, [2]))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -221,7 +226,7 @@ def test_activation_model_within_15_percent_of_what_autograd_saves():
         token_loss_sum(model(input_ids=ids).logits, ids)
     log_softmax = 4 * 256 * 2048 * 4  # the loss's saved output; the model counts it in its 3 x logits
     measured = sum(n for ptr, n in saved.items() if ptr not in weights) - log_softmax
-    shape = model_shape(_hf(cfg))
+    shape = model_spec(_hf(cfg))
     estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False, logits=False)
     print(f"layers: estimated {estimated / 2**20:.1f} MiB, autograd saved {measured / 2**20:.1f} MiB")
     assert 0.85 <= measured / estimated <= 1.15

@@ -32,9 +32,9 @@ def _steps(engine, first, count):
 
 
 def _train_and_save(rank, world, tp, pp, path, vpp=None):
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     model = tiny_model(FAMILY)
-    engine = MegatronEngine(_config(tp, pp, vpp), model.config, model.state_dict())
+    engine = megatron_engine(_config(tp, pp, vpp), model)
     _steps(engine, 0, STEPS_BEFORE)
     engine.save(path, STEPS_BEFORE)
     weights = engine.hf_state()
@@ -42,9 +42,9 @@ def _train_and_save(rank, world, tp, pp, path, vpp=None):
 
 
 def _load_and_continue(rank, world, tp, pp, path, vpp=None):
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     model = tiny_model(FAMILY, seed=99)  # different init: everything must come from the checkpoint
-    engine = MegatronEngine(_config(tp, pp, vpp), model.config, model.state_dict())
+    engine = megatron_engine(_config(tp, pp, vpp), model)
     engine.load(path)
     weights = engine.hf_state()
     return {"weights": weights, "after": _steps(engine, STEPS_BEFORE, STEPS_AFTER)}
@@ -79,9 +79,9 @@ def test_interleaved_checkpoint_loads_without_interleaving(tmp_path):
 
 
 def _export(rank, world, tp, pp, family, out):
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     model = tiny_model(family)
-    engine = MegatronEngine(_config(tp, pp), model.config, model.state_dict())
+    engine = megatron_engine(_config(tp, pp), model)
     engine.export_hf(out, tokenizer=None)
     return model.state_dict() if rank == 0 else None
 
@@ -99,12 +99,12 @@ def test_hf_to_megatron_to_hf_export_is_exact(tmp_path, family):
 
 
 def _from_pretrained(rank, world, tp, pp, model_dir):
-    from toolkit.adapters.hf import load_hf_config
     from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.plan import build_plan
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
                     "model": {"name_or_path": str(model_dir), "init": "pretrained"},
                     "train": {"global_batch_size": 4, "micro_batch_size": 2}})
-    return MegatronEngine(cfg, load_hf_config(str(model_dir))).hf_state()
+    return MegatronEngine(build_plan(cfg, [world])).hf_state()
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])

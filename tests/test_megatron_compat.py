@@ -33,7 +33,7 @@ def _rank_main(rank, world, port, fn, out_dir, args):
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    if device.strict_requested():  # as toolkit.worker does: the suite runs every rank in strict mode
+    if device.strict_requested():  # as toolkit.train.worker does: the suite runs every rank in strict mode
         device.enable_strict()
     try:
         result = fn(rank, world, *args)

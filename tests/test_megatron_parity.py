@@ -73,11 +73,11 @@ def _rank_parity(rank, world, layouts):
 
 
 def _one_layout(family, tp, pp, extra) -> dict:
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     model = tiny_model(family)
     micro = batches(model.config.vocab_size)
     ref_logits, ref_grads, tokens = hf_reference(model, micro)
-    engine = MegatronEngine(run_config(tp, pp, **extra), model.config, model.state_dict())
+    engine = megatron_engine(run_config(tp, pp, **extra), model)
     dp = engine.dp_size
     mine = micro[engine.dp_rank::dp]
     got = engine.logits(mine)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import refused, resumes, train, train_args
-from toolkit.metrics import read_metrics
+from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 

@@ -10,7 +10,7 @@ import torch
 from tests.test_families import TINY_MOE, tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
-from toolkit import moe
+from toolkit.adapters import moe
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, pack, padded_vocab_size, read_shard,
@@ -144,13 +144,13 @@ def _rank_parity(rank, world):
 
 
 def _one_layout(family, tp, pp, ep, extra) -> dict:
-    from toolkit.adapters.megatron import MegatronEngine
+    from tests.conftest import megatron_engine
     model = tiny_model(family)
     micro = batches(model.config.vocab_size, n_micro=4, mbs=1)  # dp = 2: two per rank, dp = 4: one
     ref_logits, ref_counts, ref_grads, tokens = hf_reference(model, micro)
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "ep": ep, **extra},
                     "train": {"global_batch_size": 4, "micro_batch_size": 1, "moe_aux_loss_coeff": AUX_COEFF}})
-    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    engine = megatron_engine(cfg, model)
     dp = engine.dp_size
     mine = micro[engine.dp_rank::dp]
     got = engine.logits(mine)

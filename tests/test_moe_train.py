@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import losses, refused, resumes, run_in_process, train, train_args
-from toolkit.metrics import read_metrics
+from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -117,22 +117,32 @@ def test_conversions_across_ep_sizes_are_exact(runs, tmp_path):
     (["megatron.ep=3"], 3, "4 experts do not divide over megatron.ep=3; choose ep in [1, 2, 4]"),
     (["megatron.ep=2"], 3, "world size 3 is not divisible by megatron.tp=1 x ep=2 x pp=1"),
     (["megatron.tp=2"], 2, "needs megatron.sequence_parallel=true"),
-    (["megatron.moe_dispatcher=alltoall"], 2, "megatron.moe_dispatcher=alltoall needs GPUs"),
 ])
 def test_bad_expert_layouts_are_refused(overrides, world, expected, model_dir):
     import re
 
     from toolkit.config import ConfigError, load_config
-    from toolkit.worker import resolve_for_world
+    from toolkit.plan import build_plan
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        resolve_for_world(load_config(None, ["backend=megatron", f"model.name_or_path={model_dir}", *overrides]), world)
+        build_plan(load_config(None, ["backend=megatron", f"model.name_or_path={model_dir}", *overrides]), [world])
+
+
+def test_alltoall_is_planned_anywhere_but_refused_before_launch_without_gpus(tmp_path, data_cache, model_dir):
+    """A GPU job can be planned and estimated on a laptop; launching it on a CPU machine fails before
+    any rank starts."""
+    from toolkit.config import load_config
+    from toolkit.plan import build_plan
+    sets = [f"model.name_or_path={model_dir}", "backend=megatron", "megatron.moe_dispatcher=alltoall"]
+    assert build_plan(load_config(None, sets), [2]).config.megatron.moe_dispatcher == "alltoall"
+    code, out, err = refused(train_args(tmp_path / "r", data_cache, *sets))
+    assert code == 2 and "megatron.moe_dispatcher=alltoall needs GPUs" in err and "toolkit: megatron on" not in out
 
 
 def test_expert_parallelism_on_a_dense_model_is_refused():
     from toolkit.config import ConfigError, load_config
-    from toolkit.worker import resolve_for_world
+    from toolkit.plan import build_plan
     with pytest.raises(ConfigError, match="megatron.ep=2 needs a mixture-of-experts model; llama has no experts"):
-        resolve_for_world(load_config(None, ["backend=megatron", "megatron.ep=2"]), 2)  # the demo's tiny Llama
+        build_plan(load_config(None, ["backend=megatron", "megatron.ep=2"]), [2])  # the demo's tiny Llama
 
 
 def test_bad_expert_layout_fails_before_launch(tmp_path, data_cache, model_dir):

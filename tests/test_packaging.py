@@ -14,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.conftest import REPO
-from toolkit.doctor import _norm, pinned_versions
+from toolkit.observe.doctor import _norm, pinned_versions
 
 DOCKER = REPO / "docker"
 DOCKER_FILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu", DOCKER / "install.sh"]

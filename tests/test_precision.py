@@ -10,7 +10,7 @@ import json
 import math
 
 from tests.conftest import losses, resumes, train
-from toolkit.flops import peak_flops
+from toolkit.plan.flops import peak_flops
 
 FP16 = ("backend=megatron", "model.dtype=fp16", "train.steps=26")
 FORCED = 21  # a step after the scale has settled (megatron starts at 2^32, halving on each overflow)

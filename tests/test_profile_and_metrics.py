@@ -6,8 +6,9 @@ import json
 import pytest
 
 from tests.conftest import REPO, run_in_process, train
-from toolkit.flops import flops_per_token, peak_flops
-from toolkit.profile import kind_of, summarize_trace
+from toolkit.plan.flops import flops_per_token, peak_flops
+from toolkit.plan.model import model_spec
+from toolkit.observe.profile import kind_of, summarize_trace
 
 
 def _event(name, dur, dims=None, dtype="float", cat="cpu_op"):
@@ -54,9 +55,9 @@ def test_flops_per_token_is_the_documented_formula():
     kv = 64 // 4 * 2
     layer = 64 * (64 + 2 * kv) + 64 * 64 + 3 * 64 * 128 + 2 * 64
     n_without_input_embedding = 2 * layer + 64 + 1000 * 64
-    assert flops_per_token(c, 256) == 6 * n_without_input_embedding + 12 * 2 * 64 * 256
+    assert flops_per_token(model_spec(c), 256) == 6 * n_without_input_embedding + 12 * 2 * 64 * 256
     tied = LlamaConfig(**{**c.to_dict(), "tie_word_embeddings": True})
-    assert flops_per_token(tied, 256) == flops_per_token(c, 256)  # the head's matmul counted once either way
+    assert flops_per_token(model_spec(tied), 256) == flops_per_token(model_spec(c), 256)  # the head counted once
 
 
 def test_peaks_by_device_and_dtype():

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import run_cli, run_in_process
 from toolkit.config import ConfigError
-from toolkit.report import write_report
+from toolkit.observe.report import write_report
 
 T0 = 1_800_000_000.0
 PURPLE, RED = (0x94, 0x67, 0xBD), (0xD6, 0x27, 0x28)  # matplotlib's tab:purple, tab:red

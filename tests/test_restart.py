@@ -146,7 +146,7 @@ def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, 
     """Asynchronous saves (node-local snapshot, background persist): the losses are the synchronous
     run's; rank 0 is killed while persisting step 4, so step 4 is never committed, the restart
     resumes from step 2, and every checkpoint left behind verifies."""
-    from toolkit.checkpoint.manager import verify_checkpoint
+    from toolkit.storage import verify_complete
     run_dir, local = tmp_path / "run", tmp_path / "local"
     train(run_dir, data_cache, *RESTART, "checkpoint.async_save=true", f"checkpoint.local_dir={local}",
           env={"TOOLKIT_FAULT": "kill_in_persist:step=4:rank=0"})
@@ -159,5 +159,5 @@ def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, 
     assert saves and all(r["async"] for r in saves)
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000006"
-    assert all(verify_checkpoint(c) == [] for c in ckpts.glob("step_*"))
+    assert all(verify_complete(c) == [] for c in ckpts.glob("step_*"))
     assert not list(local.glob("*/step_*"))  # snapshots are dropped once persisted

@@ -1,6 +1,6 @@
 """The hang watchdog's reading of dumped stacks (faulthandler's format), on the two shapes a rank of
 a forked job dumps: stuck in its own code, or waiting in a collective for the stuck one."""
-from toolkit.restart.agent import _waiting_in_collective
+from toolkit.launch.agent import _waiting_in_collective
 
 WRAPPERS = """\
   File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 706 in _wrap
@@ -13,15 +13,15 @@ Thread 0x00007f2368ad66c0 (most recent call first):
 """
 STUCK = OTHER_THREAD + """\
 Current thread 0x00007f23af7fab80 (most recent call first):
-  File "/repo/toolkit/restart/faults.py", line 77 in after_step
-  File "/repo/toolkit/trainer.py", line 91 in fit
-  File "/repo/toolkit/worker.py", line 86 in forked_main
+  File "/repo/toolkit/launch/faults.py", line 77 in after_step
+  File "/repo/toolkit/train/trainer.py", line 91 in fit
+  File "/repo/toolkit/train/worker.py", line 86 in forked_main
 """ + WRAPPERS
 WAITING = """\
 Current thread 0x00007f23af7fab80 (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
-  File "/repo/toolkit/restart/monitor.py", line 58 in stop_agreed
-  File "/repo/toolkit/worker.py", line 86 in forked_main
+  File "/repo/toolkit/launch/monitor.py", line 58 in stop_agreed
+  File "/repo/toolkit/train/worker.py", line 86 in forked_main
 """ + WRAPPERS
 
 
@@ -40,7 +40,7 @@ def test_every_noted_exit_is_reported_not_only_the_one_torch_saw():
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from toolkit.restart.agent import ToolkitAgent
+    from toolkit.launch.agent import ToolkitAgent
     agent = ToolkitAgent.__new__(ToolkitAgent)  # only the bookkeeping under test, no rendezvous
     agent._exits = {0: (100, 1), 1: (101, -9)}
     agent._pcontext = SimpleNamespace(error_files={0: "/e0", 1: "/e1"})

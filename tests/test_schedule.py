@@ -1,7 +1,7 @@
 import pytest
 
 from toolkit.config import TrainConfig
-from toolkit.schedule import lr_at
+from toolkit.train.schedule import lr_at
 
 
 def test_warmup_then_cosine_to_min_lr():

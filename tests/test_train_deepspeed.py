@@ -33,7 +33,7 @@ def test_loss_contract_micro_batch_accumulation_dp(nproc, micro, runs, reference
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
-    """At stage 2 the crashed run's ranks are spawned (`python -m toolkit.worker`, as with a GPU) and
+    """At stage 2 the crashed run's ranks are spawned (`python -m toolkit.train.worker`, as with a GPU) and
     the resume is the user's command in a new process, its message read; at stage 3 both runs fork
     their ranks from a forkserver. Either way the same run."""
     uninterrupted = losses(runs(f"zero{stage}", f"zero.stage={stage}"))

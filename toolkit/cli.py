@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=3)
     s.add_argument("--backoff-s", type=float, default=1.0)
     s.add_argument("--hang-timeout-s", type=float, default=300.0,
-                   help="restart when no rank beat for this long (the script calls toolkit.restart.heartbeat.beat)")
+                   help="restart when no rank beat for this long (the script calls toolkit.launch.heartbeat.beat)")
     s.add_argument("--nnodes", action=NodeRange, default=1, help="N, or MIN:MAX (elastic)")
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint")
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_supervise)
 
     d = sub.add_parser("doctor", help="versions, devices, DeepSpeed ops; non-zero exit when something is wrong")
-    d.set_defaults(func=lambda args: __import__("toolkit.doctor", fromlist=["main"]).main())
+    d.set_defaults(func=lambda args: __import__("toolkit.observe.doctor", fromlist=["main"]).main())
 
     e = sub.add_parser("estimate", help="memory per rank, whether it fits, layouts that fit, step time; starts nothing")
     e.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
@@ -133,39 +134,44 @@ def _config_from_args(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from toolkit.parallel import launched_externally
-    from toolkit.worker import resolve_for_world, run_worker
+    from toolkit.parallel import adopt_slurm_env, launched_externally
+    from toolkit.plan import build_plan, write_plan
+    from toolkit.train.worker import run_worker
 
     cfg = _config_from_args(args)
+    if launched_externally(own_rendezvous=args.rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
+        adopt_slurm_env()
+        run_worker(build_plan(cfg, [int(os.environ.get("WORLD_SIZE", "1"))]))
+        return 0
+    plan = build_plan(cfg, [cfg.nproc * n for n in range(_min_nnodes(args), args.nnodes + 1)])
     if args.dry_run:
-        from toolkit.estimate import dry_run
-        return dry_run(cfg, args.nnodes)
+        from toolkit.plan.estimate import dry_run
+        return dry_run(plan, args.nnodes)
     if cfg.metrics.wandb_project:
-        from toolkit.metrics import wandb_missing
+        from toolkit.observe.metrics import wandb_missing
         if problem := wandb_missing():
             raise ConfigError(problem)
-    if launched_externally(own_rendezvous=args.rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
-        run_worker(cfg)
-        return 0
-    for nodes in sorted({_min_nnodes(args), args.nnodes}):  # an elastic job may run at either end
-        resolve_for_world(cfg, cfg.nproc * nodes)
-    _check_data_before_launch(cfg)
-    run_dir = Path(cfg.run_dir)
+    if plan.config.backend == "megatron":
+        from toolkit.adapters.megatron import check_machine
+        check_machine(plan)
+    _check_data_before_launch(plan.config)
+    run_dir = Path(plan.config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
-    return _launch(cfg, args, run_dir / "config.yaml")
+    dump_config(plan.config, run_dir / "config.yaml")  # for people; the ranks read the plan
+    return _launch(plan.config, args, write_plan(plan, run_dir))
 
 
 def cmd_estimate(args) -> int:
     """Exit 0 when the layout fits the device memory, 3 when it does not."""
-    from toolkit.estimate import parse_cluster, run_estimate
+    from toolkit.plan import build_plan
+    from toolkit.plan.estimate import parse_cluster, run_estimate
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
-    return run_estimate(cfg, cluster, args.device_memory, args.json)
+    return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)
 
 
 def cmd_report(args) -> int:
-    from toolkit.report import write_report
+    from toolkit.observe.report import write_report
     out = write_report(args.run_dir, args.out)
     print(f"toolkit: report written to {out}/report.md ({', '.join(sorted(p.name for p in out.glob('*.png')))})")
     return 0
@@ -177,15 +183,15 @@ def _check_data_before_launch(cfg: RunConfig) -> None:
     prepare_data(cfg, load_tokenizer(cfg))
 
 
-def _launch(cfg: RunConfig, args, config_path: Path) -> int:
-    from toolkit.launch import LaunchSpec
+def _launch(cfg: RunConfig, args, plan_path: Path) -> int:
+    from toolkit.launch.elastic import LaunchSpec
     r = cfg.restart
     entrypoint, lead, preload = _rank_entrypoint(cfg)
     spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, preload=preload,
                       max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s)
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
-    code = _run_supervised(spec, entrypoint, [*lead, str(config_path)])
+    code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)])
     if code == 0:
         print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
     return code
@@ -196,19 +202,19 @@ RANK_START_ENV = "TOOLKIT_RANK_START"
 
 def _rank_entrypoint(cfg: RunConfig):
     """(entrypoint, leading args, forkserver preload). Without a GPU, ranks fork from a forkserver
-    that imported the backend once (``toolkit.launch``); with one, or ``TOOLKIT_RANK_START=spawn``,
-    each rank is ``python -u -m toolkit.worker`` (a process that may initialize CUDA is never forked)."""
+    that imported the backend once (``toolkit.launch.elastic``); with one, or ``TOOLKIT_RANK_START=spawn``,
+    each rank is ``python -u -m toolkit.train.worker`` (a process that may initialize CUDA is never forked)."""
     import os
 
     import torch
 
-    from toolkit.launch import python_module
-    from toolkit.worker import forked_main, preload_modules
+    from toolkit.launch.elastic import python_module
+    from toolkit.train.worker import forked_main, preload_modules
     start = os.environ.get(RANK_START_ENV) or ("spawn" if torch.cuda.is_available() else "forkserver")
     if start not in ("spawn", "forkserver"):
         raise ConfigError(f"{RANK_START_ENV}={start!r}: choose spawn or forkserver")
     if start == "spawn":
-        entrypoint, lead = python_module("toolkit.worker")
+        entrypoint, lead = python_module("toolkit.train.worker")
         return entrypoint, lead, ()
     return forked_main, [], preload_modules(cfg.backend)
 
@@ -217,9 +223,9 @@ def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from toolkit.launch import launch_workers
-    from toolkit.restart.agent import PREEMPTED_EXIT
-    from toolkit.restart.events import emit
+    from toolkit.launch.elastic import launch_workers
+    from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.launch.events import emit
     from torch.distributed.elastic.multiprocessing.api import SignalException
     try:
         launch_workers(spec, entrypoint, args)
@@ -245,7 +251,7 @@ def _min_nnodes(args) -> int:
 
 def cmd_supervise(args) -> int:
     """Any torchrun-style script under the same agent, restart policy, hang watchdog and event log."""
-    from toolkit.launch import LaunchSpec
+    from toolkit.launch.elastic import LaunchSpec
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     if not command:
         raise ConfigError("toolkit supervise needs a command after --, e.g. toolkit supervise --nproc 2 -- train.py")

@@ -1,19 +1,25 @@
 """Typed run configuration: YAML file + ``--set key=value`` overrides, validated once.
 
-The resolved config is written to ``RUN_DIR/config.yaml`` by the launcher and read back by every
-rank, so all ranks run exactly the same settings. Errors name the key, the value, the constraint
-and the fix; unknown keys suggest the nearest valid one.
+``toolkit.plan`` resolves it with the presets and the world size into the run plan, which every
+rank reads (``RUN_DIR/plan.json``), so all ranks run exactly the same settings. Errors name the key,
+the value, the constraint and the fix; unknown keys suggest the nearest valid one.
 """
 from __future__ import annotations
 
 import difflib
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-DEMO_DIR = Path(__file__).parent / "demo"
+DEMO_DIR = Path(str(files("toolkit") / "demo"))
+"""The embedded demo (tiny Llama config, corpus): package data, found as the package finds it."""
+
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""model.dtype (and the converter's --dtype) -> the torch dtype's name."""
 
 
 class ConfigError(ValueError):
@@ -93,7 +99,7 @@ class TrainConfig(_Section):
     export_hf: bool = True
     """Write the trained model to RUN_DIR/hf_final (``save_pretrained``, fp32) when training ends."""
     moe_aux_loss_coeff: float | None = None
-    """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/moe.py``);
+    """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/adapters/moe.py``);
     default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
 
     @model_validator(mode="after")
@@ -208,22 +214,6 @@ class RunConfig(_Section):
     restart: RestartConfig = RestartConfig()
     profile: ProfileConfig = ProfileConfig()
     metrics: MetricsConfig = MetricsConfig()
-
-    def dp_size(self, world_size: int) -> int:
-        model_parallel = self.megatron.tp * self.megatron.pp if self.backend == "megatron" else 1
-        return world_size // model_parallel
-
-    def check_layout(self, world_size: int) -> None:
-        """Cross-field checks that need the world size; numbers and valid choices in messages."""
-        t = self.train
-        dp = self.dp_size(world_size)
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            valid = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp) == 0]
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; choose micro_batch_size in "
-                f"{valid} or a global_batch_size that is a multiple of {per_step}")
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -12,9 +12,13 @@ from typing import Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from toolkit.config import DTYPE_NAMES
 from toolkit.device import require_on_device
 
 IGNORE_INDEX = -100
+"""Labels with this value carry no loss (HF's and torch's convention)."""
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
+"""model.dtype -> the torch dtype engines train in."""
 
 
 @dataclass
@@ -31,12 +35,17 @@ class StepStats:
     loss_scale: float | None = None
     """fp16: the dynamic loss scale after the step."""
     extra: dict = field(default_factory=dict)
-    """More per-step metrics for metrics.jsonl (mixture of experts: ``toolkit/moe.py``)."""
+    """More per-step metrics for metrics.jsonl (mixture of experts: ``toolkit/adapters/moe.py``)."""
 
 
 class Engine(Protocol):
+    """What the loop, the checkpointer and the health monitor call; ``adapters/deepspeed.py`` and
+    ``adapters/megatron/engine.py`` implement it (``tests/test_architecture.py`` checks the names
+    and signatures match)."""
     dp_rank: int
     dp_size: int
+    dp_group: object
+    """The process group of this rank's data-parallel replicas (None: the whole world)."""
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_tokens: int, lr: float) -> StepStats:
         """One optimizer step over this rank's micro-batches of a global batch.
@@ -48,8 +57,8 @@ class Engine(Protocol):
     def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """Summed token loss and valid-token count over the whole DP group (already reduced)."""
 
-    def save(self, path: Path) -> None:
-        """Write this engine's state (model, optimizer) under ``path``; collective."""
+    def save(self, path: Path, step: int) -> None:
+        """Write this engine's state (model, optimizer) of ``step`` under ``path``; collective."""
 
     def load(self, path: Path) -> None:
         """Restore what ``save`` wrote; collective."""
@@ -67,8 +76,16 @@ class Engine(Protocol):
     def set_rng_state(self, state: dict) -> None:
         """Restore what ``rng_state`` returned (a checkpoint without it: ``{}``, nothing to do)."""
 
-    def layout(self) -> dict:
+    def layout_record(self) -> dict:
         """The parallel layout, recorded in checkpoint metadata (e.g. ``{"dp": 2, "zero_stage": 2}``)."""
+
+    def can_load_layout(self, saved: dict) -> bool:
+        """Whether ``load`` reshards a checkpoint written at ``saved`` (another layout record) itself;
+        if not, the checkpointer converts it first."""
+
+    def replica_checksum(self) -> float | None:
+        """A checksum of the parameters every DP replica must hold alike (None where each holds only
+        a shard): the divergence check."""
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,8 +85,8 @@ def _parity(family: str, dtype: str) -> dict:
     """Max relative errors of megatron's and HF's logits and gradients against HF in fp32 (IEEE, no
     TF32), for one batch; in ``dtype`` for the two under test."""
     from tests.test_families import tiny_model
+    from tests.conftest import megatron_engine
     from toolkit import device
-    from toolkit.adapters.megatron import MegatronEngine
     from toolkit.config import validate
     from toolkit.engine import IGNORE_INDEX, token_loss_sum
     torch.set_float32_matmul_precision("highest")
@@ -113,7 +113,7 @@ def _parity(family: str, dtype: str) -> dict:
     cfg = validate({"backend": "megatron", "model": {"dtype": dtype, "tf32": False},
                     "train": {"global_batch_size": 4, "micro_batch_size": 2}})
     model = tiny_model(family)
-    engine = MegatronEngine(cfg, model.config, model.state_dict())
+    engine = megatron_engine(cfg, model)
     mg_logits = [x.float().cpu() for x in engine.logits(micro)]
     engine.forward_backward(micro, tokens, complete_grads=True)
     mg_grads = engine.hf_state(attr="main_grad")

@@ -1,163 +1,24 @@
-"""DeepSpeed ZeRO adapter: DeepSpeed JSON with "auto" resolved from the run config, and an Engine.
-
-Only this module (and convert/) imports deepspeed.
-"""
+"""DeepSpeed ZeRO adapter: the Engine protocol over ``deepspeed.initialize`` with the DeepSpeed JSON
+the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from toolkit import device, moe
+from toolkit import device
+from toolkit.adapters import moe
 from toolkit.adapters.hf import param_groups
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import StepStats, token_loss_sum
+from toolkit.plan import Plan
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
-AUTO = "auto"
-
-
-# --- config resolution ---------------------------------------------------------------------------
-
-def read_ds_config(cfg: RunConfig) -> tuple[dict, str]:
-    """The user's DeepSpeed JSON (a path or a ds_configs/ name) and where it came from."""
-    name = cfg.zero.ds_config or f"zero{cfg.zero.stage}"
-    path = Path(name)
-    if not path.is_file():
-        path = DS_CONFIG_DIR / (name if name.endswith(".json") else f"{name}.json")
-    if not path.is_file():
-        known = sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))
-        raise ConfigError(f"zero.ds_config={name!r} is neither a file nor one of ds_configs/ {known}")
-    try:
-        return json.loads(path.read_text()), str(path)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"zero.ds_config {path}: not valid JSON ({exc})") from None
-
-
-def resolve_ds_config(cfg: RunConfig, world_size: int, hidden_size: int) -> dict:
-    """Fill every "auto" from the run config; a concrete value that contradicts it is an error.
-
-    Run-config fields the user did not set explicitly adopt the JSON's concrete values instead (so
-    ``--set zero.ds_config=zero3`` alone means stage 3). ``cfg`` is updated to match.
-    """
-    ds, source = read_ds_config(cfg)
-    if "scheduler" in ds:
-        raise ConfigError(f"{source} has a 'scheduler' section, but the toolkit owns the LR schedule for every "
-                          "backend; remove it and set train.lr_schedule / train.warmup_steps instead")
-    _adopt_explicit_json_values(cfg, ds, source)
-    zero = ds.setdefault("zero_optimization", {})
-    t = cfg.train
-    dp = world_size
-    wanted: dict[tuple[str, ...], Any] = {
-        ("train_batch_size",): t.global_batch_size,
-        ("train_micro_batch_size_per_gpu",): t.micro_batch_size,
-        ("gradient_accumulation_steps",): t.global_batch_size // (t.micro_batch_size * dp),
-        ("gradient_clipping",): t.grad_clip,
-        ("bf16", "enabled"): cfg.model.dtype == "bf16",
-        ("fp16", "enabled"): cfg.model.dtype == "fp16",
-        ("zero_optimization", "stage"): cfg.zero.stage,
-        ("optimizer", "params", "lr"): t.lr,
-        ("optimizer", "params", "betas"): [t.adam_beta1, t.adam_beta2],
-        ("optimizer", "params", "eps"): t.adam_eps,
-        ("optimizer", "params", "weight_decay"): t.weight_decay,
-    }
-    for keys, value in wanted.items():
-        _fill(ds, keys, value, source)
-    _fill_bucket_sizes(zero, hidden_size)
-    _apply_offload(cfg, zero, source)
-    return ds
-
-
-# Run-config field <- DeepSpeed JSON key, for values a user may choose in either place.
-_JSON_TO_RUN = {
-    ("zero_optimization", "stage"): ("zero", "stage"),
-    ("train_micro_batch_size_per_gpu",): ("train", "micro_batch_size"),
-    ("gradient_clipping",): ("train", "grad_clip"),
-}
-
-
-def _adopt_explicit_json_values(cfg: RunConfig, ds: dict, source: str) -> None:
-    for json_keys, (section, field) in _JSON_TO_RUN.items():
-        value = _get(ds, json_keys)
-        sub = getattr(cfg, section)
-        if value in (None, AUTO) or field in sub.model_fields_set:
-            continue
-        setattr(sub, field, value)
-
-
-def _fill(ds: dict, keys: tuple[str, ...], value: Any, source: str) -> None:
-    node = ds
-    for k in keys[:-1]:
-        node = node.get(k)
-        if not isinstance(node, dict):
-            return  # section absent (e.g. no optimizer block): nothing to fill
-    current = node.get(keys[-1], AUTO)
-    if current == AUTO:
-        node[keys[-1]] = value
-    elif not _same(current, value):
-        run_key = _run_key_for(keys)
-        raise ConfigError(f"{source}: {'.'.join(keys)}={current!r} contradicts {run_key}={value!r}; "
-                          f"set one of them to match, or put \"auto\" in the DeepSpeed JSON")
-
-
-def _run_key_for(keys: tuple[str, ...]) -> str:
-    names = {"train_batch_size": "train.global_batch_size",
-             "gradient_accumulation_steps": "train.global_batch_size / (micro_batch_size x dp)",
-             "bf16": "model.dtype", "fp16": "model.dtype", "lr": "train.lr", "betas": "train.adam_beta1/2",
-             "eps": "train.adam_eps", "weight_decay": "train.weight_decay"}
-    for (j, (section, field)) in _JSON_TO_RUN.items():
-        if j == keys:
-            return f"{section}.{field}"
-    return names.get(keys[0], names.get(keys[-1], ".".join(keys)))
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or a == b
-    try:
-        return float(a) == float(b)
-    except (TypeError, ValueError):
-        return a == b
-
-
-def _get(ds: dict, keys: tuple[str, ...]) -> Any:
-    node: Any = ds
-    for k in keys:
-        if not isinstance(node, dict) or k not in node:
-            return None
-        node = node[k]
-    return node
-
-
-def _fill_bucket_sizes(zero: dict, hidden: int) -> None:
-    """The sizes HF's DeepSpeed integration derives from hidden_size."""
-    derived = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-               "stage3_param_persistence_threshold": 10 * hidden}
-    for key, value in derived.items():
-        if zero.get(key) == AUTO:
-            zero[key] = value
-
-
-def _apply_offload(cfg: RunConfig, zero: dict, source: str) -> None:
-    for flag, key in (("offload_optimizer", "offload_optimizer"), ("offload_params", "offload_param")):
-        json_device = (zero.get(key) or {}).get("device", "none")
-        if flag in cfg.zero.model_fields_set:
-            want = "cpu" if getattr(cfg.zero, flag) else "none"
-            if key in zero and json_device != want:
-                raise ConfigError(f"{source}: zero_optimization.{key}.device={json_device!r} contradicts "
-                                  f"zero.{flag}={getattr(cfg.zero, flag)}; change one of them")
-            if want == "cpu":
-                zero.setdefault(key, {})["device"] = "cpu"
-        else:
-            setattr(cfg.zero, flag, json_device == "cpu")
-    if cfg.zero.offload_params and cfg.zero.stage != 3:
-        raise ConfigError(f"zero.offload_params needs ZeRO stage 3, got zero.stage={cfg.zero.stage}; "
-                          "set zero.stage=3 or use zero.offload_optimizer")
+def prebuilt_ops() -> list[str]:
+    """DeepSpeed ops compiled at install time (the rest are JIT-compiled at first use)."""
+    from deepspeed.git_version_info import installed_ops
+    return sorted(op for op, ok in installed_ops.items() if ok)
 
 
 def check_dtype_supported(dtype: str) -> None:
@@ -176,20 +37,21 @@ def check_dtype_supported(dtype: str) -> None:
 class DeepSpeedEngine:
     """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world."""
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, ds_config: dict):
+    def __init__(self, plan: Plan, model: torch.nn.Module):
         import deepspeed
 
         from toolkit.compat import cpuinfo_cache, torch_extensions
         cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
         torch_extensions.install()  # this environment's own JIT-built ops (no rebuilds across venvs)
+        cfg = plan.config
         check_dtype_supported(cfg.model.dtype)
-        self.cfg = cfg
-        self.ds_config = ds_config
+        self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
+        self.ds_config = plan.ds_config(dist.get_world_size())
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds_config)
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         device.guard_inputs(self.engine.module, "the HF model")
 
@@ -317,8 +179,22 @@ class DeepSpeedEngine:
     def set_rng_state(self, state: dict) -> None:
         pass
 
-    def layout(self) -> dict:
-        return {"dp": self.dp_size, "tp": 1, "pp": 1, "zero_stage": self.cfg.zero.stage}
+    dp_group = None  # ZeRO's data parallelism spans the whole world
+
+    def can_load_layout(self, saved: dict) -> bool:
+        """DeepSpeed loads its own layout only; another DP size or stage is converted first."""
+        return saved == self.layout_record()
+
+    def layout_record(self) -> dict:
+        return self.lay.record()
+
+
+def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
+    """The worker's entry: record the resolved DeepSpeed JSON, build the HF model and the engine."""
+    from toolkit.adapters.hf import build_model
+    if rank == 0:
+        (Path(run_dir) / "ds_config.json").write_text(json.dumps(plan.ds_config(dist.get_world_size()), indent=2))
+    return DeepSpeedEngine(plan, build_model(plan))
 
 
 def _config_says_fp32(path: Path) -> None:
@@ -330,7 +206,7 @@ def _config_says_fp32(path: Path) -> None:
 
 
 class _RouterLoss:
-    """The load-balancing loss of ``toolkit/moe.py`` from HF's ``router_logits`` (one ``[T, E]``
+    """The load-balancing loss of ``toolkit/adapters/moe.py`` from HF's ``router_logits`` (one ``[T, E]``
     tensor per MoE layer), and its statistics."""
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module):

@@ -1,32 +1,22 @@
-"""HuggingFace side: model config, random-or-pretrained model construction, export."""
+"""The HuggingFace model both backends start from: seeded random init from the planned config, or
+the pretrained weights; and the AdamW parameter groups."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
-from toolkit.config import ConfigError, RunConfig
-
-
-def load_hf_config(name_or_path: str) -> PretrainedConfig:
-    path = Path(name_or_path)
-    if path.is_file() and path.name.endswith(".json"):
-        path = path.parent
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.name_or_path={name_or_path!r}: cannot read an HF config there ({exc}); "
-                          "give a local directory holding config.json (and weights for model.init=pretrained)") from None
+from toolkit.plan import Plan
 
 
-def build_model(cfg: RunConfig) -> torch.nn.Module:
+def build_model(plan: Plan) -> torch.nn.Module:
     """The HF causal LM in fp32: seeded random init from its config, or its pretrained weights.
 
     Every rank builds the same model (same seed), so a run at any DP size starts from the same weights
     as the single-process reference.
     """
-    hf_config = load_hf_config(cfg.model.name_or_path)
+    cfg, hf_config = plan.config, plan.model.hf_config()
     if cfg.model.init == "pretrained":
         model = AutoModelForCausalLM.from_pretrained(_model_dir(cfg.model.name_or_path), config=hf_config,
                                                      dtype=torch.float32)

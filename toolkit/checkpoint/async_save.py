@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, _fsync, step_dir_name
+from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, step_dir_name
+from toolkit.storage import fsync
 
 COPY_CHUNK = 1 << 22
 # Bytes a checkpoint may need per parameter: weights, fp32 master copy and two Adam moments.
@@ -55,7 +56,7 @@ def persist_tree(src: Path, dst: Path, on_file=None) -> dict:
         if on_file is not None:
             on_file(rel)
     for folder in {dst, *(p for p in dst.rglob("*") if p.is_dir())}:
-        _fsync(folder)
+        fsync(folder)
     return entries
 
 

@@ -14,13 +14,12 @@ previous checkpoint or the new one, never a half-written directory that a resume
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
 
-MANIFEST, COMPLETE, LATEST = "manifest.json", "COMPLETE", "latest"
+from toolkit.storage import (COMPLETE, LATEST, MANIFEST, build_manifest, fsync, newest_complete, write_json_durable,
+                             write_text_atomic)
 
 
 class CheckpointError(RuntimeError):
@@ -59,7 +58,7 @@ class CheckpointManager:
         if final.exists():  # an older save of the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.replace(stage, final)
-        _fsync(self.root)
+        fsync(self.root)
         write_text_atomic(self.root / LATEST, final.name)
         self._apply_retention()
         return final
@@ -70,77 +69,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def build_manifest(root: Path) -> dict:
-    """``{"files": {relative path: {"bytes", "sha256"}}}`` of every file under ``root``, each fsynced.
-    The fsyncs run in a second thread while this one hashes: one waits on the disk, the other reads
-    the page cache (a 536 MB conversion output on 2 busy cores: 0.8-1.0 s instead of 1.2-1.4 s)."""
-    from concurrent.futures import ThreadPoolExecutor
-    paths = [p for p in sorted(root.rglob("*")) if p.is_file() and str(p.relative_to(root)) not in (MANIFEST, COMPLETE)]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        synced = [pool.submit(_fsync, p) for p in paths]
-        files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
-        for done in synced:
-            done.result()  # an fsync's error is the build's error
-    return {"files": files}
-
-
-def verify_checkpoint(ckpt: Path, checksums: bool = True) -> list[str]:
-    """Problems found in a checkpoint directory ([] when it is complete and intact)."""
-    if not (ckpt / COMPLETE).exists():
-        return [f"{ckpt}: no {COMPLETE} marker (the save did not finish)"]
-    try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return [f"{ckpt}: unreadable {MANIFEST} ({exc})"]
-    problems = []
-    for rel, entry in manifest.items():
-        path = ckpt / rel
-        if not path.is_file():
-            problems.append(f"{rel}: missing")
-        elif path.stat().st_size != entry["bytes"]:
-            problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)")
-        elif checksums and sha256_file(path) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest (corrupted)")
-    return problems
-
-
 def find_latest_complete(run_dir: Path, log=print) -> Path | None:
-    """Newest checkpoint that verifies; broken ones are reported and skipped, never deleted."""
-    root = Path(run_dir) / "checkpoints"
-    for ckpt in sorted(root.glob("step_*"), reverse=True):
-        problems = verify_checkpoint(ckpt)
-        if not problems:
-            return ckpt
-        log(f"skipping checkpoint {ckpt.name}: " + "; ".join(problems[:3]))
-    return None
+    """Newest checkpoint of a run that verifies; broken ones are reported and skipped, never deleted."""
+    return newest_complete(Path(run_dir) / "checkpoints", log=log)
 
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_json_durable(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (the latter makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

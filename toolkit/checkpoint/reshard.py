@@ -4,11 +4,12 @@ converter writes the checkpoint at this run's layout first. Also refuses another
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
+
+from toolkit.storage import meta
 
 # Config fields that fix the shapes of the weights: a checkpoint differing in any is another model.
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -16,10 +17,10 @@ SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", 
 TARGET_FORMAT = {"deepspeed": "zero", "megatron": "megatron"}
 
 
-def check_same_model(ckpt: Path, hf_config) -> None:
-    """Raise naming every field where the checkpoint's model differs from this run's."""
-    saved = json.loads((ckpt / "config.json").read_text())
-    ours = hf_config.to_dict()
+def check_same_model(ckpt: Path, ours: dict) -> None:
+    """Raise naming every field where the checkpoint's model differs from this run's (``ours``: the
+    HF config as a dict)."""
+    saved = meta.read_hf_config(ckpt)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}" for k in SHAPE_FIELDS
             if k in saved and k in ours and saved[k] != ours[k]]
     if diff:
@@ -33,11 +34,10 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
     matches ("as saved") or the engine reshards on load ("resharded"), else a conversion to this
     layout under ``RUN_DIR/resharded/`` ("converted"; made once by rank 0 with the converter;
     collective)."""
-    layout = engine.layout()
+    layout = engine.layout_record()
     if saved_layout == layout:
         return ckpt / "engine", "as saved"
-    native = getattr(engine, "can_load_layout", None)
-    if native is not None and native(saved_layout):
+    if engine.can_load_layout(saved_layout):
         note(f"resharding {ckpt.name} from {saved_layout} to {layout} on load")
         return ckpt / "engine", "resharded"
     out = run_dir / "resharded" / f"{ckpt.name}-{_tag(layout)}"
@@ -45,10 +45,10 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
     if rank == 0 and not out.exists():  # the converter stages its output: `out` exists only complete
         note(f"converting {ckpt.name} from {saved_layout} to {layout} (toolkit convert) before loading")
         error = _convert(ckpt, out, backend, layout)
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise RuntimeError(box[0])
+    outcome = [error]  # rank 0's conversion error (or None), for every rank
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise RuntimeError(outcome[0])
     return out / "engine", "converted"
 
 

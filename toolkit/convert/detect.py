@@ -10,7 +10,7 @@ from toolkit.convert.canonical import Source
 from toolkit.convert.errors import ConvertError
 from toolkit.convert.staging import check_manifest
 
-FORMATS = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN/ or the folder holding " \
+SOURCE_FORMATS_HELP = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN/ or the folder holding " \
           "'latest'), a megatron-core torch_dist directory, a Megatron-LM legacy mp_rank_XX checkpoint, or a " \
           "toolkit run/checkpoint directory"
 
@@ -53,7 +53,7 @@ def locate(path, hf_config: str | None = None) -> Located:
     if tag is not None:
         kind = "zero-universal" if (tag / "zero" / "optimizer_state.pt").is_file() else "zero"
         return Located(kind, tag, config or _config_near(tag), _toolkit_extras(tag))
-    raise ConvertError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    raise ConvertError(f"{path}: unknown checkpoint format; expected {SOURCE_FORMATS_HELP}")
 
 
 def open_located(found: Located) -> Source:
@@ -95,8 +95,8 @@ def find_legacy_dir(path: Path) -> Path | None:
 
 def _resolve_run_dir(path: Path) -> Path:
     if (path / "checkpoints").is_dir() and not (path / "engine").exists():
-        from toolkit.checkpoint import find_latest_complete
-        found = find_latest_complete(path, log=lambda m: None)
+        from toolkit.storage import newest_complete
+        found = newest_complete(path / "checkpoints", log=lambda m: None)
         if found is None:
             raise ConvertError(f"{path}: a run directory without a complete checkpoint")
         return found
@@ -134,7 +134,7 @@ def _toolkit_extras(path: Path) -> dict:
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
-    from toolkit.checkpoint.manager import MANIFEST
+    from toolkit.storage import MANIFEST
     src = open_source(path, hf_config)
     try:
         root = Path(path)

@@ -93,6 +93,10 @@ class HFSource(Source):
             raise ConvertError(f"{self.path}: an HF directory holds no optimizer state ({state})")
         return self._where[name].get_tensor(name)
 
+    def slice_of(self, name: str):
+        """safetensors' lazy slice of ``name`` (index it to read only that part)."""
+        return self._where[name].get_slice(name)
+
 
 def _dtype(name: str) -> torch.dtype:
     import torch

@@ -1,16 +1,14 @@
 """``convert``: open SRC, pick the writer, stage the output, describe it for the toolkit's resume."""
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 from toolkit.convert.canonical import Source
+from toolkit.config import DTYPE_NAMES  # names only: the direct ZeRO -> HF route imports no torch
 from toolkit.convert.errors import ConvertError
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""--dtype -> torch dtype name (resolved only on the torch path: the direct ZeRO -> HF route never imports torch)."""
 TARGETS = ("hf", "zero", "megatron")
 
 
@@ -50,7 +48,7 @@ def _torch_dtype(name: str | None):
     if name is None:
         return None
     import torch
-    return getattr(torch, DTYPES[name])
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,
@@ -58,8 +56,8 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
     tp, pp, ep, dp = parallel
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ConvertError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ConvertError(f"--dtype {dtype!r}: choose one of {list(DTYPE_NAMES)}")
     if min(tp, pp, dp, ep) < 1:
         raise ConvertError(f"--tp {tp} --pp {pp} --ep {ep} --dp {dp}: each must be >= 1")
     if to == "zero" and stage not in (1, 2, 3):
@@ -74,26 +72,23 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
 
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
+    """The run plan's megatron split rules (``toolkit.plan.layout``), named by the converter's flags."""
+    from toolkit.plan.layout import megatron_split_problems
     heads = config.get("num_attention_heads", config.get("n_head"))
-    groups = config.get("num_key_value_heads") or heads
+    kv_heads = config.get("num_key_value_heads") or heads
     layers = config.get("num_hidden_layers", config.get("n_layer"))
-    if heads % tp or groups % tp:
-        valid = [t for t in range(1, groups + 1) if groups % t == 0 and heads % t == 0]
-        raise ConvertError(f"--tp {tp}: num_attention_heads={heads} and num_key_value_heads={groups} must both be "
-                           f"divisible by tp; choose tp in {valid}")
-    if layers % pp:
-        raise ConvertError(f"--pp {pp}: num_hidden_layers={layers} is not divisible by pp; choose pp in "
-                           f"{[p for p in range(1, layers + 1) if layers % p == 0]}")
+    problems = megatron_split_problems(heads, kv_heads, layers, _experts(config), tp, pp, ep,
+                                       model=str(config.get("model_type")),
+                                       names={"tp": "--tp", "pp": "--pp", "vpp": "vpp", "ep": "--ep"})
+    if problems:
+        raise ConvertError(problems[0])
+
+
+def _experts(config: dict) -> int:
     from toolkit.convert.canonical import hf_config_object
     from toolkit.families import find_family
     family = find_family(config.get("model_type"))
-    experts = family.num_experts(hf_config_object(config)) if family else 0
-    if ep > 1 and not experts:
-        raise ConvertError(f"--ep {ep}: {config.get('model_type')} has no experts; --ep applies to mixture-of-experts "
-                           "models")
-    if experts and experts % ep:
-        raise ConvertError(f"--ep {ep}: {experts} experts do not divide over ep; choose ep in "
-                           f"{[e for e in range(1, experts + 1) if experts % e == 0]}")
+    return family.num_experts(hf_config_object(config)) if family else 0
 
 
 def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, max_shard_bytes, progress) -> None:
@@ -114,34 +109,28 @@ def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, m
 
 
 def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int) -> None:
-    """meta.json, trainer.json, config.json and per-rank RNG files, as the trainer's checkpoints have
-    them, so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
+    """The descriptions and per-rank RNG files of a toolkit checkpoint (``toolkit/storage/meta.py``),
+    so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
     import torch
 
-    from toolkit import __version__
-    from toolkit.parallel import rng_state, seed_everything
-    trainer = dict(source.trainer_state or {"step": source.step or 0})
-    step = trainer["step"]
-    (stage / "trainer.json").write_text(json.dumps(trainer, indent=2, sort_keys=True))
-    (stage / "meta.json").write_text(json.dumps({
-        "format": f"toolkit-{'deepspeed' if to == 'zero' else 'megatron'}", "family": source.model_type,
-        "step": step, "layout": layout, "vocab_size": source.hf_config.get("vocab_size"),
-        "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
-        "toolkit_version": __version__, "torch_version": torch.__version__,
-        "converted_from": {"path": str(source.path), "format": source.format, "layout": source.layout}},
-        indent=2, sort_keys=True))
-    (stage / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
+    from toolkit.parallel import rng_state, seed_everything, set_rng_state
+    from toolkit.storage import meta
+    progress = dict(source.trainer_state or {"step": source.step or 0})
+    step = progress["step"]
+    meta.write_descriptions(stage, "deepspeed" if to == "zero" else "megatron", source.model_type,
+                            source.hf_config, layout, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+                            progress, converted_from={"path": str(source.path), "format": source.format,
+                                                      "layout": source.layout})
     # RNG streams of the source ranks mean nothing at another layout: each rank gets the state a
     # resharding resume would give it (seeded from seed + step), the converter's own RNG untouched.
     saved = rng_state()
     try:
-        (stage / "trainer").mkdir()
-        seed_everything(int(trainer.get("seed", 0)) + step)
+        seed_everything(int(progress.get("seed", 0)) + step)
         state = rng_state()
+        meta.rng_file(stage, 0).parent.mkdir()
         for rank in range(world):
-            torch.save(state, stage / "trainer" / f"rank_{rank:05d}.pt")
+            torch.save(state, meta.rng_file(stage, rank))
     finally:
-        from toolkit.parallel import set_rng_state
         set_rng_state(saved)
 
 

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from toolkit.checkpoint.manager import COMPLETE, MANIFEST, build_manifest, verify_checkpoint, write_json_durable
+from toolkit.storage import COMPLETE, MANIFEST, build_manifest, verify_complete, write_json_durable
 from toolkit.convert.errors import ConvertError
 
 
@@ -38,7 +38,7 @@ def check_manifest(path: Path) -> None:
     root = Path(path)
     for cand in (root, root.parent, root.parent.parent):
         if (cand / MANIFEST).is_file():
-            problems = verify_checkpoint(cand)
+            problems = verify_complete(cand)
             if problems:
                 raise ConvertError(f"{cand} does not match its manifest: " + "; ".join(problems[:5]) +
                                    " - the checkpoint is damaged; convert an intact copy")

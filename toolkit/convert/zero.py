@@ -143,7 +143,8 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
                progress=None) -> None:
     """``engine_dir/{latest,latest_universal}`` and ``global_stepN/`` in the universal layout;
     without moments (weights only, or an HF source) Adam starts fresh: zero moments, step 0."""
-    import deepspeed
+    from importlib.metadata import version
+    ds_version = version("deepspeed")  # recorded as DeepSpeed records it (its import is not needed to write)
     moments = source.has_optimizer and not weights_only
     step = source.step or 0
     opt_step = step if moments else 0
@@ -164,12 +165,12 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
             progress(module, param.nbytes * (3 if moments else 1))
     layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage}
     shapes = {m: list(shape) for m, (shape, _) in modules.items()}
-    torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": deepspeed.__version__,
+    torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": ds_version,
                 "optimizer_state_dict": {"state": {0: {"step": opt_step}}, "param_groups": [{}]},
                 "toolkit": {"names": list(modules), "shapes": shapes, "step": step, "has_optimizer": moments,
                             "layout": layout, "hparams": source.optimizer_hparams}},
                zero / "optimizer_state.pt")
-    model_states = _model_states(shapes, step, dp, deepspeed.__version__)
+    model_states = _model_states(shapes, step, dp, ds_version)
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(model_states, tag / name)  # the stage 1/2 and the stage 3 name: any stage loads it
     for latest in ("latest", "latest_universal"):

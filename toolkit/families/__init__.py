@@ -18,12 +18,12 @@ from typing import Iterable, Mapping
 
 import torch
 
-from toolkit.families.base import (Family, FamilyError, MappingReader, Packed, Reader, padded_vocab_size,
-                                   rope_parameters)
+from toolkit.families.base import (Family, FamilyError, MappingReader, Packed, Reader, attention_dims,
+                                   padded_vocab_size, rope_parameters)
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
-           "find_family", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
+           "find_family", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
 
 
 @lru_cache(maxsize=1)

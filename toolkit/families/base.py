@@ -379,9 +379,7 @@ class Family:
         return bool(getattr(hf_config, self.tied_field, False))
 
     def dims(self, hf_config, padded_vocab: int) -> Dims:
-        heads = hf_config.num_attention_heads
-        groups = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        heads, groups, head_dim = attention_dims(hf_config)
         return Dims(heads, groups, head_dim, hf_config.hidden_size, hf_config.vocab_size,
                     max(padded_vocab, hf_config.vocab_size))
 
@@ -395,6 +393,16 @@ class Family:
         for i in layers:
             out += [(e, self.hf_layer.format(i=i), f"decoder.layers.{i}.") for e in per_layer]
         return out
+
+
+def attention_dims(hf_config) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head dim) of an HF config: the one derivation the weight
+    table, the run plan (estimate, FLOPs) and the engines use. ``head_dim`` is the config's when it
+    has one (it need not be hidden / heads)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return heads, kv_heads, head_dim
 
 
 def rope_parameters(hf_config) -> dict:

@@ -13,19 +13,19 @@ from __future__ import annotations
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 
-KINDS = {"deepspeed": ".json", "megatron": ".yaml"}
+PRESET_KINDS = {"deepspeed": ".json", "megatron": ".yaml"}
 
 
 def presets(kind: str) -> dict[str, Traversable]:
     """The shipped presets of ``kind`` (deepspeed | megatron) by name (file stem)."""
-    suffix = KINDS[kind]
+    suffix = PRESET_KINDS[kind]
     folder = files(__name__) / kind
     return {f.name.removesuffix(suffix): f for f in folder.iterdir() if f.name.endswith(suffix)}
 
 
 def preset(kind: str, name: str) -> Traversable | None:
     """A shipped preset by name, with or without its suffix; None when there is none."""
-    return presets(kind).get(name.removesuffix(KINDS[kind]))
+    return presets(kind).get(name.removesuffix(PRESET_KINDS[kind]))
 
 
 def constraints() -> str:

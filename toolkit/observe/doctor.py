@@ -5,14 +5,15 @@ import importlib.metadata as md
 import platform
 from pathlib import Path
 
-PINS = Path(__file__).resolve().parents[1] / "requirements" / "constraints.txt"
 REQUIRED = ("torch", "deepspeed", "transformers", "datasets", "safetensors", "pydantic")
 OPTIONAL = ("megatron-core", "accelerate", "tokenizers", "transformer-engine", "tensorboard")
 
 
-def pinned_versions(path: Path = PINS) -> dict[str, str]:
+def pinned_versions(text: str | None = None) -> dict[str, str]:
+    """The tested version matrix (the package's copy of requirements/constraints.txt) by name."""
+    from toolkit import resources
     pins = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in (resources.constraints() if text is None else text).splitlines():
         line = line.split("#")[0].strip()
         if "==" in line:
             name, version = line.split("==")
@@ -43,8 +44,26 @@ def diagnose() -> tuple[list[str], list[str], list[str]]:
             errors.append(f"{name} is not installed: pip install -c requirements/constraints.txt -e .")
         elif version and pin and version.split("+")[0] != pin:
             warnings.append(f"{name} {version} is not the tested {pin}; `make setup` installs the tested matrix")
+    lines += _shipped_files_lines(errors)
     lines += _hardware_lines(errors)
     return lines, warnings, errors
+
+
+def _shipped_files_lines(errors: list[str]) -> list[str]:
+    """The files the CLI needs from the package: presets and the demo (a wheel without them could
+    train nothing by name)."""
+    from toolkit import resources
+    from toolkit.config import DEMO_DIR
+    found = {kind: sorted(resources.presets(kind)) for kind in resources.PRESET_KINDS}
+    demo = [DEMO_DIR / "tiny-llama" / "config.json", DEMO_DIR / "corpus.txt"]
+    for kind, names in found.items():
+        if not names:
+            errors.append(f"no {kind} presets in the installed package ({resources.__name__}); reinstall the toolkit")
+    missing = [str(p) for p in demo if not p.is_file()]
+    if missing:
+        errors.append(f"the demo is incomplete, missing {missing}; reinstall the toolkit")
+    return [f"presets       deepspeed {', '.join(found['deepspeed']) or '-'}; megatron {', '.join(found['megatron']) or '-'}",
+            f"demo          {'ok' if not missing else 'missing ' + ', '.join(missing)} ({DEMO_DIR})"]
 
 
 def _hardware_lines(errors: list[str]) -> list[str]:
@@ -92,10 +111,10 @@ def hardware_lines(errors: list[str], gpus: list[str], torch_version: str, torch
 
 def _deepspeed_ops_lines() -> list[str]:
     try:
-        from deepspeed.git_version_info import installed_ops
+        from toolkit.adapters.deepspeed import prebuilt_ops
     except ImportError:
         return []
-    built = sorted(op for op, ok in installed_ops.items() if ok)
+    built = prebuilt_ops()
     return [f"deepspeed ops {', '.join(built) or 'none prebuilt (JIT-compiled on first use)'}"]
 
 

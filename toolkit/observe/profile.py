@@ -21,17 +21,17 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-KINDS = {"all_reduce": "all-reduce", "allreduce": "all-reduce", "reduce_scatter": "reduce-scatter",
+COLLECTIVE_KINDS = {"all_reduce": "all-reduce", "allreduce": "all-reduce", "reduce_scatter": "reduce-scatter",
          "reducescatter": "reduce-scatter", "all_gather": "all-gather", "allgather": "all-gather",
          "broadcast": "broadcast", "send": "p2p", "recv": "p2p", "sendrecv": "p2p"}
-DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "half": 2, "bfloat16": 2,
+PROFILER_DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "half": 2, "bfloat16": 2,
                "long int": 8, "int": 4, "signed char": 1, "unsigned char": 1, "bool": 1}
 CPU_OP = re.compile(r"^(gloo|nccl|ucc|mpi|xccl|ccl):(\w+)$")
 
 
 def kind_of(op: str) -> str:
     key = op.lower().lstrip("_").replace("_base", "").replace("_tensor", "").replace("_coalesced", "")
-    return next((v for k, v in KINDS.items() if key.startswith(k) or key.replace("_", "") == k), "other")
+    return next((v for k, v in COLLECTIVE_KINDS.items() if key.startswith(k) or key.replace("_", "") == k), "other")
 
 
 def _bytes(args: dict) -> int:
@@ -41,7 +41,7 @@ def _bytes(args: dict) -> int:
             n = 1
             for d in shape:
                 n *= d
-            return n * DTYPE_BYTES.get(dtype, 4)
+            return n * PROFILER_DTYPE_BYTES.get(dtype, 4)
     return 0
 
 
@@ -135,7 +135,7 @@ def write_summary(profile_dir: Path) -> Path:
         lines.append(f"| {kind} | {mean['calls_per_step']:.1f} | {mean['mb_per_step']:.2f} | {mean['ms_per_step']:.1f} "
                      f"| {'-' if bw is None else f'{bw:.2f}'} | {share:.0%} |")
     lines += ["", "Traces: `trace_rank_XXXXX.json` (Perfetto / chrome://tracing). How the figures are counted: "
-              "`toolkit/profile.py`."]
+              "`toolkit/observe/profile.py`."]
     out = Path(profile_dir) / "summary.md"
     out.write_text("\n".join(lines) + "\n")
     return out

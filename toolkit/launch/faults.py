@@ -22,7 +22,7 @@ import signal
 import time
 from pathlib import Path
 
-KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
+FAULT_KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
          "overflow"}
 
 
@@ -30,8 +30,8 @@ def parse(spec: str) -> list[dict]:
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         kind, *fields = item.split(":")
-        if kind not in KINDS:
-            raise ValueError(f"TOOLKIT_FAULT={spec!r}: unknown fault {kind!r}; known: {sorted(KINDS)}")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"TOOLKIT_FAULT={spec!r}: unknown fault {kind!r}; known: {sorted(FAULT_KINDS)}")
         fault = {"kind": kind, "rank": 0}
         for f in fields:
             key, _, value = f.partition("=")
@@ -43,11 +43,15 @@ def parse(spec: str) -> list[dict]:
 
 
 class FaultInjector:
-    def __init__(self, run_dir: Path, rank: int, spec: str | None = None):
+    """The loop's hooks at named points (``before_step``, ``after_step``, ``in_save``, ``in_persist``,
+    ``after_commit``); each fires the faults set for this rank at that point, once per run dir."""
+
+    def __init__(self, run_dir: Path, rank: int, spec: str | None = None, params=None):
+        """``params``: a callable giving this rank's parameters (for ``diverge`` and ``overflow``)."""
         spec = os.environ.get("TOOLKIT_FAULT", "") if spec is None else spec
         self.faults = [f for f in parse(spec) if f["rank"] == rank]
         self.fired_file = Path(run_dir) / "faults_fired"
-        self.rank = rank
+        self.rank, self.params = rank, params
 
     def _take(self, kind: str, step: int) -> dict | None:
         for f in self.faults:
@@ -68,8 +72,7 @@ class FaultInjector:
             out.flush()
             os.fsync(out.fileno())
 
-    def after_step(self, step: int, params=None) -> None:
-        """``params``: a callable giving this rank's parameters (for ``diverge``)."""
+    def after_step(self, step: int) -> None:
         if not self.faults:
             return
         if self._take("kill", step):
@@ -81,16 +84,22 @@ class FaultInjector:
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
         if self._take("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
-        if params is not None and self._take("diverge", step):
+        if self.params is not None and self._take("diverge", step):
             import torch
             with torch.no_grad():
-                next(p for p in params() if p.numel() > 0).add_(1e-3)
+                next(p for p in self.params() if p.numel() > 0).add_(1e-3)
 
-    def before_step(self, step: int, params) -> None:
-        """``params``: a callable giving this rank's parameters (for ``overflow``)."""
-        if not self.faults or not self._take("overflow", step):
+    def before_step(self, step: int) -> None:
+        if not self.faults:
             return
-        param = next(p for p in params() if p.requires_grad and p.numel() > 0)
+        for f in self.faults:  # every step from S on
+            if f["kind"] == "slow" and step >= f["step"]:
+                time.sleep(f.get("ms", 200) / 1000)
+        if self.params is not None and self._take("overflow", step):
+            self._overflow_gradients()
+
+    def _overflow_gradients(self) -> None:
+        param = next(p for p in self.params() if p.requires_grad and p.numel() > 0)
         handle = None
 
         def to_inf(grad):  # once: the first backward of the step (inf survives accumulation)
@@ -98,11 +107,6 @@ class FaultInjector:
             return grad * float("inf")
 
         handle = param.register_hook(to_inf)
-
-    def step_delay(self, step: int) -> None:
-        for f in self.faults:
-            if f["kind"] == "slow" and step >= f["step"]:
-                time.sleep(f.get("ms", 200) / 1000)
 
     def in_save(self, step: int) -> None:
         if self.faults and self._take("kill_in_save", step):

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.config import RestartConfig
-from toolkit.restart.agent import STACKS_DIR
-from toolkit.restart.events import emit
-from toolkit.restart.heartbeat import Heartbeat
+from toolkit.launch.agent import STACKS_DIR
+from toolkit.launch.events import emit
+from toolkit.launch.heartbeat import Heartbeat
 
 
 class DivergenceError(RuntimeError):
@@ -76,16 +76,15 @@ class RankMonitor:
 
     def check_divergence(self, step: int, engine) -> None:
         every = self.policy.divergence_every
-        checksum_fn = getattr(engine, "replica_checksum", None)
-        if not every or step % every or checksum_fn is None:
+        if not every or step % every:
             return
-        value = checksum_fn()
+        value = engine.replica_checksum()
         if value is None:  # parameters are sharded (ZeRO-3): nothing is replicated to compare
             return
         # (global rank, checksum) from each replica, so the event names ranks a user can find in the
         # logs, and the lowest rank of the replica group reports (rank 0 may be in another group).
         sums = [None] * engine.dp_size
-        dist.all_gather_object(sums, (self.rank, value), group=getattr(engine, "dp_group", None))
+        dist.all_gather_object(sums, (self.rank, value), group=engine.dp_group)
         if len({s for _, s in sums}) > 1:
             groups: dict[float, list[int]] = {}
             for rank, s in sums:

@@ -29,15 +29,12 @@ PEAK_TFLOPS = {
 }
 
 
-def flops_per_token(hf_config, seq_len: int) -> float:
-    """Model FLOPs per trained token of an HF causal LM config (see the module docstring)."""
-    from toolkit.estimate import model_shape
-    shape = model_shape(hf_config)
-    matmul_params = shape.total - shape.embedding + (shape.embedding if shape.tied else 0)
-    if shape.experts:  # a token runs through k of the E routed experts
-        matmul_params -= sum(shape.per_layer_experts) * (1 - shape.experts_per_token / shape.experts)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // shape.heads
-    return 6 * matmul_params + 12 * shape.layers * shape.heads * head_dim * seq_len
+def flops_per_token(spec, seq_len: int) -> float:
+    """Model FLOPs per trained token of a model (``plan.ModelSpec``; see the module docstring)."""
+    matmul_params = spec.total - spec.embedding + (spec.embedding if spec.tied else 0)
+    if spec.experts:  # a token runs through k of the E routed experts
+        matmul_params -= sum(spec.per_layer_experts) * (1 - spec.experts_per_token / spec.experts)
+    return 6 * matmul_params + 12 * spec.layers * spec.heads * spec.head_dim * seq_len
 
 
 def peak_flops(dtype: str, device_name: str | None = None, tf32: bool = True) -> float | None:

@@ -16,8 +16,8 @@ from pathlib import Path
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from toolkit.restart.events import emit
-from toolkit.restart.heartbeat import clear_heartbeats, read_heartbeats
+from toolkit.launch.events import emit
+from toolkit.launch.heartbeat import clear_heartbeats, read_heartbeats
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" - the job saved and stopped on request
 STACKS_DIR = "stacks"

@@ -1,6 +1,6 @@
 """Per-rank heartbeats (``RUN_DIR/heartbeat/rank_XXXXX.json``) read by the agent's hang watchdog.
 
-Any training script can beat: ``toolkit.restart.heartbeat.beat(step)`` finds the run directory and
+Any training script can beat: ``toolkit.launch.heartbeat.beat(step)`` finds the run directory and
 rank from the environment ``toolkit supervise`` sets.
 """
 from __future__ import annotations

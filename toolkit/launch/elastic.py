@@ -46,7 +46,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-    from toolkit.restart.agent import ToolkitAgent
+    from toolkit.launch.agent import ToolkitAgent
 
     # torch's opt-out of sharing the rendezvous store with the ranks: with it shared, the store
     # outlives a restart and a plain script's new ranks can read the dead ranks' gloo addresses

@@ -1,0 +1,324 @@
+"""The Engine protocol over megatron-core: GPTModel chunks from the plan, DDP (grads reduced in fp32
+buckets), the distributed optimizer, steps through ``get_forward_backward_func``.
+
+Loss contract (same as the DeepSpeed path): the gradient is that of ``sum(token losses of the global
+batch) / loss_tokens``. Megatron is run with ``calculate_per_token_loss=True`` so neither the
+schedule (which would divide by the number of micro-batches) nor DDP (which would divide by dp)
+rescales; each micro-batch's backward starts from its loss sum / loss_tokens (as the HF path's
+does; a plain sum would make every token's logit gradient loss-scale sized and overflow fp16 at
+the usual 2^16 scale), and the DP all-reduce sums the ranks' parts. Padded vocabulary columns get
+-inf logits before the vocab-parallel cross entropy, so they never reach the loss.
+"""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from toolkit import device
+from toolkit.adapters.megatron import export, state
+from toolkit.adapters.megatron.model import build_chunks, load_balanced_router_class, transformer_config
+from toolkit.adapters.megatron.weights import check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk
+from toolkit.compat import megatron_core
+from toolkit.config import ConfigError
+from toolkit.engine import DTYPES, IGNORE_INDEX, StepStats
+from toolkit.plan import Plan
+
+
+
+class MegatronEngine:
+    """The Engine protocol over megatron-core GPTModel chunks, DDP and the distributed optimizer."""
+
+    def __init__(self, plan: Plan, hf_state: Mapping[str, torch.Tensor] | None = None):
+        """This rank's part of the planned model at the layout for this job's world size; weights from
+        ``hf_state`` (an HF state dict) or, by default, as the plan says (model.init)."""
+        from toolkit.families import get_family
+        megatron_core.bind_missing_te_names()
+        if not torch.cuda.is_available():  # never imported on a GPU machine
+            from toolkit.compat import megatron_cpu
+            megatron_cpu.enable()  # stays on for the process: megatron allocates lazily, also in backward
+        self.cfg, self.lay = plan.config, plan.layout(dist.get_world_size())
+        self.hf_config = plan.model.hf_config()
+        self.family = get_family(self.hf_config.model_type)
+        check_machine(plan)
+        self._init_parallel()
+        hf_state = hf_weights(plan, self.hf_config) if hf_state is None else \
+            checkpoint_names(self.family, self.hf_config, hf_state)
+        check_hf_keys(self.family, self.hf_config, hf_state)
+        self.tconfig = transformer_config(self.cfg, self.lay, self.hf_config, self.family)
+        chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig)
+        for c in chunks:
+            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
+        del hf_state
+        for c in chunks:
+            device.guard_inputs(c, "megatron's GPTModel")
+        self.model = self._wrap_ddp(chunks)
+        self.optimizer = self._build_optimizer()
+        self._configure_schedule()
+        self._setup_routers()
+
+    # --- setup ----------------------------------------------------------------------------------------
+
+    def _init_parallel(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        lay = self.lay
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                         virtual_pipeline_model_parallel_size=lay.vpp,
+                                         expert_model_parallel_size=lay.ep)
+        model_parallel_cuda_manual_seed(self.cfg.train.seed)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        # whether this rank's copy of dense / expert parameters is the one an export takes
+        self.owns_dense = self.dp_rank == 0
+        self.owns_experts = ps.get_expert_data_parallel_rank() == 0 if lay.ep > 1 else self.owns_dense
+
+    def _wrap_ddp(self, chunks) -> list:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True, check_for_nan_in_grad=False)
+        return [DistributedDataParallel(self.tconfig, ddp_config, c,
+                                        disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        t, dtype = self.cfg.train, self.cfg.model.dtype
+        ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                               adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                               clip_grad=t.grad_clip, use_distributed_optimizer=True,
+                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype])
+        return get_megatron_optimizer(ocfg, self.model)
+
+    def _setup_routers(self) -> None:
+        """MoE: the routers record their statistics in one ``RouterStats`` (layers by global number)."""
+        from toolkit.adapters import moe
+        experts = self.family.num_experts(self.hf_config)
+        self.routers = [m for c in self.model for m in c.modules() if isinstance(m, load_balanced_router_class())]
+        self.router_stats = moe.RouterStats(self.hf_config.num_hidden_layers, experts) if experts else None
+        self.aux_coeff = moe.aux_loss_coeff(self.cfg.train.moe_aux_loss_coeff, self.hf_config)
+        for router in self.routers:
+            router.stats = self.router_stats
+
+    def _set_aux_scale(self, micro_batches: int) -> None:
+        """Weight of each micro-batch's layer aux loss so that, after the DP sum, the objective gets
+        ``coeff`` x the mean over MoE layers and the global batch's micro-batches (``toolkit/adapters/moe.py``)."""
+        per = self.aux_coeff / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
+        if self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
+            per *= float(self.optimizer.get_loss_scale())
+        for router in self.routers:
+            router.aux_scale = per
+
+    def _configure_schedule(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        self._loss_tokens = 1
+        self._complete_grads = False
+
+        def finalize(model, num_tokens=None, **kw):
+            # DP sum (no averaging: per-token loss mode); an all-reduce when grads are inspected
+            finalize_model_grads(model, num_tokens=None, **{**kw, "force_all_reduce": self._complete_grads})
+
+        self.tconfig.finalize_model_grads_func = finalize
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss if self.cfg.model.dtype == "fp16" else None
+        no_sync = [c.no_sync for c in self.model]
+        self.tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    # --- steps ----------------------------------------------------------------------------------------
+
+    def _forward_step(self, data_iterator, model):
+        mb = device.to_device(next(data_iterator))
+        ids = mb["input_ids"]
+        output = model(ids, _positions(ids), None)
+        return output, partial(self._loss_func, mb["labels"])
+
+    def _loss_func(self, labels, logits):
+        loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size)
+        return loss_sum / self._loss_tokens, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
+
+    def _run_schedule(self, micro_batches, forward_only: bool) -> torch.Tensor:
+        """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        chunks = len(self.model)
+        iters = [iter(micro_batches) for _ in range(chunks)]
+        mb = micro_batches[0]["input_ids"]
+        out = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iters if chunks > 1 else iters[0],
+            model=self.model, num_microbatches=len(micro_batches), seq_length=mb.shape[1],
+            micro_batch_size=mb.shape[0], forward_only=forward_only)
+        totals = device.zeros(2, dtype=torch.float64)
+        if self.is_last_stage and self.tp_rank == 0:  # TP ranks hold the same (reduced) losses
+            for d in out:
+                totals += torch.stack([d["loss_sum"], d["count"]])
+        return totals
+
+    def forward_backward(self, micro_batches, loss_tokens: int, complete_grads: bool = False) -> torch.Tensor:
+        """Gradients of sum(token losses) / loss_tokens in the DDP buffers (``param.main_grad``,
+        reduce-scattered over DP: each rank's shard is complete; ``complete_grads``: all-reduced,
+        so every rank holds the whole gradient, for inspection); returns this rank's [loss sum,
+        token count]."""
+        self._loss_tokens, self._complete_grads = loss_tokens, complete_grads
+        self._set_aux_scale(len(micro_batches))
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._run_schedule(micro_batches, forward_only=False)
+
+    def train_step(self, micro_batches, loss_tokens, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            # megatron's groups carry wd_mult (0 for biases and norms); its own scheduler applies it,
+            # and we replace that scheduler, so apply it here (as DeepSpeed's no-decay group does).
+            group["weight_decay"] = self.cfg.train.weight_decay * group.get("wd_mult", 1.0)
+        compute = device.Stopwatch()
+        compute.start()
+        totals = self.forward_backward(micro_batches, loss_tokens)
+        compute.stop()  # includes pipeline waits: megatron interleaves them with compute
+        # fp16: megatron's dynamic scaler skips the update on inf/nan gradients and lowers the scale
+        # (from 2^32 with hysteresis 2, its default, the first steps are usually skipped)
+        ok, grad_norm, _ = self.optimizer.step()
+        dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
+        extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
+        scale = float(self.optimizer.get_loss_scale()) if self.cfg.model.dtype == "fp16" else None
+        return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm) if ok else None,
+                         compute_s=compute.seconds(), skipped=not ok, loss_scale=scale, extra=extra)
+
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_group()
+
+    def parameters(self):
+        return (p for chunk in self.model for p in chunk.module.parameters())
+
+    def replica_checksum(self) -> float:
+        """Order-sensitive float64 checksum of this rank's parameters (equal across its DP group)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for chunk in self.model:
+            for i, p in enumerate(chunk.module.parameters()):
+                total += (i + 1) * p.detach().double().sum().cpu()
+        return total.item()
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches):
+        for chunk in self.model:
+            chunk.eval()
+        totals = (self._run_schedule(micro_batches, forward_only=True) if micro_batches
+                  else device.zeros(2, dtype=torch.float64))
+        for chunk in self.model:
+            chunk.train()
+        dist.all_reduce(totals)
+        return totals[0].item(), int(totals[1].item())
+
+    @torch.no_grad()
+    def logits(self, micro_batches) -> list[torch.Tensor] | None:
+        """Full-vocabulary logits ``[mbs, seq, vocab]`` (padding dropped) per micro-batch, on the last
+        pipeline stage's TP rank 0 of DP replica 0; None on other ranks. For parity checks."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        vocab = self.hf_config.vocab_size
+
+        def loss_func(output):
+            full = gather_from_tensor_model_parallel_region(output)[..., :vocab].float().clone()
+            return output.sum() * 0, device.tensor(1, dtype=torch.int), {"logits": full}
+
+        def step(data_iterator, model):
+            ids = device.to_device(next(data_iterator))["input_ids"]
+            return model(ids, _positions(ids), None), loss_func
+
+        for chunk in self.model:
+            chunk.eval()
+        iters = [iter(micro_batches) for _ in self.model]
+        ids = micro_batches[0]["input_ids"]
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0], model=self.model,
+            num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+            forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        mine = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        return [d["logits"] for d in out] if mine else None
+
+    # --- checkpoints and export (toolkit/adapters/megatron/state.py, export.py) ----------------------
+
+    def save(self, path: Path, step: int = 0) -> None:
+        state.save(self, path)
+
+    def load(self, path: Path) -> None:
+        state.load(self, path)
+
+    def describe(self) -> dict:
+        return state.describe(self)
+
+    def hf_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The current weights (or ``attr`` of them, e.g. ``main_grad``) as an HF state dict on rank 0."""
+        return export.hf_state(self, attr)
+
+    def full_mcore_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+        return export.full_mcore_state(self, attr)
+
+    def export_hf(self, path: Path, tokenizer) -> None:
+        export.export_hf(self, path, tokenizer)
+
+    def can_load_layout(self, saved: dict) -> bool:
+        """torch_dist with a fully reshardable optimizer: megatron reshards any TP/PP/DP on load."""
+        return saved.get("format") == "torch_dist"
+
+    def rng_state(self) -> dict:
+        """The model-parallel RNG tracker's streams (dropout inside TP regions, expert-parallel init)."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return {"mcore_rng_tracker": get_cuda_rng_tracker().get_states()}
+
+    def set_rng_state(self, state: dict) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        if "mcore_rng_tracker" in state:
+            get_cuda_rng_tracker().set_states(state["mcore_rng_tracker"])
+
+    def layout_record(self) -> dict:
+        return self.lay.record()
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[batch, seq]`` of packed rows (0..seq-1 each), on the ids' device."""
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+
+
+def check_machine(plan: Plan) -> None:
+    """What this machine must offer the plan (a plan is made and estimated anywhere; the launcher
+    and the engine ask here, where the answer is known)."""
+    if plan.model.experts and plan.config.megatron.moe_dispatcher == "alltoall" and not torch.cuda.is_available():
+        raise ConfigError("megatron.moe_dispatcher=alltoall needs GPUs (its all_to_all fails on CPU/gloo); "
+                          "use megatron.moe_dispatcher=allgather")
+
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: int):
+    """Sum of token cross-entropies over the true vocabulary and the valid-token count.
+
+    logits: this TP rank's ``[batch, seq, padded_vocab / tp]``; labels ``[batch, seq]`` with
+    IGNORE_INDEX where no loss is taken. Columns at or beyond ``vocab`` are set to -inf."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    logits = logits.float()
+    if start + width > vocab:
+        pad = torch.arange(start, start + width, device=logits.device) >= vocab
+        logits = logits.masked_fill(pad, float("-inf"))
+    device.require_on_device(labels, "labels")
+    valid = labels != IGNORE_INDEX
+    losses = vocab_parallel_cross_entropy(logits.contiguous(), labels.masked_fill(~valid, 0))
+    return (losses * valid).sum(), valid.sum()
+
+
+
+
+def build_engine(plan: Plan, run_dir: Path, rank: int) -> MegatronEngine:
+    """The worker's entry: record the layout, build the engine from the run's HF model."""
+    if rank == 0:
+        (Path(run_dir) / "megatron_layout.json").write_text(plan.layout(dist.get_world_size()).model_dump_json(indent=2))
+    return MegatronEngine(plan)

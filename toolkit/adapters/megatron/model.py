@@ -1,0 +1,140 @@
+"""megatron-core model chunks from the run plan: the TransformerConfig, the local layer spec (with
+sequence-parallel norms and the toolkit's load-balancing router), one GPTModel per virtual stage."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from toolkit.config import RunConfig
+from toolkit.engine import DTYPES
+from toolkit.plan import Layout
+
+
+def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
+    """megatron's TransformerConfig: the family's fields, the layout, the precision, and every fused
+    kernel that needs Transformer Engine or Apex off (neither is installed)."""
+    from megatron.core.transformer import TransformerConfig
+    dtype = DTYPES[cfg.model.dtype]
+    kw = family.transformer_config(hf_config)
+    kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+              virtual_pipeline_model_parallel_size=lay.vpp, sequence_parallel=lay.sequence_parallel,
+              num_layers_in_first_pipeline_stage=lay.first_stage_layers,
+              num_layers_in_last_pipeline_stage=lay.last_stage_layers,
+              params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+              calculate_per_token_loss=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+              bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+              gradient_accumulation_fusion=False, **_recompute(lay.recompute))
+    if lay.vpp:
+        # Megatron-LM's interleaved default. With batched p2p, at pp = 2 (the previous and the next
+        # stage are one peer) the steady state sends an activation and a gradient to that peer in
+        # one batch on one group while the peer posts its receives in the other order: on gloo the
+        # two swap (same shapes, wrong gradients). The overlapped path uses a group per direction.
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if family.num_experts(hf_config):
+        # The load-balancing loss is the toolkit's (LoadBalancedRouter), not megatron's.
+        kw.update(expert_model_parallel_size=lay.ep, moe_token_dispatcher_type=cfg.megatron.moe_dispatcher,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_permute_fusion=False, moe_router_fusion=False)
+    if not torch.cuda.is_available():
+        from toolkit.compat import megatron_cpu
+        kw.update(megatron_cpu.TRANSFORMER_CONFIG)
+    return TransformerConfig(**kw)
+
+
+def _recompute(mode: str) -> dict:
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
+
+
+def build_chunks(lay: Layout, hf_config, family, tconfig) -> list:
+    """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    vpp = lay.vpp
+    chunks = []
+    for v in range(vpp or 1):
+        vp = v if vpp else None
+        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp), vocab_size=lay.padded_vocab, vp_stage=vp,
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                               **family.model_kwargs(hf_config)))
+    return chunks
+
+
+def layer_spec(tconfig, vp_stage: int | None):
+    """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``);
+    with sequence parallelism, a block spec whose norms are ``SequenceParallelNorm`` (megatron's own
+    torch-norm wrapper refuses sequence parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization=tconfig.normalization)
+    if tconfig.num_moe_experts:
+        spec.submodules.mlp.submodules.router = load_balanced_router_class()
+    if not tconfig.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelNorm)
+
+
+class SequenceParallelNorm:
+    """A torch ``LayerNorm`` / ``RMSNorm`` (what megatron's ``WrappedTorchNorm`` builds) whose
+    parameters are marked ``sequence_parallel``. Under sequence parallelism each TP rank normalizes
+    its own ``[seq / tp, batch, hidden]`` slice, so each holds a partial gradient of the (replicated)
+    norm weights; megatron's ``finalize_model_grads`` sums the gradients of marked parameters over
+    the TP group, as it does for Transformer Engine's norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization={config.normalization!r}: sequence parallelism supports {sorted(norms)}")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+@lru_cache(maxsize=1)
+def load_balanced_router_class():
+    """megatron's ``TopKRouter`` that adds the toolkit's load-balancing loss (``toolkit/adapters/moe.py``, the
+    same definition as the DeepSpeed path) to its routing, and records tokens per expert.
+
+    Per training forward of a micro-batch and layer: ``aux`` from this rank's logits and the tokens
+    per expert of the whole sequence (summed over the TP group under sequence parallelism, where
+    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``,
+    which the engine sets each step. Not in eval, and once per micro-batch under recomputation
+    (the recomputing forward is the one with gradients)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from toolkit.adapters import moe
+
+    class LoadBalancedRouter(TopKRouter):
+        aux_scale: float = 0.0
+        stats: "moe.RouterStats | None" = None
+
+        def routing(self, logits, padding_mask=None):
+            probs, routing_map = super().routing(logits, padding_mask)
+            if not (self.training and torch.is_grad_enabled()):
+                return probs, routing_map
+            flat = logits.reshape(-1, self.config.num_moe_experts)
+            counts = routing_map.sum(dim=0)
+            tokens = flat.shape[0]
+            if self.config.sequence_parallel:
+                dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+                tokens *= ps.get_tensor_model_parallel_world_size()
+            aux = moe.load_balancing_loss(flat, counts, tokens)
+            if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
+                self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
+                               aux.detach())
+            if self.aux_scale:
+                probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
+            return probs, routing_map
+
+    return LoadBalancedRouter

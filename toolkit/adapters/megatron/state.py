@@ -1,0 +1,62 @@
+"""The megatron engine's checkpoints: megatron-core ``torch_dist`` with the distributed optimizer in
+its fully reshardable form (tensors keyed by global layer numbers, so any TP/PP/DP/EP loads them),
+plus ``toolkit_megatron.json`` (true vocab, layer spec, layout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+from toolkit.compat import megatron_core
+
+DESCRIPTION = "toolkit_megatron.json"
+
+
+def sharded_state_dict(engine, is_loading: bool) -> dict:
+    """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them) and
+    ``optimizer``."""
+    sd = {}
+    for i, chunk in enumerate(engine.model):
+        sd["model" if len(engine.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
+    # chained_optim_avoid_prefix: with ep > 1 megatron chains a dense and an expert optimizer;
+    # without it their keys would differ from ep = 1's and no other ep could load them.
+    sd["optimizer"] = engine.optimizer.sharded_state_dict(
+        dict(sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                                                   "chained_optim_avoid_prefix": True})
+    return sd
+
+
+def save(engine, path: Path) -> None:
+    """Collective: every rank writes its shards."""
+    from megatron.core import dist_checkpointing
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    megatron_core.in_process_write_results()
+    megatron_core.materialize_optimizer_state(engine.optimizer)
+    dist_checkpointing.save(sharded_state_dict(engine, is_loading=False), str(path))
+    if dist.get_rank() == 0:  # after megatron's save, which warns about a folder not empty before it
+        (path / DESCRIPTION).write_text(json.dumps(describe(engine), indent=2))
+    dist.barrier()
+
+
+def load(engine, path: Path) -> None:
+    """Collective; megatron reshards whatever layout wrote ``path``."""
+    from megatron.core import dist_checkpointing
+    megatron_core.materialize_optimizer_state(engine.optimizer)
+    megatron_core.tolerate_step_state(engine.optimizer)
+    loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(path))
+    for i, chunk in enumerate(engine.model):
+        chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
+    engine.optimizer.load_state_dict(megatron_core.param_groups_as_mine(engine.optimizer, loaded["optimizer"]))
+    megatron_core.unshare_step_tensors(engine.optimizer)
+
+
+def describe(engine) -> dict:
+    """What a reader of the checkpoint needs: true vocab, layer spec, layout."""
+    return {"format": "megatron-core torch_dist", "family": engine.family.model_type,
+            "vocab_size": engine.hf_config.vocab_size, "padded_vocab_size": engine.lay.padded_vocab,
+            "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
+            "layout": engine.layout_record()}

@@ -1,0 +1,174 @@
+"""HF weights into this rank's megatron chunks: every parameter exactly once, each TP rank reading
+only its slices (through the family's weight table), plus what the table cannot say (HF's RoPE
+frequencies, the embedding's ``padding_idx``)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from toolkit.config import ConfigError
+from toolkit.families.base import Reader
+from toolkit.plan import Plan
+
+
+def hf_weights(plan: Plan, hf_config) -> Mapping[str, torch.Tensor] | Reader:
+    """HF tensors by checkpoint name: the model directory read by slice (``model.init=pretrained``),
+    or the seeded random init of ``build_model``."""
+    from toolkit.families import get_family
+    cfg = plan.config
+    if cfg.model.init == "pretrained":
+        return HFSliceReader(Path(cfg.model.name_or_path), plan.model.hf)
+    from toolkit.adapters.hf import build_model
+    model = build_model(plan)
+    return checkpoint_names(get_family(hf_config.model_type), hf_config, model.state_dict())
+
+
+class HFSliceReader(Reader):
+    """An HF ``save_pretrained`` directory through the converter's reader (safetensors, sharded with
+    an index, truncation checks), read by slice: a TP rank reads only its part of each tensor."""
+
+    def __init__(self, model_dir: Path, hf_config: dict):
+        from toolkit.convert import ConvertError
+        from toolkit.convert.hf import HFSource
+        model_dir = model_dir.parent if model_dir.is_file() else model_dir
+        try:
+            self.source = HFSource(model_dir, hf_config)
+        except ConvertError as exc:
+            raise ConfigError(f"model.init=pretrained: {exc}") from None
+
+    def keys(self):
+        return self.source.infos.keys()
+
+    def shape(self, name):
+        return tuple(self.source.infos[name].shape)
+
+    def dtype(self, name):
+        return self.source.infos[name].dtype
+
+    def slice(self, name, dim=None, start=0, stop=None):
+        part = self.source.slice_of(name)
+        if dim is None:
+            return part[:]
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def checkpoint_names(family, hf_config, state):
+    """HF tensors under their checkpoint names (MoE experts one tensor each, as ``save_pretrained``
+    writes them), from a transformers module state; a lazy reader is passed through."""
+    from toolkit.families import unpack
+    return state if isinstance(state, Reader) else unpack(family, hf_config, state)
+
+
+def _global_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    """A chunk's parameter name with global layer (and expert) numbers."""
+    from toolkit.families import EXPERTS, split_expert
+    if not name.startswith("decoder.layers."):
+        return name
+    expert = split_expert(name)
+    if expert is not None:
+        layer, e, tail = expert
+        return f"decoder.layers.{layer + offset}.{EXPERTS}{e + expert_offset}.{tail}"
+    _, _, i, rest = name.split(".", 3)
+    return f"decoder.layers.{int(i) + offset}.{rest}"
+
+
+def expert_offset(chunk) -> int:
+    """Global number of this rank's first routed expert (expert parallel ranks hold blocks)."""
+    if not getattr(chunk.config, "num_moe_experts", None):
+        return 0
+    from megatron.core import parallel_state as ps
+    per_rank = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * per_rank
+
+
+def is_expert(name: str) -> bool:
+    from toolkit.families import split_expert
+    return split_expert(name) is not None
+
+
+def _local_params(chunk) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in chunk.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
+
+
+def layer_offset(chunk) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    return get_transformer_layer_offset(chunk.config, vp_stage=getattr(chunk, "vp_stage", None))
+
+
+def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp: int, tp_rank: int) -> None:
+    """Copy this rank's slices of the HF tensors into ``chunk``; every parameter exactly once,
+    reading only those slices (``hf_state``: a state dict, or a ``SafetensorsReader``)."""
+    from toolkit.families import MappingReader, Reader, read_shard, table
+    offset, tied = layer_offset(chunk), family.tied(hf_config)
+    local = _local_params(chunk)
+    source = {n: _global_name(n, offset, expert_offset(chunk)) for n in local}
+    if tied:  # a last pipeline stage holds its own copy of the tied embedding as output_layer
+        source = {n: "embedding.word_embeddings.weight" if g == "output_layer.weight" else g for n, g in source.items()}
+    known = table(family, hf_config)
+    unknown = sorted(g for g in source.values() if g not in known)
+    if unknown:
+        raise RuntimeError(f"{family.model_type}: megatron parameters missing from the weight table: {unknown}")
+    reader = hf_state if isinstance(hf_state, Reader) else MappingReader(hf_state)
+    with torch.no_grad():
+        for name, param in local.items():  # one slice at a time: memory bounded by the largest
+            part = read_shard(family, hf_config, source[name], reader, padded_vocab, tp, tp_rank)
+            if part.shape != param.shape:
+                raise RuntimeError(f"{name}: converted slice has shape {tuple(part.shape)}, the model "
+                                   f"expects {tuple(param.shape)}")
+            param.copy_(part)
+    _copy_rope(chunk, family, hf_config)
+    _padding_idx_without_grad(chunk, family.padding_idx(hf_config))
+
+
+def _padding_idx_without_grad(chunk, pad: int | None) -> None:
+    """HF's ``nn.Embedding(padding_idx=pad)``: the lookup of ``pad`` sends no gradient to its row
+    (the output layer still does when embeddings are tied). Megatron's embedding has no such
+    option, so the looked-up vectors at ``pad`` positions are detached."""
+    emb = getattr(getattr(chunk, "embedding", None), "word_embeddings", None)
+    if pad is None or emb is None:
+        return
+
+    def hook(module, args, output):
+        at_pad = args[0] == pad  # [batch, seq]
+        if output.shape[:2] != at_pad.shape:  # sequence parallel: [seq / tp, batch, h], this TP rank's slice
+            from megatron.core import parallel_state as ps
+            local = output.shape[0]
+            start = ps.get_tensor_model_parallel_rank() * local
+            at_pad = at_pad.t()[start:start + local]
+        return torch.where(at_pad.unsqueeze(-1), output.detach(), output)
+
+    emb.register_forward_hook(hook)
+
+
+def _copy_rope(chunk, family, hf_config) -> None:
+    """Use HF's own RoPE frequencies (default, linear and llama3 scaling alike): exact by construction."""
+    rope = getattr(chunk, "rotary_pos_emb", None)
+    if rope is None or family.position_embedding != "rope":
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from toolkit.families import rope_parameters
+    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    if rope_type == "default":
+        params = rope_parameters(hf_config)
+        dim = rope.inv_freq.numel() * 2
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        assert scaling == 1.0, f"rope type {rope_type} scales attention by {scaling}"
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+
+
+def check_hf_keys(family, hf_config, hf_state) -> None:
+    """Strictness on the whole HF checkpoint without reading tensors: every key is in the table."""
+    from toolkit.families import table
+    from toolkit.families.base import FamilyError
+    used = {hp + n for e, hp in table(family, hf_config).values() for n in e.hf_names()}
+    keys = set(hf_state.keys())
+    missing, unexpected = sorted(used - keys), sorted(keys - used - ({"lm_head.weight"} if family.tied(hf_config) else set()))
+    if missing or unexpected:
+        shape = hf_state.shape if isinstance(hf_state, Reader) else (lambda k: tuple(hf_state[k].shape))
+        raise FamilyError(f"{family.model_type}: HF weights do not match the table; missing {missing[:20]}, "
+                          f"unexpected { {k: shape(k) for k in unexpected[:20]} }")

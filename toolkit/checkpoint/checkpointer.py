@@ -1,0 +1,145 @@
+"""How the training loop saves and resumes: synchronous or asynchronous saves of the engine's state,
+every rank's RNG and the checkpoint's descriptions (``toolkit/storage/meta.py``), and a resume from
+the newest complete checkpoint, resharded or converted when it was written at another layout.
+
+The loop calls ``save(step, progress)``, ``poll()`` at step boundaries and ``resume()`` once; the
+fault hooks (``launch/faults.py``) are called at the named points ``in_save``, ``in_persist`` and
+``after_commit``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
+from toolkit.checkpoint.manager import CheckpointManager, find_latest_complete
+from toolkit.checkpoint.reshard import check_same_model, drop_conversion, engine_state_dir
+from toolkit.parallel import rng_state, seed_everything, set_rng_state
+from toolkit.plan import Plan
+from toolkit.storage import meta
+
+
+class Checkpointer:
+    def __init__(self, plan: Plan, engine, run_dir: Path, rank: int, metrics, hooks):
+        self.plan, self.engine, self.run_dir, self.rank = plan, engine, Path(run_dir), rank
+        self.metrics, self.hooks = metrics, hooks
+        c = plan.config.checkpoint
+        self.manager = CheckpointManager(self.run_dir, c.keep_last)
+        self.async_ckpt = None
+        if c.async_save:
+            self.async_ckpt = AsyncCheckpointer(
+                self.manager, local_root(c.local_dir, self.run_dir), int(os.environ.get("LOCAL_RANK", "0")),
+                log=metrics.note, on_file=lambda rel: hooks.in_persist(self.async_ckpt.pending))
+            self.async_ckpt.clear_stale()
+
+    def due(self, step: int) -> bool:
+        """A checkpoint at every ``checkpoint.every`` steps and at the last one (0: none)."""
+        every = self.plan.config.checkpoint.every
+        return bool(every) and (step % every == 0 or step == self.plan.config.train.steps)
+
+    # --- save ----------------------------------------------------------------------------------------
+
+    def save(self, step: int, progress: dict, wait: bool = False) -> Path | None:
+        """Checkpoint ``step``; asynchronous saves return before the checkpoint is committed unless
+        ``wait``. Collective."""
+        if self.async_ckpt is None:
+            return self._save_sync(step, progress)
+        self.poll(wait=True)  # one save in flight at most
+        if not self.async_ckpt.has_room(self.plan.model.total * BYTES_PER_PARAM):
+            self.metrics.note(f"{self.async_ckpt.root.parent} lacks room for a checkpoint: saving synchronously")
+            return self._save_sync(step, progress)
+        tic = time.perf_counter()
+        snapshot = self.async_ckpt.snapshot_dir(step)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            snapshot.mkdir(parents=True)
+        if self.rank == 0:
+            self.manager.begin(step)
+        dist.barrier()
+        self._write(snapshot, step, progress)
+        dist.barrier()
+        self.async_ckpt.start(step)
+        self._log_save(step, tic, asynchronous=True)
+        return self.poll(wait=True) if wait else None
+
+    def poll(self, wait: bool = False) -> Path | None:
+        """Commit a background save once every node has persisted it (collective); rank 0 gets its path."""
+        if self.async_ckpt is None:
+            return None
+        final = self.async_ckpt.poll(wait=wait)
+        if final is not None:  # rank 0, which committed it
+            self.hooks.after_commit(int(final.name.split("_")[-1]), final)
+        return final
+
+    def _save_sync(self, step: int, progress: dict) -> Path | None:
+        tic = time.perf_counter()
+        stage = self.manager.staging(step)
+        if self.rank == 0:
+            self.manager.begin(step)
+        dist.barrier()
+        self._write(stage, step, progress)
+        dist.barrier()
+        final = None
+        if self.rank == 0:
+            final = self.manager.commit(step)
+            self.hooks.after_commit(step, final)
+            self.metrics.note(f"saved checkpoint {final.name}")
+        dist.barrier()
+        self._log_save(step, tic, asynchronous=False)
+        return final
+
+    def _write(self, stage: Path, step: int, progress: dict) -> None:
+        """This rank's files of the checkpoint (engine state, RNG; rank 0 the descriptions)."""
+        self.engine.save(stage / "engine", step)
+        self.hooks.in_save(step)
+        meta.rng_file(stage, self.rank).parent.mkdir(exist_ok=True)
+        torch.save({**rng_state(), "engine": self.engine.rng_state()}, meta.rng_file(stage, self.rank))
+        if self.rank == 0:
+            cfg, spec = self.plan.config, self.plan.model
+            meta.write_descriptions(stage, cfg.backend, spec.model_type, spec.hf, self.engine.layout_record(),
+                                    cfg.model.dtype, progress)
+
+    def _log_save(self, step: int, tic: float, asynchronous: bool) -> None:
+        """How long the loop was blocked by this save (for async saves: the local write only)."""
+        self.metrics.log({"event": "checkpoint", "step": step, "async": asynchronous,
+                          "checkpoint_blocked_s": round(time.perf_counter() - tic, 4)})
+
+    # --- resume --------------------------------------------------------------------------------------
+
+    def resume(self) -> dict | None:
+        """Load the newest complete checkpoint into the engine and this rank's RNG; its progress
+        (trainer.json), or None when there is none. Collective."""
+        found = find_latest_complete(self.run_dir, log=self._skipped) if self.rank == 0 else None
+        newest = [str(found) if found else None]  # rank 0's finding, for every rank
+        dist.broadcast_object_list(newest, src=0)
+        if newest[0] is None:
+            self.metrics.note("no complete checkpoint found: starting fresh")
+            return None
+        ckpt = Path(newest[0])
+        check_same_model(ckpt, self.plan.model.hf)
+        saved_layout = meta.read_meta(ckpt)["layout"]
+        engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.plan.config.backend,
+                                              self.run_dir, self.rank, note=self.metrics.note)
+        self.engine.load(engine_dir)
+        drop_conversion(engine_dir, self.run_dir, self.rank)
+        progress = meta.read_progress(ckpt)
+        if loaded == "as saved":  # per-rank RNG streams only mean something for the same ranks
+            state = torch.load(meta.rng_file(ckpt, self.rank), weights_only=True)
+            set_rng_state(state)
+            self.engine.set_rng_state(state.get("engine", {}))
+        else:
+            seed_everything(self.plan.config.train.seed + progress["step"])
+        self.metrics.note(f"resumed from {ckpt.name} at step {progress['step']}")
+        self.metrics.log({"event": "resume", "step": progress["step"], "checkpoint": ckpt.name, "loaded": loaded,
+                          "saved_layout": saved_layout})
+        return progress
+
+    def _skipped(self, message: str) -> None:
+        from toolkit.launch.events import emit
+        self.metrics.note(message)
+        emit(self.run_dir, "checkpoint_skipped", reason=message)

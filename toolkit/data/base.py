@@ -1,0 +1,59 @@
+"""What the data pipeline's stages share: formats, templates' constants, errors, the result."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import datasets
+
+from toolkit.config import DEMO_DIR, ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    pass
+
+
+EOS_TOKEN = "<|endoftext|>"
+"""The demo tokenizer's only special token, id 0: end of document, also used as bos and pad."""
+INSTRUCTION_TEMPLATE = "### Instruction:\n{prompt}\n### Response:\n"
+"""Prompt format of template ``instruction``; format a prompt the same way at inference."""
+CHAT_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assistant": "### Response:\n"}
+"""Turn headers of the fixed chat format, used when the tokenizer has no chat template. A
+[user, assistant] conversation then reads exactly like template ``instruction``."""
+DEMO_CORPUS = DEMO_DIR / "corpus.txt"
+PACK_BATCH_DOCS = 1000
+"""Documents per packing batch; each batch drops at most ``seq_len`` tokens of its tail."""
+_PIPELINE_VERSION = "1"  # bump when tokenized/packed output changes for the same inputs
+_DEMO_TOKENIZER_RECIPE = "bytelevel-bpe-v1"  # bump when _train_demo_tokenizer changes
+_FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
+                 ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+Segment = tuple[str | None, bool]
+"""Piece of a document: (text, or None for the EOS token; whether its tokens carry loss)."""
+
+
+class DataError(ConfigError):
+    """A user-facing data problem found before training; the message says what to change."""
+
+
+@dataclass
+class PackedData:
+    """Packed samples. Columns of both sets: ``input_ids`` [seq_len] int, ``labels`` [seq_len]
+    int (-100 = no loss), ``num_loss_tokens`` int (labels != -100 in the row)."""
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    num_tokens: int = 0
+    """Tokens of all documents (EOS included) before packing."""
+    num_documents: int = 0
+
+
+def cache_root() -> Path:
+    """``$TOOLKIT_CACHE_DIR`` or ``~/.cache/toolkit``: demo tokenizers and default data cache."""
+    return Path(os.environ.get("TOOLKIT_CACHE_DIR") or "~/.cache/toolkit").expanduser()
+
+
+def data_cache_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"

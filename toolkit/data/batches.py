@@ -1,0 +1,90 @@
+"""Global batches by (seed, step), split into this rank's micro-batches, read from Arrow in one call."""
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import datasets
+import numpy as np
+import torch
+
+from toolkit.device import host_batch
+
+if TYPE_CHECKING:
+    pass
+
+
+def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> list[int]:
+    """Sample indices of global batch ``step`` (0-based), ``global_batch_size`` of them.
+
+    The order is the endless concatenation of per-epoch permutations (epoch ``e`` permuted by a
+    ``torch.Generator`` seeded from (seed, e)); batch k is positions [k*G, (k+1)*G) of that stream,
+    so a batch may straddle an epoch boundary. Depends on nothing else: not DP size, not
+    micro-batch size, not earlier steps."""
+    if num_samples < 1 or global_batch_size < 1 or step < 0:
+        raise ValueError(f"need num_samples>=1, global_batch_size>=1, step>=0; got {num_samples}, "
+                         f"{global_batch_size}, {step}")
+    positions = np.arange(step * global_batch_size, (step + 1) * global_batch_size)
+    epochs, offsets = np.divmod(positions, num_samples)
+    out = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        in_epoch = epochs == epoch
+        out[in_epoch] = _epoch_permutation(num_samples, seed, int(epoch))[offsets[in_epoch]]
+    return out.tolist()
+
+
+@lru_cache(maxsize=4)
+def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """``[num_samples]`` permutation of epoch ``epoch``; cached because consecutive steps share it."""
+    mixed = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()  # independent streams per epoch
+    gen = torch.Generator().manual_seed(int.from_bytes(mixed[:8], "little") & (2**63 - 1))
+    perm = torch.randperm(num_samples, generator=gen).numpy()
+    perm.flags.writeable = False
+    return perm
+
+
+def rank_micro_batches(ds: datasets.Dataset, indices: list[int], dp_rank: int, dp_size: int,
+                       micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of a global batch: rank r takes the r-th contiguous slice of
+    ``indices`` (``len(indices) / dp_size`` samples), split in order into micro-batches, each
+    ``{"input_ids": LongTensor [mbs, seq_len], "labels": LongTensor [mbs, seq_len]}``."""
+    per_rank, rest = divmod(len(indices), dp_size)
+    if rest or per_rank % micro_batch_size or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"{len(indices)} indices cannot be split over dp_size={dp_size} ranks "
+                         f"(dp_rank={dp_rank}) in micro-batches of {micro_batch_size}; the global batch "
+                         "size must be a multiple of micro_batch_size x dp")
+    return _fetch(ds, indices[dp_rank * per_rank:(dp_rank + 1) * per_rank], micro_batch_size)
+
+
+def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """One Arrow ``take`` for all of this rank's rows, then views per micro-batch."""
+    if not len(indices):
+        return []
+    rows = ds.with_format("numpy", columns=["input_ids", "labels"])[[int(i) for i in indices]]
+    input_ids = torch.from_numpy(np.ascontiguousarray(rows["input_ids"], dtype=np.int64))
+    labels = torch.from_numpy(np.ascontiguousarray(rows["labels"], dtype=np.int64))
+    return [host_batch({"input_ids": input_ids[i:i + micro_batch_size], "labels": labels[i:i + micro_batch_size]})
+            for i in range(0, len(indices), micro_batch_size)]
+
+
+def count_loss_tokens(ds: datasets.Dataset, indices: list[int]) -> int:
+    """Labels != -100 over these samples, from the ``num_loss_tokens`` column (no token reads);
+    the trainer divides the summed loss of a global batch by this on every rank."""
+    if not len(indices):
+        return 0
+    column = ds.with_format("numpy", columns=["num_loss_tokens"])[[int(i) for i in indices]]
+    return int(column["num_loss_tokens"].sum())
+
+
+def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, micro_batch_size: int,
+                       max_batches: int) -> list[dict[str, torch.Tensor]]:
+    """Up to ``max_batches`` micro-batches per rank from the first samples of ``ds`` in fixed
+    order, sliced across ranks like ``rank_micro_batches``. Only full micro-batches on every rank
+    are used (all ranks must run the same number of equal-shaped forwards), so a set smaller than
+    ``dp_size * micro_batch_size`` gives []; ``prepare_data`` keeps at least a global batch."""
+    if ds is None:
+        return []
+    per_step = dp_size * micro_batch_size
+    n = min(len(ds), max_batches * per_step) // per_step * per_step
+    return rank_micro_batches(ds, list(range(n)), dp_rank, dp_size, micro_batch_size)

@@ -1,0 +1,1 @@
+"""Observability: metrics sinks, the profiler, run reports and plots, toolkit doctor."""

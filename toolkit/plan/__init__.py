@@ -1,0 +1,87 @@
+"""The resolved run plan: made once, before any process starts, then only read.
+
+``build_plan(cfg, worlds)`` applies the presets (a Megatron layout preset, the DeepSpeed JSON's
+concrete values), derives the model spec from the HF config, checks the layout for each world size
+the job may run at (an elastic job: every node count in ``--nnodes MIN:MAX``) and resolves the
+DeepSpeed JSON for each. ``toolkit train`` writes it to ``RUN_DIR/plan.json``; every rank reads that
+file (``read_plan``), so no rank re-reads the YAML, the presets or the HF config. ``toolkit
+estimate``, ``--dry-run`` and the converter build their plans the same way.
+
+  plan.config     the validated run config, presets applied (never changed afterwards)
+  plan.model      ``ModelSpec``: family, HF config, dimensions, parameter counts, MoE shape
+  plan.layouts    ``Layout`` per world size (``plan.layout(world)``)
+  plan.ds_configs the resolved DeepSpeed JSON per world size (``plan.ds_config(world)``)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from toolkit import __version__
+from toolkit.config import ConfigError, RunConfig
+from toolkit.plan.layout import Layout, check_layout
+from toolkit.plan.model import ModelSpec, load_hf_config, model_spec
+from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
+
+PLAN_FILE = "plan.json"
+
+__all__ = ["Plan", "build_plan", "read_plan", "write_plan", "PLAN_FILE", "Layout", "ModelSpec"]
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: RunConfig
+    model: ModelSpec
+    layouts: dict[int, Layout]
+    ds_configs: dict[int, dict] = {}
+    toolkit_version: str = __version__
+
+    def layout(self, world: int) -> Layout:
+        if world not in self.layouts:
+            raise ConfigError(f"this job has {world} ranks, but its plan was made for {sorted(self.layouts)}; "
+                              "launch it with the node counts it was planned for (--nnodes)")
+        return self.layouts[world]
+
+    def ds_config(self, world: int) -> dict:
+        self.layout(world)
+        return self.ds_configs[world]
+
+
+def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
+    """Resolve ``cfg`` for jobs of each size in ``worlds``; errors name the field and the fix.
+    ``hf_config``: the model's HF config when the caller has it (else read from model.name_or_path)."""
+    cfg = with_megatron_preset(cfg) if cfg.backend == "megatron" else with_ds_json_values(cfg)
+    hf_config = hf_config if hf_config is not None else load_hf_config(cfg.model.name_or_path)
+    if cfg.backend == "megatron":
+        _check_family(cfg, hf_config)
+    spec = model_spec(hf_config)
+    layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
+    ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
+        if cfg.backend == "deepspeed" else {}
+    return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds)
+
+
+def _check_family(cfg: RunConfig, hf_config) -> None:
+    """The megatron path needs a family table for the model, and a config it can honour exactly."""
+    from toolkit.families import FamilyError, get_family
+    try:
+        get_family(hf_config.model_type).check(hf_config)
+    except FamilyError as exc:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {exc}") from None
+
+
+def write_plan(plan: Plan, run_dir: Path) -> Path:
+    path = Path(run_dir) / PLAN_FILE
+    path.write_text(plan.model_dump_json(indent=2))
+    return path
+
+
+def read_plan(path: Path) -> Plan:
+    path = Path(path)
+    try:
+        return Plan.model_validate_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a run plan this toolkit ({__version__}) can read ({exc}); "
+                          "start the run with toolkit train, which writes it") from None

@@ -1,0 +1,165 @@
+"""``toolkit estimate`` and ``toolkit train --dry-run``: a plan's memory per rank (``memory.py``),
+the layouts that would fit, and its step time (``steptime.py``), printed or as JSON."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from toolkit.config import ConfigError, RunConfig
+from toolkit.plan import Plan
+from toolkit.plan.layout import Layout
+from toolkit.plan.memory import GiB, USABLE, fits, memory, suggestions
+from toolkit.plan.model import ModelSpec
+from toolkit.plan.steptime import Cluster, StepTime, step_time
+
+
+# --- the whole estimate -----------------------------------------------------------------------------
+
+def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
+    """Memory per rank, fit, smallest fitting layouts and step time at ``cluster``; JSON-able."""
+    cfg, spec, world = plan.config, plan.model, cluster.world
+    lay = plan.layout(world)
+    bucket = int(plan.ds_config(world).get("zero_optimization", {}).get("reduce_bucket_size", 0)) \
+        if cfg.backend == "deepspeed" else None
+    mem = memory(cfg, spec, lay, bucket)
+    return {
+        "model": {"model_type": spec.model_type, "params": spec.total, "layers": spec.layers,
+                  "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied},
+        "layout": lay.model_dump(), "layout_text": lay.describe(), "cluster": cluster.model_dump(),
+        "memory": {**asdict(mem), "model_state": mem.model_state, "total": mem.total},
+        "device_gib": device_gib, "fits": fits(mem, device_gib),
+        "suggestions": [{"layout": fit.describe(), "total_gib": m.total / GiB}
+                        for fit, m in suggestions(cfg, spec, world, device_gib, bucket)],
+        "step": _step_dict(step_time(cfg, spec, lay, cluster)),
+        "scaling": _scaling(cfg, spec, lay, cluster),
+    }
+
+
+def _step_dict(t: StepTime) -> dict:
+    return {"compute_s": t.compute_s, "bubble_s": t.bubble_s, "comm_s": t.comm_s, "total_s": t.total_s,
+            "comm_share": t.comm_share, "collectives": [asdict(c) for c in t.collectives]}
+
+
+def _scaling(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> list[dict]:
+    """Step time as nodes are added (DP grows, global batch fixed) while every DP rank has a micro-batch."""
+    rows = []
+    for nodes in (2**k for k in range(0, 11)):
+        world = nodes * cluster.gpus_per_node
+        if world % (lay.tp * lay.pp):
+            continue
+        grown = lay.model_copy(update={"world": world, "dp": world // (lay.tp * lay.pp)})
+        if cfg.train.global_batch_size < cfg.train.micro_batch_size * grown.dp:
+            break
+        t = step_time(cfg, spec, grown, cluster.model_copy(update={"nodes": nodes}))
+        rows.append({"nodes": nodes, "gpus": world, "step_s": t.total_s, "comm_share": t.comm_share})
+    return rows
+
+
+def print_estimate(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    import sys
+    # Off a terminal rich assumes 80 columns and wraps the tables; logs and pipes can take more.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    mem, model = result["memory"], result["model"]
+    console.print(f"model: {model['model_type']}, {model['params'] / 1e6:,.2f} M parameters, {model['layers']} layers, "
+                  f"hidden {model['hidden']}, vocab {model['vocab']}{' (tied)' if model['tied'] else ''}")
+    c = result["cluster"]
+    console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
+                  f"{result['layout']['world']} ranks")
+    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/plan/estimate.py)")
+    for key, label in (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
+                       ("buffers", "buffers"), ("activations_no_ckpt", "activations, no checkpointing"),
+                       ("activations_ckpt", "activations, with checkpointing"), ("activations", "activations, as set"),
+                       ("total", "total"), ("host", "host memory (offload)")):
+        table.add_row(label, f"{mem[key] / GiB:,.3f}")
+    console.print(table)
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    console.print(f"{verdict} in {result['device_gib']:g} GiB per device ({USABLE:.0%} usable)")
+    for s in result["suggestions"]:
+        console.print(f"  fits: {s['layout']}  ({s['total_gib']:,.2f} GiB)")
+    if not result["suggestions"]:
+        console.print("  no layout of this backend fits at this world size: add devices, shorten data.seq_len, "
+                      "or lower train.micro_batch_size")
+    _print_step(console, result)
+
+
+def _print_step(console, result: dict) -> None:
+    from rich.table import Table
+    step = result["step"]
+    table = Table("part", "count", "bytes each", "link", "seconds", title="step time (alpha-beta model, no overlap)")
+    table.add_row("compute", "", "", "", _secs(step["compute_s"]))
+    if step["bubble_s"]:
+        table.add_row("pipeline bubble", "", "", "", _secs(step["bubble_s"]))
+    for col in step["collectives"]:
+        table.add_row(f"{col['kind']} ({col['group']}, {col['ranks']} ranks)", str(col["count"]),
+                      f"{col['nbytes'] / 2**20:,.2f} MiB", "inter-node" if col["inter_node"] else "intra-node",
+                      _secs(col["seconds"]))
+    table.add_row("total", "", "", "", f"{_secs(step['total_s'])}  (communication {step['comm_share']:.0%})")
+    console.print(table)
+    console.print("scaling (DP grows, same global batch): " + ", ".join(
+        f"{r['nodes']} node(s) {_secs(r['step_s'])} ({r['comm_share']:.0%} comm)" for r in result["scaling"]))
+
+
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+# --- entry points (toolkit estimate, toolkit train --dry-run) ---------------------------------------
+
+def parse_cluster(nodes: int, gpus_per_node: int, items: list[str]) -> Cluster:
+    """``--cluster key=value`` items on top of the node counts; errors name the key and the fix."""
+    import yaml
+    from pydantic import ValidationError
+    raw: dict = {"nodes": nodes, "gpus_per_node": gpus_per_node}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in Cluster.model_fields:
+            raise ConfigError(f"--cluster {item!r}: expected KEY=VALUE with KEY one of {', '.join(Cluster.model_fields)}")
+        raw[key] = yaml.safe_load(value)
+    try:
+        return Cluster.model_validate(raw)
+    except ValidationError as exc:
+        errs = [f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid cluster description: " + "; ".join(errs)) from None
+
+
+def default_device_gib() -> tuple[float, str]:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GiB, "this machine's GPU 0"
+    return 80.0, "assumed (no GPU here): pass --device-memory GiB"
+
+
+def run_estimate(plan: Plan, cluster: Cluster, device_gib: float | None, as_json: bool) -> int:
+    import json
+    source = "--device-memory"
+    if device_gib is None:
+        device_gib, source = default_device_gib()
+    if device_gib <= 0:
+        raise ConfigError(f"--device-memory={device_gib}: must be > 0 GiB, e.g. --device-memory 80")
+    result = estimate(plan, cluster, device_gib)
+    result["device_source"] = source
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_estimate(result)
+    return 0 if result["fits"] else 3
+
+
+def dry_run(plan: Plan, nnodes: int, device_gib: float | None = None) -> int:
+    """Print the plan a launch would write (RUN_DIR/plan.json), then the estimate; start no process,
+    read no data."""
+    import json
+
+    import yaml
+    cfg = plan.config
+    world = cfg.nproc * nnodes
+    print("# resolved run config (written to RUN_DIR/config.yaml; the ranks read RUN_DIR/plan.json)")
+    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+    print(f"# layout at {world} rank(s)\n{plan.layout(world).model_dump_json(indent=2)}")
+    if cfg.backend == "deepspeed":
+        print(f"# DeepSpeed config (RUN_DIR/ds_config.json)\n{json.dumps(plan.ds_config(world), indent=2)}")
+    print(f"# estimate: {world} rank(s) = {nnodes} node(s) x {cfg.nproc}")
+    run_estimate(plan, Cluster(nodes=nnodes, gpus_per_node=cfg.nproc), device_gib, as_json=False)
+    print("toolkit: dry run - no process group was started and no data was read")
+    return 0

@@ -1,0 +1,202 @@
+"""The parallel layout: one validated type for ZeRO and Megatron runs, and the one place its rules
+are checked (a launch, the estimate, ``--dry-run`` and the converter all call these).
+
+No torch import here: the converter's torch-free route checks ``--tp/--pp/--ep`` with it too.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from toolkit.config import ConfigError, RunConfig
+
+
+class Layout(BaseModel):
+    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` = ``world``; megatron carves the
+    ``ep`` expert-parallel ranks out of each DP group."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["deepspeed", "megatron"]
+    world: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    """megatron.recompute; on DeepSpeed ``full`` is HF's activation checkpointing."""
+    micro_batches: int = 1
+    """Micro-batches per rank per optimizer step (gradient accumulation)."""
+    padded_vocab: int = 0
+    """Megatron's embedding rows (vocab padded to a multiple of make_vocab_size_divisible_by x tp)."""
+
+    def describe(self) -> str:
+        if self.backend == "deepspeed":
+            off = "+offload_opt" if self.offload_optimizer else ""
+            off += "+offload_params" if self.offload_params else ""
+            return f"ZeRO-{self.zero_stage}{off} dp={self.dp} ckpt={self.recompute}"
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
+            f" recompute={self.recompute}"
+
+    def record(self) -> dict:
+        """What a checkpoint's meta.json records of the layout that wrote it (and resume compares)."""
+        if self.backend == "deepspeed":
+            return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist"}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: the next multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
+    """Every layout rule for ``cfg`` on ``world`` ranks, with the numbers and the valid choices in
+    each message; the validated layout. ``spec``: the ``ModelSpec`` (heads, layers, experts)."""
+    if cfg.backend == "deepspeed":
+        lay = Layout(backend="deepspeed", world=world, dp=world, zero_stage=cfg.zero.stage,
+                     offload_optimizer=cfg.zero.offload_optimizer, offload_params=cfg.zero.offload_params,
+                     recompute="full" if cfg.model.activation_checkpointing else "none")
+    else:
+        lay = _megatron_layout(cfg, spec, world)
+    return lay.model_copy(update={"micro_batches": _micro_batches(cfg, lay.dp)})
+
+
+def _micro_batches(cfg: RunConfig, dp: int) -> int:
+    t = cfg.train
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        valid = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp) == 0]
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size} x dp={dp}; choose micro_batch_size in {valid} or a global_batch_size that is "
+            f"a multiple of {per_step}")
+    return t.global_batch_size // per_step
+
+
+def _megatron_layout(cfg: RunConfig, spec, world: int) -> Layout:
+    m = cfg.megatron
+    if world % (m.tp * m.pp):
+        raise ConfigError(f"world size {world} is not divisible by megatron.tp={m.tp} x megatron.pp={m.pp}; "
+                          f"choose tp x pp in {divisors(world)} or nproc a multiple of {m.tp * m.pp}")
+    problems = megatron_split_problems(spec.heads, spec.kv_heads, spec.layers, spec.experts, m.tp, m.pp, m.ep,
+                                       uneven=m.first_stage_layers is not None or m.last_stage_layers is not None,
+                                       vpp=m.vpp, world=world, model=spec.model_type)
+    if problems:
+        raise ConfigError(problems[0])
+    if m.first_stage_layers is not None or m.last_stage_layers is not None:
+        _check_uneven_split(m, spec.layers)
+    dp = world // (m.tp * m.pp)
+    if m.vpp:
+        _check_interleaving(cfg, dp)
+    if m.sequence_parallel:
+        _check_sequence_parallel(m, cfg.data.seq_len)
+    _check_experts(m, spec, world)
+    return Layout(backend="megatron", world=world, dp=dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep,
+                  sequence_parallel=m.sequence_parallel, first_stage_layers=m.first_stage_layers,
+                  last_stage_layers=m.last_stage_layers, recompute=m.recompute,
+                  padded_vocab=padded_vocab_size(spec.vocab, m.make_vocab_size_divisible_by, m.tp))
+
+
+RUN_FIELDS = {"tp": "megatron.tp", "pp": "megatron.pp", "vpp": "megatron.vpp", "ep": "megatron.ep"}
+
+
+def megatron_split_problems(heads: int, kv_heads: int, layers: int, experts: int, tp: int, pp: int, ep: int,
+                            uneven: bool = False, vpp: int | None = None, world: int | None = None,
+                            model: str = "this model", names: dict = RUN_FIELDS) -> list[str]:
+    """How a model splits over tp / pp / ep, each problem with the valid choices (a run's megatron.*
+    fields and the converter's ``--tp/--pp/--ep``, named by ``names``, are checked alike)."""
+    problems = []
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value % tp:
+            valid = [t for t in divisors(kv_heads) if heads % t == 0]
+            problems.append(f"{name}={value} is not divisible by {names['tp']}={tp}; choose tp in {valid}")
+            break
+    chunks = pp * (vpp or 1)
+    if not uneven and layers % chunks:
+        valid = [p for p in divisors(layers) if layers % (p * (vpp or 1)) == 0 and (world is None or world % (p * tp) == 0)]
+        problems.append(f"num_hidden_layers={layers} is not divisible by {names['pp']}={pp} x {names['vpp']}={vpp or 1} "
+                        f"(= {chunks} model chunks); choose pp in {valid}"
+                        + (" or a vpp that divides layers / pp" if vpp else
+                           ", or split unevenly with megatron.first_stage_layers / last_stage_layers"))
+    if vpp and pp < 2:
+        problems.append(f"{names['vpp']}={vpp} needs {names['pp']} >= 2 (got pp={pp}); unset vpp or raise pp")
+    if ep > 1 and not experts:
+        problems.append(f"{names['ep']}={ep} needs a mixture-of-experts model; {model} has no experts "
+                        f"(unset {names['ep']})")
+    if experts and experts % ep:
+        problems.append(f"{experts} experts do not divide over {names['ep']}={ep}; choose ep in {divisors(experts)}")
+    return problems
+
+
+def _check_interleaving(cfg: RunConfig, dp: int) -> None:
+    m = cfg.megatron
+    n_micro = cfg.train.global_batch_size // max(cfg.train.micro_batch_size * dp, 1)
+    if n_micro % m.pp:
+        raise ConfigError(f"interleaved pipeline (megatron.vpp={m.vpp}) needs micro-batches per step ({n_micro} = "
+                          f"global_batch_size / (micro_batch_size x dp={dp})) divisible by pp={m.pp}")
+
+
+def _check_experts(m, spec, world: int) -> None:
+    """Expert parallelism: ep divides the experts and, with tp and pp, the world (megatron carves the
+    ep ranks out of each DP group; expert tensor parallelism equals tp). Whether the dispatcher can
+    run on this machine is the engine's question (``alltoall`` needs GPUs), not the plan's."""
+    if not spec.experts:
+        return
+    if world % (m.tp * m.ep * m.pp):
+        raise ConfigError(f"world size {world} is not divisible by megatron.tp={m.tp} x ep={m.ep} x pp={m.pp}; "
+                          f"use nproc a multiple of {m.tp * m.ep * m.pp} or a smaller ep")
+    if m.tp > 1 and not m.sequence_parallel:
+        raise ConfigError(f"megatron.tp={m.tp} with a mixture-of-experts model needs megatron.sequence_parallel=true "
+                          "(megatron-core's MoE layer requires it under tensor parallelism)")
+
+
+def _check_sequence_parallel(m, seq_len: int) -> None:
+    if m.tp < 2:
+        raise ConfigError(f"megatron.sequence_parallel=true splits the sequence over the TP group and needs "
+                          f"megatron.tp >= 2 (got tp={m.tp}); raise tp or set sequence_parallel=false")
+    if seq_len % m.tp:
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by megatron.tp={m.tp}, which sequence "
+                          f"parallelism splits it over; choose seq_len a multiple of {m.tp}")
+
+
+def _check_uneven_split(m, layers: int) -> None:
+    first, last = m.first_stage_layers, m.last_stage_layers
+    if m.pp < 2 or m.vpp:
+        raise ConfigError(f"megatron.first_stage_layers/last_stage_layers need pp >= 2 and no vpp (got pp={m.pp}, "
+                          f"vpp={m.vpp}); unset them or change the layout")
+    fixed = [n for n in (first, last) if n is not None]
+    if any(n < 1 for n in fixed):
+        raise ConfigError(f"megatron.first_stage_layers={first}, last_stage_layers={last}: each stage needs >= 1 layer")
+    middle, rest = m.pp - len(fixed), layers - sum(fixed)
+    if rest < middle or (middle == 0 and rest != 0) or (middle and rest % middle):
+        raise ConfigError(f"num_hidden_layers={layers} minus first_stage_layers={first} and last_stage_layers={last} "
+                          f"leaves {rest} layers for the other {middle} stage(s) of pp={m.pp}; they must divide "
+                          "evenly with at least one layer each")
+
+
+def stage_layers(layers: int, lay: Layout) -> list[list[int]]:
+    """Global layer indices on each pipeline stage (even split, or the uneven first/last counts)."""
+    first, last, pp = lay.first_stage_layers, lay.last_stage_layers, lay.pp
+    if pp == 1:
+        return [list(range(layers))]
+    counts = [None] * pp
+    counts[0], counts[-1] = first, last
+    rest = layers - sum(c for c in counts if c is not None)
+    free = sum(c is None for c in counts)
+    counts = [c if c is not None else rest // free for c in counts]
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts)]

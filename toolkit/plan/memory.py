@@ -1,0 +1,199 @@
+"""Memory per rank of a planned run, before anything is launched.
+
+Memory, per rank, in bytes (Φ = parameters this rank holds, D = data-parallel size):
+
+==============  ==========================================  ==========================================
+part            DeepSpeed ZeRO (model built in fp32)         Megatron-core (distributed optimizer)
+==============  ==========================================  ==========================================
+weights         Φ·w, /D at stage 3 (w = 4 fp32, 2 bf16/fp16) Φ·w (Φ: this rank's TP/PP share)
+gradients       Φ·w at stage 0, /D at stage 1-3              Φ·4 (grads reduced in fp32)
+optimizer       Adam m, v (8Φ) + fp32 master (4Φ) /D;        Adam m, v (8Φ) + fp32 master when bf16
+                stage 0: no master in fp32, nothing sharded  (4Φ), /D
+buffers         stage 1-3: reduce_bucket_size x w; stage 3:  -
+                + two layers gathered (current, prefetched)
+==============  ==========================================  ==========================================
+
+ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition) to host memory;
+``zero.offload_params`` moves the stage-3 weight partition there too.
+
+Activations (the model; documented, not fitted): for one micro-batch of b sequences of s tokens,
+per transformer layer, the tensors autograd keeps, in elements per token, with h hidden, I the MLP
+width, a heads and t the TP degree::
+
+    4h                     norm inputs and outputs (replicated across TP ranks; 4h / t with
+                           megatron.sequence_parallel, which splits them along the sequence)
+    5h / t                 q, k, v after RoPE (K/V heads repeated to all heads: HF's sdpa path and
+                           Megatron's local attention both expand GQA), the attention output and
+                           its contiguous copy that feeds the output projection
+    4I / t                 SwiGLU gate, up, act(gate), act(gate)*up   (2I for a plain GELU MLP)
+    a·s / t                attention probabilities, only when they are materialized (Megatron's
+                           local attention, HF eager); HF's sdpa/flash kernels keep none
+
+times the activation dtype's bytes. Outside the layers: logits, their log-softmax and the logits'
+gradient, 3 x 4 bytes x b·s·V/t (the loss is taken in fp32). With activation checkpointing only each
+layer's input (h per token, h / t with sequence parallelism) is kept, plus one layer's full
+activations while it is recomputed.
+DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches in flight on
+the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.config import ConfigError, RunConfig
+from toolkit.plan.layout import Layout, check_layout, divisors, stage_layers
+from toolkit.plan.model import ModelSpec
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+USABLE = 0.92  # of device memory: the rest goes to the CUDA context, NCCL buffers and fragmentation
+
+
+@dataclass
+class Memory:
+    """Bytes on one rank (the fullest one), by part; ``host`` is what offload puts in CPU memory."""
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    activations: float
+    activations_no_ckpt: float
+    activations_ckpt: float
+    host: float
+    params: int  # parameters this rank holds a slice or copy of (before ZeRO partitioning)
+
+    @property
+    def model_state(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.buffers + self.activations
+
+
+def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = None) -> Memory:
+    """Per-rank memory of the fullest rank; the formulas are in this module's docstring.
+
+    ``bucket``: DeepSpeed's zero_optimization.reduce_bucket_size (elements) from the resolved JSON;
+    default hidden^2, what "auto" resolves to."""
+    w = DTYPE_BYTES[cfg.model.dtype]
+    if lay.backend == "deepspeed":
+        return _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2)
+    return max((_megatron_stage_memory(cfg, spec, lay, w, i) for i in range(lay.pp)), key=lambda m: m.total)
+
+
+def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int) -> Memory:
+    phi, d, stage = spec.total, lay.dp, lay.zero_stage
+    weights = phi * w / (d if stage == 3 else 1)
+    # Measured (tests/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
+    # rank's partition as backward goes, so after any backward only the partition is left.
+    grads = phi * w / (d if stage >= 1 else 1)
+    master = 4 if (w != 4 or stage >= 1) else 0  # ZeRO 1-3 keep an fp32 partition even of fp32 weights
+    optim = (8 + master) * phi / (d if stage >= 1 else 1)
+    # ZeRO 1-3 reduce gradients through a reduce_bucket_size bucket (2 GB in fp32 at DeepSpeed's
+    # 5e8 default: it matters); stage 3 also gathers the current and the prefetched layer.
+    buffers = 0 if stage == 0 else bucket * w + (2 * max(spec.per_layer, default=0) * w if stage == 3 else 0)
+    host = 0.0
+    if lay.offload_optimizer:
+        host += optim + (grads if stage >= 2 else 0)
+        optim, grads = 0.0, (0.0 if stage >= 2 else grads)
+    if lay.offload_params and stage == 3:
+        host += weights
+        weights = 0.0
+    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False)
+            for r in ("none", "full")}
+    return Memory(weights, grads, optim, buffers, acts[lay.recompute if lay.recompute in acts else "none"],
+                  acts["none"], acts["full"], host, phi)
+
+
+def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int) -> Memory:
+    t, stages = lay.tp, stage_layers(spec.layers, lay)
+    layers = stages[stage]
+    vocab = lay.padded_vocab
+    first, last = stage == 0, stage == lay.pp - 1
+    experts = [spec.per_layer_experts[i] if spec.per_layer_experts else 0 for i in layers]
+    phi = sum((spec.per_layer_matrices[i] - e) / t + spec.per_layer[i] - spec.per_layer_matrices[i]
+              for i, e in zip(layers, experts))
+    phi += vocab * spec.hidden / t * (first + (last and (not spec.tied or lay.pp > 1)))
+    phi += spec.other if last else 0
+    expert_phi = sum(experts) / (t * lay.ep)  # expert tensor parallelism = tp
+    # the distributed optimizer shards dense state over dp, experts' over the dp / ep expert replicas
+    optim = (8 + (4 if w != 4 else 0)) * (phi / lay.dp + expert_phi / (lay.dp // lay.ep))
+    phi += expert_phi
+    in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
+    sp = lay.sequence_parallel and t > 1
+    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=True, logits=last, sp=sp)
+            for r in ("none", "selective", "full")}
+    return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi))
+
+
+def micro_batches(cfg: RunConfig, lay: Layout) -> int:
+    """Micro-batches per rank per step at ``lay.dp`` (at least one: the scaling table grows dp)."""
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * lay.dp))
+
+
+def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
+                 w: int, materialized: bool, logits: bool = True, sp: bool = False) -> float:
+    """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
+    ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks."""
+    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    h, mlp = spec.hidden, spec.mlp_width
+    split = t if sp else 1
+    scores = spec.heads * s / t if materialized and recompute != "selective" else 0
+    per_token = 4 * h / split + 5 * h / t + (4 if spec.glu else 2) * mlp / t + scores
+    layer = per_token * b * s * w
+    kept = len(layers) * (b * s * h / split * w if recompute == "full" else layer) * in_flight
+    recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
+    head = 3 * 4 * b * s * spec.vocab / t if logits else 0
+    return kept + recomputing + head
+
+
+# --- fit and suggestions ----------------------------------------------------------------------------
+
+def fits(mem: Memory, device_gib: float) -> bool:
+    return mem.total <= USABLE * device_gib * GiB
+
+
+def candidate_layouts(cfg: RunConfig, spec: ModelSpec, world: int) -> list[Layout]:
+    """Every valid layout of this backend at this world size, least sharding / recompute first:
+    the run config varied and put through the one layout check (``check_layout``)."""
+    out: list[Layout] = []
+    for variant in _variants(cfg, world):
+        try:
+            out.append(check_layout(variant, spec, world))
+        except ConfigError:
+            continue
+    return out
+
+
+def _variants(cfg: RunConfig, world: int):
+    def changed(section: str, **fields) -> RunConfig:
+        return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)})
+    if cfg.backend == "deepspeed":
+        for ckpt in (False, True):
+            base = changed("model", activation_checkpointing=ckpt)
+            zero = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=s, offload_optimizer=True) for s in (2, 3)] + \
+                [dict(stage=3, offload_optimizer=True, offload_params=True)]
+            for z in zero:
+                yield base.model_copy(update={"zero": base.zero.model_copy(update={
+                    "offload_optimizer": False, "offload_params": False, **z})})
+        return
+    for recompute in ("none", "selective", "full"):
+        for mp in sorted({tp * pp for tp in divisors(world) for pp in divisors(world // tp)}):
+            for tp in divisors(mp):
+                ep = cfg.megatron.ep if (world // mp) % cfg.megatron.ep == 0 else 1
+                yield changed("megatron", tp=tp, pp=mp // tp, recompute=recompute, ep=ep, vpp=None,
+                              first_stage_layers=None, last_stage_layers=None,
+                              sequence_parallel=cfg.megatron.sequence_parallel and tp > 1)
+
+
+def suggestions(cfg: RunConfig, spec: ModelSpec, world: int, device_gib: float, bucket: int | None = None,
+                limit: int = 3) -> list[tuple[Layout, Memory]]:
+    found = []
+    for lay in candidate_layouts(cfg, spec, world):
+        mem = memory(cfg, spec, lay, bucket)
+        if fits(mem, device_gib):
+            found.append((lay, mem))
+        if len(found) == limit:
+            break
+    return found

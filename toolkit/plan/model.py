@@ -1,0 +1,116 @@
+"""The model as every part of a run sees it, derived once from its HF config: dimensions, parameter
+counts by where they live, mixture-of-experts shape. The estimate, FLOPs/MFU, the checkpoint's
+metadata and the engines all read this one derivation (``toolkit.families.attention_dims`` is the
+one place head counts and widths come from)."""
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import BaseModel, ConfigDict
+
+from toolkit.config import ConfigError
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hf: dict
+    """The HF config as ``config.json`` holds it (JSON types: what a checkpoint's config.json is)."""
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_width: int
+    glu: bool
+    vocab: int
+    tied: bool
+    embedding: int
+    """Parameters of the input embedding."""
+    output: int
+    """Of the LM head when untied, else 0."""
+    per_layer: list[int]
+    per_layer_matrices: list[int]
+    """Of each layer's parameters, the 2-D ones (TP splits these; norms are replicated)."""
+    per_layer_experts: list[int]
+    """Mixture of experts: each layer's routed experts' parameters (part of per_layer_matrices)."""
+    other: int
+    """Final norm, learned positions."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)..."""
+    experts_per_token: int = 0
+    """...of which each token uses this many."""
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.output + sum(self.per_layer) + self.other
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def hf_config(self):
+        """A transformers ``PretrainedConfig`` of this model (built from ``hf``; nothing is read)."""
+        from transformers import AutoConfig
+        return AutoConfig.for_model(**self.hf)
+
+
+def model_spec(hf_config) -> ModelSpec:
+    """Derive the spec; parameters are counted on the HF model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.families import attention_dims
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    counts = _parameter_counts(model, hf_config.num_hidden_layers)
+    heads, kv_heads, head_dim = attention_dims(hf_config)
+    act = str(getattr(hf_config, "hidden_act", getattr(hf_config, "activation_function", "gelu")))
+    mlp = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * hf_config.hidden_size
+    moe = any(counts["per_layer_experts"])
+    return ModelSpec(hf=json.loads(hf_config.to_json_string(use_diff=False)), model_type=hf_config.model_type, layers=hf_config.num_hidden_layers,
+                     hidden=hf_config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
+                     glu="silu" in act or "swiglu" in act, vocab=hf_config.vocab_size, **counts,
+                     experts=_routed_experts(hf_config) if moe else 0,
+                     experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if moe else 0)
+
+
+def _parameter_counts(model, layers: int) -> dict:
+    emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    tied = emb is out
+    per_layer, matrices, experts, other = [0] * layers, [0] * layers, [0] * layers, 0
+    for name, p in model.named_parameters():  # tied weights are listed once
+        if p is emb or p is out:
+            continue
+        layer = re.search(r"\.(\d+)\.", name)
+        if layer is None:
+            other += p.numel()
+            continue
+        i = int(layer.group(1))
+        per_layer[i] += p.numel()
+        matrices[i] += p.numel() if p.ndim >= 2 else 0
+        experts[i] += p.numel() if ".experts." in name else 0  # transformers' routed experts
+    return {"embedding": emb.numel(), "output": 0 if tied else out.numel(), "tied": tied, "per_layer": per_layer,
+            "per_layer_matrices": matrices, "per_layer_experts": experts, "other": other}
+
+
+def _routed_experts(hf_config) -> int:
+    """transformers' MoE configs name it num_local_experts (Mixtral) or num_experts (Qwen-MoE, OLMoE)."""
+    return int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0)
+
+
+def load_hf_config(name_or_path: str):
+    """The HF config of ``model.name_or_path`` (a directory holding config.json, or the file)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+    path = Path(name_or_path)
+    if path.is_file() and path.name.endswith(".json"):
+        path = path.parent
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path={name_or_path!r}: cannot read an HF config there ({exc}); "
+                          "give a local directory holding config.json (and weights for model.init=pretrained)") from None

@@ -1,0 +1,131 @@
+"""Step time of a planned run (alpha-beta model, no overlap of communication with compute, an upper bound): a
+collective over p ranks moving n bytes costs, with latency α and bandwidth β of the slowest link
+the group crosses (intra-node when all its ranks share a node, else inter-node)::
+
+    all-reduce       2(p-1)·α + 2(p-1)/p · n/β
+    reduce-scatter   (p-1)·α + (p-1)/p · n/β        all-gather: the same
+    p2p              α + n/β
+
+Per optimizer step: ZeRO-0/1 all-reduce the gradients (ZeRO-1 then all-gathers the updated
+weights); ZeRO-2 reduce-scatters gradients and all-gathers weights; ZeRO-3 all-gathers weights twice
+(forward, backward) and reduce-scatters gradients every micro-batch. Megatron: 4 all-reduces of
+b·s·h activations per layer per micro-batch over TP (2 forward, 2 backward); pipeline p2p of b·s·h
+per micro-batch each way; the DP reduce-scatter of fp32 gradients and all-gather of weights; the
+pipeline bubble (pp-1)/m of the compute (m micro-batches). Compute: 6·N·tokens + 12·L·h·s·tokens
+FLOPs (8·N with full recompute), at ``mfu`` of the device's dense peak. Ranks are placed TP-first
+then DP then PP (Megatron's order), TP innermost on a node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from toolkit.config import RunConfig
+from toolkit.plan.flops import PEAK_TFLOPS
+from toolkit.plan.layout import Layout, stage_layers
+from toolkit.plan.memory import DTYPE_BYTES, memory, micro_batches
+from toolkit.plan.model import ModelSpec
+
+DEFAULT_GPU = "H100"
+"""The device whose peak the step time assumes without ``--cluster peak_tflops=...``."""
+
+
+class Cluster(BaseModel):
+    """A cluster description for the step-time model; defaults are an 8-GPU H100/H200 SXM node."""
+    model_config = ConfigDict(extra="forbid")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    intra_gbps: float = Field(450.0, gt=0, description="GB/s per GPU inside a node (NVLink 4, one direction)")
+    inter_gbps: float = Field(50.0, gt=0, description="GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)")
+    intra_latency_us: float = Field(5.0, ge=0)
+    inter_latency_us: float = Field(10.0, ge=0)
+    peak_tflops: float | None = Field(None, gt=0, description="dense peak per GPU; default by dtype (H100 SXM, "
+                                      "toolkit.plan.flops)")
+    mfu: float = Field(0.4, gt=0, le=1, description="share of peak the compute reaches")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Collective:
+    kind: str  # all-reduce | reduce-scatter | all-gather | p2p
+    group: str  # dp | tp | pp | embedding
+    ranks: int
+    nbytes: float
+    count: int
+    inter_node: bool
+    seconds: float = 0.0
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    bubble_s: float
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.comm_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.total_s if self.total_s else 0.0
+
+
+def collective_seconds(kind: str, p: int, nbytes: float, alpha: float, beta: float) -> float:
+    """The alpha-beta cost of one ring collective over p ranks (alpha in s, beta in bytes/s)."""
+    if p <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+    if kind in ("reduce-scatter", "all-gather"):
+        return (p - 1) * alpha + (p - 1) / p * nbytes / beta
+    return alpha + nbytes / beta  # p2p
+
+
+def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
+    w = DTYPE_BYTES[cfg.model.dtype]
+    m = micro_batches(cfg, lay)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    matmul_params = spec.total - spec.embedding + (spec.embedding if spec.tied else 0)
+    per_token = (8 if lay.recompute == "full" else 6) * matmul_params + 12 * spec.layers * spec.hidden * cfg.data.seq_len
+    peak = (cluster.peak_tflops or PEAK_TFLOPS[DEFAULT_GPU][cfg.model.dtype]) * 1e12 * cluster.mfu
+    compute = per_token * tokens / lay.world / peak
+    bubble = compute * (lay.pp - 1) / m
+    g = cluster.gpus_per_node
+    colls = _deepspeed_collectives(spec, lay, w, m, g) if lay.backend == "deepspeed" else \
+        _megatron_collectives(cfg, spec, lay, w, m, g)
+    for c in colls:
+        c.inter_node = c.inter_node and cluster.nodes > 1
+        alpha = (cluster.inter_latency_us if c.inter_node else cluster.intra_latency_us) * 1e-6
+        beta = (cluster.inter_gbps if c.inter_node else cluster.intra_gbps) * 1e9
+        c.seconds = c.count * collective_seconds(c.kind, c.ranks, c.nbytes, alpha, beta)
+    return StepTime(compute, bubble, colls)
+
+
+def _deepspeed_collectives(spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
+    n, d = spec.total * w, lay.dp
+    plan = {0: [("all-reduce", 1)], 1: [("all-reduce", 1), ("all-gather", 1)],
+            2: [("reduce-scatter", 1), ("all-gather", 1)], 3: [("all-gather", 2 * m), ("reduce-scatter", m)]}
+    return [Collective(kind, "dp", d, n, count, d > g) for kind, count in plan[lay.zero_stage] if d > 1]
+
+
+def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
+    act = cfg.train.micro_batch_size * cfg.data.seq_len * spec.hidden * w
+    layers = max(len(s) for s in stage_layers(spec.layers, lay))
+    tp_per_layer = 6 if lay.recompute == "full" else 4  # recompute repeats the 2 forward all-reduces
+    phi = memory(cfg, spec, lay).params
+    out = [Collective("all-reduce", "tp", lay.tp, act, m * layers * tp_per_layer, lay.tp > g),
+           Collective("p2p", "pp", lay.pp, act, 2 * m if lay.pp > 1 else 0, lay.tp * lay.dp >= g),
+           Collective("reduce-scatter", "dp", lay.dp, phi * 4, 1, lay.tp * lay.dp > g),
+           Collective("all-gather", "dp", lay.dp, phi * w, 1, lay.tp * lay.dp > g)]
+    if spec.tied and lay.pp > 1:
+        out.append(Collective("all-reduce", "embedding", 2, spec.embedding / lay.tp * 4, 1, lay.tp * lay.dp >= g))
+    return [c for c in out if c.ranks > 1 and c.count > 0]

@@ -1,0 +1,92 @@
+"""Durable, self-describing directories: what checkpoints and conversion outputs share.
+
+A directory is built in a staging folder, every file fsynced, described by ``manifest.json``
+(``{"files": {relative path: {"bytes", "sha256"}}}``) and marked ``COMPLETE`` last; it is renamed
+into place only when whole. A reader verifies the manifest before trusting the contents. Both the
+checkpoint manager (``toolkit/checkpoint``) and the converter (``toolkit/convert``) build on this
+module, which imports neither.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+MANIFEST, COMPLETE, LATEST = "manifest.json", "COMPLETE", "latest"
+
+
+def build_manifest(root: Path) -> dict:
+    """``{"files": {relative path: {"bytes", "sha256"}}}`` of every file under ``root``, each fsynced.
+    The fsyncs run in a second thread while this one hashes: one waits on the disk, the other reads
+    the page cache (a 536 MB conversion output on 2 busy cores: 0.8-1.0 s instead of 1.2-1.4 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+    paths = [p for p in sorted(root.rglob("*")) if p.is_file() and str(p.relative_to(root)) not in (MANIFEST, COMPLETE)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        synced = [pool.submit(fsync, p) for p in paths]
+        files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
+        for done in synced:
+            done.result()  # an fsync's error is the build's error
+    return {"files": files}
+
+
+def verify_complete(ckpt: Path, checksums: bool = True) -> list[str]:
+    """Problems found in a durable directory ([] when it is complete and matches its manifest)."""
+    if not (ckpt / COMPLETE).exists():
+        return [f"{ckpt}: no {COMPLETE} marker (the save did not finish)"]
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"{ckpt}: unreadable {MANIFEST} ({exc})"]
+    problems = []
+    for rel, entry in manifest.items():
+        path = ckpt / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != entry["bytes"]:
+            problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)")
+        elif checksums and sha256_file(path) != entry["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (corrupted)")
+    return problems
+
+
+def newest_complete(root: Path, pattern: str = "step_*", log=print) -> Path | None:
+    """Newest directory under ``root`` matching ``pattern`` that verifies; broken ones are reported
+    and skipped, never deleted."""
+    for candidate in sorted(Path(root).glob(pattern), reverse=True):
+        problems = verify_complete(candidate)
+        if not problems:
+            return candidate
+        log(f"skipping checkpoint {candidate.name}: " + "; ".join(problems[:3]))
+    return None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_durable(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def fsync(path: Path) -> None:
+    """fsync a file or a directory (the latter makes renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

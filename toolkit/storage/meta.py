@@ -1,0 +1,49 @@
+"""The one description schema of a toolkit checkpoint, written by the trainer's saves and by the
+converter (so ``toolkit train --resume auto`` continues from either), read by resume and convert:
+
+  meta.json            format (toolkit-deepspeed | toolkit-megatron), family, step, layout (the
+                       ``Layout.record()`` of the run that wrote it), vocab_size, dtype, versions;
+                       a converted checkpoint adds ``converted_from``
+  trainer.json         the loop's progress: step, consumed_samples, consumed_tokens, seed,
+                       skipped_steps (fp16)
+  config.json          the HF model config
+  trainer/rank_XXXXX.pt  per-rank RNG state (``torch.load(weights_only=True)``)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit import __version__
+from toolkit.storage import write_json_durable
+
+META, PROGRESS, HF_CONFIG, RNG_DIR = "meta.json", "trainer.json", "config.json", "trainer"
+CHECKPOINT_FORMATS = {"deepspeed": "toolkit-deepspeed", "megatron": "toolkit-megatron"}
+
+
+def write_descriptions(stage: Path, backend: str, model_type: str, hf_config: dict, layout: dict, dtype: str,
+                       progress: dict, **extra) -> None:
+    """meta.json, trainer.json and config.json of a checkpoint being built in ``stage``."""
+    import torch
+    write_json_durable(stage / PROGRESS, progress)
+    write_json_durable(stage / META, {
+        "format": CHECKPOINT_FORMATS[backend], "family": model_type, "step": progress["step"], "layout": layout,
+        "vocab_size": hf_config.get("vocab_size"), "dtype": dtype, "toolkit_version": __version__,
+        "torch_version": torch.__version__, **extra})
+    write_json_durable(stage / HF_CONFIG, hf_config)
+
+
+def rng_file(ckpt: Path, rank: int) -> Path:
+    return Path(ckpt) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def read_meta(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / META).read_text())
+
+
+def read_progress(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / PROGRESS).read_text())
+
+
+def read_hf_config(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / HF_CONFIG).read_text())

@@ -1,0 +1,168 @@
+"""The one training loop, over any Engine: data order, LR schedule, eval, metrics; checkpoints,
+health checks and fault hooks are calls at named points.
+
+Global batch k always holds the same samples (``data.global_batch_indices``), the step is the only
+data position, and every rank's RNG state is checkpointed, so a resume continues bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch.distributed as dist
+
+from toolkit.checkpoint.checkpointer import Checkpointer
+from toolkit.data import PackedData, count_loss_tokens, eval_micro_batches, global_batch_indices, rank_micro_batches
+from toolkit.engine import Engine, StepStats
+from toolkit.launch.agent import PREEMPTED_EXIT
+from toolkit.launch.events import emit, read_events
+from toolkit.launch.faults import FaultInjector
+from toolkit.launch.monitor import RankMonitor
+from toolkit.observe.metrics import MetricsLogger
+from toolkit.observe.profile import StepProfiler, write_summary
+from toolkit.plan import Plan
+from toolkit.plan.flops import flops_per_token, mfu, peak_flops
+from toolkit.train.schedule import lr_at
+
+
+class Trainer:
+    def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path):
+        self.plan, self.cfg, self.engine, self.data, self.tokenizer = plan, plan.config, engine, data, tokenizer
+        self.run_dir, self.rank = Path(run_dir), dist.get_rank()
+        cfg = self.cfg
+        self.step = 0
+        self.skipped_steps = 0  # fp16 steps whose update the loss scaler skipped (kept across resumes)
+        self.metrics = MetricsLogger(self.run_dir, cfg.train.steps, enabled=self.rank == 0,
+                                     log_every=cfg.train.log_every, wandb_project=cfg.metrics.wandb_project,
+                                     run_config=cfg.model_dump(mode="json"))
+        p = cfg.profile
+        self.profiler = StepProfiler(self.run_dir, self.rank, p.start_step, p.steps) if p.enabled else None
+        self._peak = peak_flops(cfg.model.dtype, tf32=cfg.model.tf32)  # None on CPU: no MFU there
+        self._flops_per_token = flops_per_token(plan.model, cfg.data.seq_len)
+        self.hooks = FaultInjector(self.run_dir, self.rank, params=engine.parameters)
+        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
+        self.checkpoints = Checkpointer(plan, engine, self.run_dir, self.rank, self.metrics, self.hooks)
+        self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._recovering = self._restart_count > 0
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        if self.cfg.resume == "auto":
+            self.resume()
+        self.monitor.heartbeat.beat(self.step, "ready")
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=1) as prefetch, self.metrics:
+            upcoming = prefetch.submit(self._batch, self.step)
+            while self.step < self.cfg.train.steps:
+                tic = time.perf_counter()
+                micro_batches, loss_tokens = upcoming.result()
+                if self.step + 1 < self.cfg.train.steps:  # load the next global batch while this one computes
+                    upcoming = prefetch.submit(self._batch, self.step + 1)
+                stats = self._train_step(micro_batches, loss_tokens, tic)
+                self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
+                self._after_step()
+        if self.cfg.train.export_hf:
+            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+        self.checkpoints.poll(wait=True)  # the last checkpoint is committed before we report success
+
+    def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
+        self.hooks.before_step(self.step + 1)
+        self.monitor.add_busy(time.perf_counter() - tic)  # data wait (and an injected delay) count as busy
+        if self.profiler:
+            self.profiler.before_step(self.step + 1)
+        stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, self.cfg.train))
+        self.step += 1
+        self._after_profiled_step()
+        self.monitor.add_busy(stats.compute_s)
+        return stats
+
+    def _after_step(self) -> None:
+        """Health checks, eval, preemption and checkpoints at the step boundary."""
+        self.monitor.heartbeat.beat(self.step)
+        self._note_recovery()
+        self.hooks.after_step(self.step)
+        self.checkpoints.poll()  # commits a background save once every node has persisted it
+        self.monitor.check_stragglers(self.step)
+        self.monitor.check_divergence(self.step, self.engine)
+        t = self.cfg.train
+        if t.eval_every and self.step % t.eval_every == 0:
+            self.evaluate()
+        if self.monitor.stop_agreed():
+            self._save_and_stop()
+        if self.checkpoints.due(self.step):
+            self.save()
+
+    def _save_and_stop(self) -> None:
+        self.save(wait=True)
+        if self.rank == 0:
+            emit(self.run_dir, "preempt_saved", step=self.step)
+            self.metrics.note(f"stop requested: saved step {self.step}, exiting with {PREEMPTED_EXIT}")
+        sys.exit(PREEMPTED_EXIT)
+
+    def _after_profiled_step(self) -> None:
+        if self.profiler and self.profiler.after_step(self.step):
+            dist.barrier()  # every rank's summary is written
+            if self.rank == 0:
+                self.metrics.note(f"profile of steps {self.profiler.start}-{self.step}: "
+                                  f"{write_summary(self.profiler.dir)}")
+
+    def _note_recovery(self) -> None:
+        """After a restart, the first finished step closes the recovery: measure it."""
+        if self._recovering and self.rank == 0:
+            failures = [e for e in read_events(self.run_dir) if e["kind"] in ("failure", "hang")]
+            since = time.time() - failures[-1]["time"] if failures else None
+            emit(self.run_dir, "recovered", step=self.step, restart_count=self._restart_count,
+                 time_to_recover_s=round(since, 2) if since is not None else None)
+        self._recovering = False
+
+    def _batch(self, step: int):
+        ds, t = self.data.train, self.cfg.train
+        indices = global_batch_indices(len(ds), t.global_batch_size, t.seed, step)
+        micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
+        return micro, count_loss_tokens(ds, indices)
+
+    def _log_step(self, stats: StepStats, step_s: float, elapsed_s: float) -> None:
+        t = self.cfg.train
+        tokens = t.global_batch_size * self.cfg.data.seq_len
+        record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
+                  "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                  "step_s": step_s, "elapsed_s": elapsed_s}
+        if stats.loss_scale is not None:  # fp16: dynamic loss scaling
+            self.skipped_steps += stats.skipped
+            record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
+        record.update(stats.extra)
+        if self._peak:  # GPUs only; the formula and peaks: toolkit/plan/flops.py
+            record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
+        self.metrics.log(record)
+
+    def evaluate(self) -> float | None:
+        if self.data.eval is None or len(self.data.eval) == 0:
+            return None
+        t = self.cfg.train
+        batches = eval_micro_batches(self.data.eval, self.engine.dp_rank, self.engine.dp_size,
+                                     t.micro_batch_size, t.eval_batches)
+        loss_sum, count = self.engine.eval_loss_sum(batches)
+        loss = loss_sum / max(count, 1)
+        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count})
+        return loss
+
+    # --- checkpoints (toolkit/checkpoint/checkpointer.py) -------------------------------------------
+
+    def save(self, wait: bool = False) -> Path | None:
+        return self.checkpoints.save(self.step, self._progress(), wait=wait)
+
+    def resume(self) -> None:
+        progress = self.checkpoints.resume()
+        if progress is not None:
+            self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
+
+    def _progress(self) -> dict:
+        """trainer.json: where the loop is (the schema: toolkit/storage/meta.py)."""
+        t = self.cfg.train
+        return {"step": self.step, "consumed_samples": self.step * t.global_batch_size,
+                "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed,
+                "skipped_steps": self.skipped_steps}

@@ -1,0 +1,89 @@
+"""One rank of a training job: ``python -m toolkit.train.worker RUN_DIR/plan.json``.
+
+Started by the toolkit's launcher (which wrote the plan), or, through ``toolkit train`` itself, by
+torchrun, srun or the deepspeed launcher; reads its rank from the environment they set.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from toolkit import device
+from toolkit.config import RunConfig
+from toolkit.data import load_tokenizer, prepare_data
+from toolkit.parallel import init_process_group, seed_everything
+from toolkit.plan import Plan, read_plan, write_plan
+
+
+def run_worker(plan: Plan) -> None:
+    init_process_group()
+    rank = dist.get_rank()
+    if device.strict_requested():
+        device.enable_strict()
+    device.use_tf32(plan.config.model.tf32)
+    run_dir = Path(plan.config.run_dir)
+    if rank == 0 and not (run_dir / "plan.json").exists():  # a rank of torchrun / srun: record the plan
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_plan(plan, run_dir)
+    tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
+    seed_everything(plan.config.train.seed)
+    engine = _build_engine(plan, run_dir, rank)
+    from toolkit.train.trainer import Trainer
+    Trainer(plan, engine, data, tokenizer, run_dir).fit()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _prepare_data_rank0_first(cfg: RunConfig, rank: int):
+    """Rank 0 tokenizes and fills the cache; the others then read it (no concurrent cache writes)."""
+    if rank == 0:
+        tokenizer = load_tokenizer(cfg)
+        data = prepare_data(cfg, tokenizer)
+    dist.barrier()
+    if rank != 0:
+        tokenizer = load_tokenizer(cfg)
+        data = prepare_data(cfg, tokenizer)
+    return tokenizer, data
+
+
+def _build_engine(plan: Plan, run_dir: Path, rank: int):
+    if plan.config.backend == "megatron":
+        from toolkit.adapters.megatron import build_engine
+    else:
+        from toolkit.adapters.deepspeed import build_engine
+    return build_engine(plan, run_dir, rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    argv = [a for a in argv if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
+    if len(argv) != 1:
+        print("usage: python -m toolkit.train.worker RUN_DIR/plan.json (toolkit train writes it)", file=sys.stderr)
+        return 2
+    run_worker(read_plan(Path(argv[0])))
+    return 0
+
+
+def forked_main(plan_path: str, launcher_env: dict[str, str]) -> None:
+    """A rank forked by the launcher's forkserver (``toolkit.launch.elastic``); ``main`` otherwise."""
+    from toolkit.launch.elastic import adopt_launcher_env
+    adopt_launcher_env(launcher_env)
+    for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
+        stream.reconfigure(line_buffering=True)
+    main([plan_path])
+
+
+def preload_modules(backend: str) -> tuple[str, ...]:
+    """What a rank of ``backend`` imports before it trains, for the launcher's forkserver to import once.
+    Nothing that touches CUDA at import: the launcher forks ranks only on machines without a GPU."""
+    common = ("torch", "transformers.modeling_utils", "datasets", "toolkit.data", "toolkit.train.trainer",
+              "toolkit.train.worker")
+    if backend == "megatron":
+        return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
+    return (*common, "deepspeed", "toolkit.adapters.deepspeed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
