@@ -75,6 +75,7 @@ def _convert_and_resume(tmp_path, data_cache, model_dir, source, to_args, overri
     run_in_process(["convert", str(source / "checkpoints" / "step_00000002"),
              str(resumed / "checkpoints" / "step_00000002"), *to_args])
     train(resumed, data_cache, *STEPS, f"model.name_or_path={model_dir}", *overrides)
+    assert resumes(resumed) == [("step_00000002", K, "as saved")]  # the converted checkpoint, at its layout
     return losses(source), losses(resumed)
 
 

@@ -161,3 +161,4 @@ def test_resume_exact_over_a_long_window(zero, tmp_path, data_cache):
     train(tmp_path / "b", data_cache, *long, "restart.max_restarts=1", "restart.backoff_s=0.2",
           env={"TOOLKIT_FAULT": "kill:step=14:rank=1"})
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    assert resumes(tmp_path / "b") == [("step_00000012", 12, "as saved")]
