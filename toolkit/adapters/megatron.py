@@ -697,12 +697,15 @@ class MegatronEngine:
 
     # --- checkpoints (megatron torch_dist; optimizer fully reshardable) --------------------------------
 
+    def _model_sharded_state_dict(self) -> dict:
+        """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them)."""
+        return {"model" if len(self.model) == 1 else f"model{i}": chunk.module.sharded_state_dict()
+                for i, chunk in enumerate(self.model)}
+
     def _sharded_state_dict(self, is_loading: bool) -> dict:
-        """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them) and
-        ``optimizer``; tensors are keyed by global layer numbers, so any layout can load them."""
-        sd = {}
-        for i, chunk in enumerate(self.model):
-            sd["model" if len(self.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
+        """The model's and the ``optimizer``'s; tensors are keyed by global layer numbers, so any
+        layout can load them."""
+        sd = self._model_sharded_state_dict()
         # chained_optim_avoid_prefix: with ep > 1 megatron chains a dense and an expert optimizer;
         # without it their keys would differ from ep = 1's and no other ep could load them.
         sd["optimizer"] = self.optimizer.sharded_state_dict(
@@ -763,6 +766,9 @@ class MegatronEngine:
 
     def load(self, path: Path) -> None:
         from megatron.core import dist_checkpointing
+        if not _holds_optimizer_state(path):  # `toolkit convert --weights-only`: Adam starts fresh
+            self._load_weights_only(path)
+            return
         self._materialize_optimizer_state()
         self._tolerate_step_state()
         loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
@@ -770,6 +776,15 @@ class MegatronEngine:
             chunk.module.load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"], strict=True)
         self.optimizer.load_state_dict(self._param_groups_as_mine(loaded["optimizer"]))
         self._unshare_step_tensors()
+
+    def _load_weights_only(self, path: Path) -> None:
+        """The model's tensors only; the optimizer keeps its fresh state (no moments, step 0) and
+        takes its fp32 main weights from the loaded model."""
+        from megatron.core import dist_checkpointing
+        loaded = dist_checkpointing.load(self._model_sharded_state_dict(), str(path))
+        for i, chunk in enumerate(self.model):
+            chunk.module.load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"], strict=True)
+        self.optimizer.reload_model_params()
 
     def _param_groups_as_mine(self, loaded: dict) -> dict:
         """The loaded optimizer state with the param groups in this optimizer's structure.
@@ -869,6 +884,13 @@ class MegatronEngine:
     def layout(self) -> dict:
         m = self.cfg.megatron
         return {"dp": self.dp_size, "tp": m.tp, "pp": m.pp, "vpp": m.vpp, "ep": m.ep, "format": "torch_dist"}
+
+
+def _holds_optimizer_state(path: Path) -> bool:
+    """Whether a torch_dist checkpoint has optimizer tensors (from its DCP metadata, no tensor read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer.") for k in keys)
 
 
 def _saved_adam_step(loaded: dict) -> float:
