@@ -79,6 +79,8 @@ def test_loss_trajectory_matches_deepspeed(layout, runs, deepspeed_reference):
 
 
 def test_checkpoint_describes_itself_and_export_loads_in_hf(runs):
+    """The HF export loads with from_pretrained, and HF's own forward of it on the run's eval batches
+    gives the eval loss megatron recorded after the last step."""
     from transformers import AutoModelForCausalLM
     run_dir = runs("mcore_tp2", MEGATRON, "megatron.tp=2")
     ckpt = run_dir / "checkpoints" / "step_00000006"
@@ -88,10 +90,24 @@ def test_checkpoint_describes_itself_and_export_loads_in_hf(runs):
     assert engine_meta["vocab_size"] == 2048 and engine_meta["padded_vocab_size"] == 2048
     assert engine_meta["optimizer_sharding"] == "fully_reshardable"
     assert (ckpt / "engine" / "metadata.json").is_file()  # megatron's torch_dist
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final")
-    ids = torch.tensor([[1, 2, 3, 4]])
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final", dtype=torch.float32).eval()
+    assert _hf_eval_loss(model, run_dir) == pytest.approx(eval_losses(run_dir)[-1], rel=LOSS_RTOL)
+
+
+def _hf_eval_loss(model, run_dir) -> float:
+    """Mean token loss of an HF model on the eval micro-batches the trainer used (DP 1), from the
+    run's resolved config."""
+    from toolkit.config import load_config
+    from toolkit.data import eval_micro_batches, load_tokenizer, prepare_data
+    from toolkit.engine import token_loss_sum
+    cfg = load_config(run_dir / "config.yaml")
+    data = prepare_data(cfg, load_tokenizer(cfg))
+    total, count = 0.0, 0
     with torch.no_grad():
-        assert torch.isfinite(model(ids).logits).all()
+        for mb in eval_micro_batches(data.eval, 0, 1, cfg.train.micro_batch_size, cfg.train.eval_batches):
+            loss, n = token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"])
+            total, count = total + loss.double().item(), count + int(n)
+    return total / count
 
 
 def test_kill_9_and_resume_is_bitwise_exact(runs, tmp_path, data_cache):
