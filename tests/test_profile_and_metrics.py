@@ -119,6 +119,7 @@ def test_profile_run_writes_summary_and_logs_to_tensorboard_and_wandb(tmp_path, 
         assert sum(k["mb_per_step"] for k in s["collectives"].values()) > 0  # ZeRO-2 moves gradients
     assert (run_dir / "profile" / "trace_rank_00000.json").stat().st_size > 0
     assert "| collective |" in (run_dir / "profile" / "summary.md").read_text()
+    print("\n" + (run_dir / "profile" / "summary.md").read_text())  # README quotes this table
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert not any("mfu" in r for r in rows)  # no GPU: no peak, no MFU
     want = [(r["step"], r["loss"]) for r in rows if "loss" in r]
