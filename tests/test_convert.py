@@ -188,7 +188,8 @@ def test_optimizer_state_both_ways_as_deepspeed_and_megatron_load_it(zero_ckpts,
     convert(src, tmp_path / "meg", to="megatron")
     convert(tmp_path / "meg", tmp_path / "zero", to="zero", dp=1, zero_stage=2)
     for to, args in (("zero", {"dp": 1, "zero_stage": 2}), ("megatron", {})):
-        assert convert(src, tmp_path / f"{to}_weights_only", to=to, weights_only=True, **args)["optimizer_state"] is False
+        summary = convert(src, tmp_path / f"{to}_weights_only", to=to, weights_only=True, **args)
+        assert summary["optimizer_state"] is False
     ckpts = {"zero_src": src, "meg": tmp_path / "meg" / "engine", "zero_out": tmp_path / "zero" / "engine",
              "zero_weights_only": tmp_path / "zero_weights_only" / "engine",
              "meg_weights_only": tmp_path / "megatron_weights_only" / "engine"}
