@@ -172,6 +172,14 @@ def runs(tmp_path_factory, data_cache):
     return get
 
 
+@pytest.fixture(scope="session")
+def uneven_runs(tmp_path_factory, data_cache):
+    """Runs on instruction data whose micro-batches and DP ranks hold very different numbers of
+    valid tokens (``tests/uneven_data.py``), each mode trained once per session."""
+    from tests.uneven_data import UnevenRuns
+    return UnevenRuns(tmp_path_factory.mktemp("uneven"), data_cache)
+
+
 def _has_container_tests_and_others(nodeids: list[str]) -> bool:
     container = [n for n in nodeids if n.startswith("tests/test_container.py")]
     return 0 < len(container) < len(nodeids)

@@ -80,10 +80,21 @@ def build_zero_checkpoints(tmp_path_factory, name: str, matrix) -> Path:
 def load_universal(rank: int, world: int, family: str, stage: int, ckpt: str):
     """DeepSpeed's own load_checkpoint of a universal checkpoint at (stage, world); the full fp32
     weights and Adam moments it then holds, gathered with DeepSpeed's own accessors."""
+    engine, out, steps = _deepspeed_loaded(family, stage, world, ckpt, universal=True)
+    _step(engine, rank, engine.module.config.vocab_size, 7)  # it trains on from there
+    engine.destroy()
+    return {"tensors": out if rank == 0 else None, "steps": steps}
+
+
+def _deepspeed_loaded(family: str, stage: int, world: int, ckpt: str, universal: bool):
+    """(engine, {HF name: {param, exp_avg, exp_avg_sq}}, {Adam step as 'type value'}) after
+    DeepSpeed's own load_checkpoint, read with DeepSpeed's own accessors."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    engine = _engine(family, stage, world, universal=True, seed=99)  # other init: all must come from ckpt
+    engine = _engine(family, stage, world, universal=universal, seed=99)  # other init: all must come from ckpt
     path, _ = engine.load_checkpoint(ckpt, load_optimizer_states=True, load_lr_scheduler_states=False)
     assert path is not None
+    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1-2 link these at the first
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # step; a universal load links them itself
     out = {}
     for name, p in engine.module.named_parameters():
         out[name] = {"param": safe_get_full_fp32_param(p).clone(),
@@ -91,13 +102,68 @@ def load_universal(rank: int, world: int, family: str, stage: int, ckpt: str):
                      "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone()}
     steps = {str(type(s.get("step"))) + str(s.get("step")) for s in engine.optimizer.optimizer.state.values()} \
         if hasattr(engine.optimizer, "optimizer") else set()
-    _step(engine, rank, engine.module.config.vocab_size, 7)  # it trains on from there
-    return {"tensors": out if rank == 0 else None, "steps": steps}
+    return engine, out, steps
+
+
+def _megatron_loaded(family: str, ckpt: str) -> dict:
+    """{HF name: {param, exp_avg, exp_avg_sq}} and Adam steps that megatron-core's own
+    dist_checkpointing.load (through MegatronEngine.load, one rank: the distributed optimizer holds
+    every parameter whole) puts into the model and megatron's distributed optimizer. Moments are
+    mapped to HF names by the same export path as the weights (``hf_state``)."""
+    from megatron.core import parallel_state
+
+    from tests.conftest import megatron_engine
+    from toolkit.config import validate
+    model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
+    cfg = validate({"backend": "megatron", "train": {"global_batch_size": 1, "micro_batch_size": 1}})
+    engine = megatron_engine(cfg, model)
+    engine.load(Path(ckpt))
+    steps = set()
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for chunk in engine.model:
+            for p in chunk.module.parameters():
+                group, order = opt.model_param_group_index_map[p]
+                state = opt.optimizer.state.get(opt.optimizer.param_groups[group]["params"][order])
+                if not state:  # a fresh torch Adam: zero moments, step 0 (it creates them at its first step)
+                    state = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": 0}
+                assert state["exp_avg"].numel() == p.numel()  # one DP rank: the whole parameter
+                p.loaded_exp_avg, p.loaded_exp_avg_sq = (state[k].view(p.shape) for k in ("exp_avg", "exp_avg_sq"))
+                steps.add(float(state["step"]))
+    loaded = {"param": engine.hf_state(), "exp_avg": engine.hf_state("loaded_exp_avg"),
+              "exp_avg_sq": engine.hf_state("loaded_exp_avg_sq")}
+    parallel_state.destroy_model_parallel()
+    return {"tensors": {n: {k: v[n] for k, v in loaded.items()} for n in loaded["param"]}, "steps": steps}
+
+
+def optimizer_state_by_engines(rank: int, world: int, family: str, ckpts: dict[str, str]) -> dict:
+    """One rank: {name: what DeepSpeed's or megatron-core's own loader holds after loading that
+    checkpoint}. ``ckpts``: name -> path, a name starting with ``zero_src`` (DeepSpeed's own save),
+    ``zero`` (a universal checkpoint) or ``meg``. DeepSpeed first: megatron's CPU layer stays on for
+    the rest of the process."""
+    views = {}
+    for name, ckpt in sorted(ckpts.items(), key=lambda kv: kv[0].startswith("meg")):
+        if name.startswith("meg"):
+            views[name] = _megatron_loaded(family, ckpt)
+            continue
+        engine, tensors, steps = _deepspeed_loaded(family, 2, world, ckpt, universal=not name.startswith("zero_src"))
+        engine.destroy()
+        views[name] = {"tensors": tensors, "steps": steps}
+    return views
 
 
 def write_config(path: Path, family: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(tiny_model(family).config.to_dict()))
+
+
+def megatron_load_families(rank: int, world: int, tp: int, pp: int, ckpts: dict[str, str], ep: int = 1):
+    """``megatron_load`` of each family's checkpoint in turn on these ranks: {family: HF weights}."""
+    from megatron.core import parallel_state
+    out = {}
+    for family, ckpt in ckpts.items():
+        out[family] = megatron_load(rank, world, family, tp, pp, ckpt, ep)["weights"]
+        parallel_state.destroy_model_parallel()
+    return out
 
 
 def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str, ep: int = 1):

@@ -29,20 +29,27 @@ def test_retention_keeps_last_n(tmp_path):
 
 
 def test_broken_checkpoints_are_skipped_not_deleted(tmp_path):
+    """Newest first, each broken checkpoint is skipped and named with its own problem; the
+    half-written save (a staging directory) is not a checkpoint at all; nothing is deleted."""
     logs = []
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointManager(tmp_path, keep_last=6)
     good = _save(mgr, 1)
     flipped = _save(mgr, 2)
     truncated = _save(mgr, 3)
     half_written = mgr.begin(4)  # a crash before commit: only the staging dir exists
     (half_written / "x").write_text("partial")
+    unmarked = _save(mgr, 5)
+    (unmarked / "COMPLETE").unlink()  # a copy without its marker (e.g. rsync'd while being written)
     data = bytearray((flipped / "engine" / "weights.bin").read_bytes())
     data[10] ^= 1
     (flipped / "engine" / "weights.bin").write_bytes(bytes(data))
     (truncated / "engine" / "weights.bin").write_bytes(b"x" * 50)
     assert find_latest_complete(tmp_path, log=logs.append) == good
-    assert any("truncated" in m for m in logs) and any("corrupted" in m for m in logs)
-    assert flipped.exists() and truncated.exists()
+    assert logs == [
+        f"skipping checkpoint step_00000005: {unmarked}: no COMPLETE marker (the save did not finish)",
+        "skipping checkpoint step_00000003: engine/weights.bin: 50 bytes, manifest says 100 (truncated?)",
+        "skipping checkpoint step_00000002: engine/weights.bin: sha256 differs from the manifest (corrupted)"]
+    assert all(p.exists() for p in (flipped, truncated, unmarked, half_written))
 
 
 def test_missing_complete_marker(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import torch
 
 from tests.conftest import run_cli, run_in_process
 from tests.convert_helpers import (FAMILIES, FROZEN, MOE_FAMILIES, STAGES, build_zero_checkpoints, load_universal,
-                                    megatron_load, save_legacy_megatron)
+                                    megatron_load, megatron_load_families, optimizer_state_by_engines,
+                                    save_legacy_megatron)
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
 from toolkit.convert.canonical import hf_config_object
@@ -142,29 +144,72 @@ def test_deepspeed_load_checkpoint_resumes_universal_output_exactly(zero_ckpts, 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_megatron_core_loads_converted_checkpoint(zero_ckpts, tmp_path, monkeypatch, tp, pp):
-    """megatron-core's dist_checkpointing.load of our torch_dist output (converted from ZeRO-3,
-    tied embeddings, vocab in row blocks) at TP/PP 1 and 2 gives exactly the source weights."""
+    """megatron-core's dist_checkpointing.load of our torch_dist output (converted from ZeRO-3;
+    tied and untied embeddings, QKV biases, learned positions, vocab in row blocks) at TP/PP 1 and 2
+    gives exactly the source weights, for every dense family (one job per layout loads them in turn)."""
     monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)
-    src = open_source(zero_ckpts / "qwen2-z3-dp3")
-    convert(src.path, tmp_path / "meg", to="megatron", tp=tp, pp=pp)
-    ranks = run_ranks(megatron_load, tp * pp, tmp_path, "qwen2", tp, pp, str(tmp_path / "meg" / "engine"))
-    weights = ranks[0]["weights"]
+    sources = {f: open_source(zero_ckpts / f"{f}-z3-dp3") for f in FAMILIES}
+    for family, src in sources.items():
+        convert(src.path, tmp_path / family, to="megatron", tp=tp, pp=pp)
+    ckpts = {f: str(tmp_path / f / "engine") for f in FAMILIES}
+    loaded = run_ranks(megatron_load_families, tp * pp, tmp_path, tp, pp, ckpts)[0]
+    for family, src in sources.items():
+        _loaded_exactly(loaded[family], src)
+
+
+def _loaded_exactly(weights: dict, src) -> None:
+    if src.tied:
+        assert torch.equal(weights.pop("lm_head.weight"), weights[next(n for n in src.names() if "embed_tokens" in n
+                                                                       or "wte" in n)])
+    assert sorted(weights) == sorted(src.names()), src.path
     for name in src.names():
-        assert torch.equal(weights[name], src.read(name)), name
+        assert torch.equal(weights[name], src.read(name)), (src.path, name)
 
 
-def test_megatron_core_loads_converted_moe_checkpoint_at_ep2(zero_ckpts, tmp_path):
-    """A ZeRO-3 qwen2_moe checkpoint (packed experts, gated shared expert, tied embeddings) converted
-    for EP=2 and loaded by megatron-core on 2 ranks, each holding 2 of the 4 experts: exact weights."""
-    src = open_source(zero_ckpts / "qwen2_moe-z3-dp3")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_megatron_core_loads_converted_moe_checkpoint_at_ep2(zero_ckpts, tmp_path, family):
+    """A ZeRO-3 MoE checkpoint (packed experts; qwen2_moe: gated shared expert, tied embeddings)
+    converted for EP=2 and loaded by megatron-core on 2 ranks, each holding 2 of the 4 experts: exact weights."""
+    src = open_source(zero_ckpts / f"{family}-z3-dp3")
     _refused(src.path, tmp_path / "meg", "choose dp a multiple of 2", to="megatron", ep=2, dp=3)
     convert(src.path, tmp_path / "meg", to="megatron", ep=2)  # dp defaults to ep
-    ranks = run_ranks(megatron_load, 2, tmp_path, "qwen2_moe", 1, 1, str(tmp_path / "meg" / "engine"), 2)
-    weights = ranks[0]["weights"]
-    assert src.tied and torch.equal(weights.pop("lm_head.weight"), weights["model.embed_tokens.weight"])
-    assert sorted(weights) == sorted(src.names())
-    for name in src.names():
-        assert torch.equal(weights[name], src.read(name)), name
+    ranks = run_ranks(megatron_load, 2, tmp_path, family, 1, 1, str(tmp_path / "meg" / "engine"), 2)
+    _loaded_exactly(ranks[0]["weights"], src)
+
+
+def test_optimizer_state_both_ways_as_deepspeed_and_megatron_load_it(zero_ckpts, tmp_path):
+    """Moments judged by loaders we did not write, one path each way. ZeRO -> Megatron: what
+    megatron-core's load puts into its distributed optimizer equals what DeepSpeed's own
+    load_checkpoint reads from the source as DeepSpeed saved it. Megatron -> ZeRO: DeepSpeed's load
+    of our ZeRO conversion of that Megatron output equals megatron-core's view of it. (The toolkit's
+    readers play no part.) And --weights-only outputs load in both with the source's weights, zero
+    moments and step 0."""
+    src = zero_ckpts / "qwen2-z2-dp1"
+    convert(src, tmp_path / "meg", to="megatron")
+    convert(tmp_path / "meg", tmp_path / "zero", to="zero", dp=1, zero_stage=2)
+    for to, args in (("zero", {"dp": 1, "zero_stage": 2}), ("megatron", {})):
+        summary = convert(src, tmp_path / f"{to}_weights_only", to=to, weights_only=True, **args)
+        assert summary["optimizer_state"] is False
+    ckpts = {"zero_src": src, "meg": tmp_path / "meg" / "engine", "zero_out": tmp_path / "zero" / "engine",
+             "zero_weights_only": tmp_path / "zero_weights_only" / "engine",
+             "meg_weights_only": tmp_path / "megatron_weights_only" / "engine"}
+    views = run_ranks(optimizer_state_by_engines, 1, tmp_path, "qwen2", {k: str(v) for k, v in ckpts.items()})[0]
+    deepspeed_src = views["zero_src"]["tensors"]
+    assert views["zero_src"]["steps"] == views["zero_out"]["steps"] == {"<class 'int'>2"}
+    assert views["meg"]["steps"] == {2.0}
+    assert all(t["exp_avg"].abs().max() > 0 for t in deepspeed_src.values())  # trained: real moments
+    megatron = views["meg"]["tensors"]
+    assert set(megatron) - {"lm_head.weight"} == set(deepspeed_src)  # DeepSpeed lists the tied head once
+    for name, want in deepspeed_src.items():
+        for state, tensor in want.items():
+            assert torch.equal(megatron[name][state], tensor), ("zero -> megatron", name, state)
+            assert torch.equal(views["zero_out"]["tensors"][name][state], tensor), ("megatron -> zero", name, state)
+    assert views["zero_weights_only"]["steps"] == {"<class 'int'>0"} and views["meg_weights_only"]["steps"] == {0.0}
+    for view in ("zero_weights_only", "meg_weights_only"):
+        for name, want in deepspeed_src.items():
+            got = views[view]["tensors"][name]
+            assert torch.equal(got["param"], want["param"]), (view, name)
+            assert not got["exp_avg"].any() and not got["exp_avg_sq"].any(), (view, name)
 
 
 # --- refusals: each with its own message, DST never created -----------------------------------------------
@@ -266,6 +311,65 @@ def test_cli_convert_verify_and_inspect(zero_ckpts, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     bad = run_in_process(["convert", str(ckpt), str(tmp_path / "x"), "--to", "megatron", "--tp", "3"], check=False)
     assert bad.returncode == 2 and "choose tp in [1, 2]" in bad.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen2_megatron(zero_ckpts, tmp_path_factory) -> Path:
+    """qwen2 (ZeRO-2, DP 2) as a Megatron checkpoint: a source that --to hf writes through the torch path."""
+    out = tmp_path_factory.mktemp("qwen2_megatron") / "meg"
+    convert(zero_ckpts / "qwen2-z2-dp2", out, to="megatron")
+    return out
+
+
+def _verify_cli(src: Path, dst: Path, *args: str):
+    proc = run_in_process(["convert", str(src), str(dst), "--verify", *args], check=False)
+    logits = re.search(r"logits: max \|diff\| (\S+) \(allowed (\S+)\)", proc.stdout)
+    return proc, (float(logits[1]), float(logits[2])) if logits else None
+
+
+def test_verify_exits_1_when_dst_holds_a_wrong_tensor(qwen2_megatron, tmp_path, monkeypatch):
+    """A writer bug (one element of one tensor written as 0): --verify names it and exits 1."""
+    from toolkit.convert import hf
+    correct = hf._tensor_writer
+
+    def zeroes_the_last_element_of_the_norm(source, dtype):
+        write = correct(source, dtype)
+
+        def buggy(f, name):
+            nbytes = write(f, name)
+            if name == "model.norm.weight":
+                f.seek(-4, os.SEEK_CUR)
+                f.write(bytes(4))
+            return nbytes
+        return buggy
+    monkeypatch.setattr(hf, "_tensor_writer", zeroes_the_last_element_of_the_norm)
+    proc, _ = _verify_cli(qwen2_megatron, tmp_path / "hf")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 differ (model.norm.weight)" in proc.stdout and "verify: MISMATCH" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_verify_judges_the_logits_of_dst_as_stored(qwen2_megatron, tmp_path, monkeypatch, dtype):
+    """The logits check compares SRC's forward at full precision with DST's as stored: exact in fp32,
+    a nonzero rounding effect within the dtype's bound in bf16/fp16 (comparing rounded weights again
+    would report 0). A DST whose tensors are all right but whose config.json is wrong (a writer bug:
+    rms_norm_eps 1e-6 -> 1e-2) fails on the logits alone, with exit 1."""
+    from toolkit.convert import hf
+    proc, (diff, allowed) = _verify_cli(qwen2_megatron, tmp_path / "good", "--dtype", dtype)
+    assert proc.returncode == 0 and "0 differ" in proc.stdout, proc.stdout + proc.stderr
+    print(f"\n{dtype}: logits max |diff| {diff:.3g}, allowed {allowed:.3g}")
+    if dtype == "fp32":
+        assert diff == 0
+    else:  # measured 1.9e-3 (bf16) and 1.7e-4 (fp16) of max |logit| ~1
+        assert 0 < diff <= allowed, f"logits max |diff| {diff} (allowed {allowed})"
+    correct = hf.write_hf_files
+
+    def wrong_norm_eps(out, slots, write, config, *args, **kw):
+        return correct(out, slots, write, {**config, "rms_norm_eps": 1e-2}, *args, **kw)
+    monkeypatch.setattr(hf, "write_hf_files", wrong_norm_eps)
+    proc, (diff, allowed) = _verify_cli(qwen2_megatron, tmp_path / "bad", "--dtype", dtype)
+    assert proc.returncode == 1 and "0 differ" in proc.stdout and "verify: MISMATCH" in proc.stdout
+    assert diff > allowed
 
 
 def test_plain_deepspeed_checkpoint_without_config_needs_hf_config(zero_ckpts, tmp_path):

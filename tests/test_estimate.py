@@ -151,8 +151,14 @@ def test_dry_run_errors_name_field_value_constraint_and_fix(capsys, sets, messag
     assert message in capsys.readouterr().err
 
 
+MODEL_STATE_RATIO = (0.99, 1.02)
+"""measured / estimated model state, what README promises ("within 2%"). Measured: ZeRO-0 1.004,
+ZeRO-1/2 1.005, ZeRO-3 1.013, Megatron TP2 1.001, PP2 1.001-1.003 (never below 1: the estimate
+leaves out small allocations, e.g. DeepSpeed's flat-buffer padding)."""
+
+
 @pytest.mark.slow
-def test_model_state_within_15_percent_of_what_real_engines_hold(tmp_path):
+def test_model_state_within_2_percent_of_what_real_engines_hold(tmp_path):
     """ZeRO 0-3 (DeepSpeed's own JSON with "auto" buckets) and Megatron TP2 / PP2, 2 ranks each."""
     model = tmp_path / "model"
     model.mkdir()
@@ -171,7 +177,7 @@ def test_model_state_within_15_percent_of_what_real_engines_hold(tmp_path):
         ratio = measured / est.model_state
         print(f"{lay.describe():32s} rank {rank}: estimated {est.model_state / 2**20:7.2f} MiB, "
               f"measured {measured / 2**20:7.2f} MiB ({ratio:.3f})")
-        assert 0.85 <= ratio <= 1.15, (overrides, rank, est.model_state, measured)
+        assert MODEL_STATE_RATIO[0] <= ratio <= MODEL_STATE_RATIO[1], (lay.describe(), rank, ratio)
 
 
 def _auto_buckets(tmp_path, stage: int) -> str:
@@ -204,7 +210,7 @@ def _stage_memory(cfg, lay, rank: int):
     return _megatron_stage_memory(cfg, model_spec(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
 
 
-def test_activation_model_within_15_percent_of_what_autograd_saves():
+def test_activation_model_within_8_percent_of_what_autograd_saves():
     """The demo Llama, one micro-batch of 4 x 256 tokens, fp32: bytes autograd saves for backward
     (saved-tensor hooks; weights excluded) against the per-layer activation model."""
     import torch
@@ -229,4 +235,4 @@ def test_activation_model_within_15_percent_of_what_autograd_saves():
     shape = model_spec(_hf(cfg))
     estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False, logits=False)
     print(f"layers: estimated {estimated / 2**20:.1f} MiB, autograd saved {measured / 2**20:.1f} MiB")
-    assert 0.85 <= measured / estimated <= 1.15
+    assert 0.97 <= measured / estimated <= 1.08  # measured 1.043 (41.7 MiB saved, 40.0 MiB estimated)

@@ -25,8 +25,10 @@ EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp
     "pp2_uneven_1_3": (1, 2, {"first_stage_layers": 1}),
     "tp2_sequence_parallel": (2, 1, {"sequence_parallel": True}),  # norms' grads summed over TP
 }
-LOGIT_TOL = 2e-5  # float32 rounding of different matmul shapes and reduction orders
-GRAD_TOL = 2e-5
+LOGIT_TOL = 2e-6  # float32 rounding of other matmul shapes and reduction orders: measured 2.7e-7 (MoE 3.0e-7)
+GRAD_RTOL = 2e-5  # measured worst 5.1e-6 (qwen2 q_proj.weight at TP2); 1e-6 for the other families
+"""Per parameter: max |megatron - HF| <= GRAD_RTOL x max |HF| of that parameter's own gradient.
+(A flat 2e-5 let a 40% error through in small gradients such as qwen2's q_proj.bias.)"""
 
 
 def batches(vocab: int, n_micro: int = 4, mbs: int = 1, seq: int = 16, seed: int = 3):
@@ -83,13 +85,52 @@ def _one_layout(family, tp, pp, extra) -> dict:
     got = engine.logits(mine)
     engine.forward_backward(mine, tokens, complete_grads=True)  # all-reduced: whole grads to compare
     grads = engine.hf_state(attr="main_grad")
-    out = {}
-    if got is not None:
-        out["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits[0::dp]))
+    out = {"dp": dp, "logits": logit_gaps(engine, got, ref_logits)}
     if grads is not None:
-        out["grads"] = {n: ((grads[n] - g).abs().max().item(), g.abs().max().item()) for n, g in ref_grads.items()}
+        out["grads"] = {n: grad_gap(grads[n], g) for n, g in ref_grads.items()}
         out["missing_grads"] = sorted(set(ref_grads) - set(grads))
     return out
+
+
+def logit_gaps(engine, got, ref_logits) -> dict[int, float]:
+    """{this DP rank: max |logit difference| over its micro-batches} where this rank holds logits
+    (the last stage's TP rank 0 of each DP replica), else {}."""
+    if got is None:
+        return {}
+    mine = ref_logits[engine.dp_rank::engine.dp_size]
+    assert len(got) == len(mine)
+    return {engine.dp_rank: max((a - b).abs().max().item() for a, b in zip(got, mine))}
+
+
+def grad_gap(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |got - ref|, max |ref|) of one parameter's gradient."""
+    return (got - ref).abs().max().item(), ref.abs().max().item()
+
+
+def grad_mismatches(grads: dict[str, tuple[float, float]], rtol: float) -> dict[str, tuple[float, float]]:
+    """Parameters whose gradient differs by more than ``rtol`` of its own largest entry."""
+    return {n: (diff, scale) for n, (diff, scale) in grads.items() if diff > rtol * scale}
+
+
+def worst_ratio(grads: dict[str, tuple[float, float]]) -> tuple[float, str]:
+    return max((diff / scale if scale else float(diff > 0), n) for n, (diff, scale) in grads.items())
+
+
+def merge_ranks(ranks: list[dict]) -> dict:
+    """Per (layout, family): the logit gaps of every DP rank that holds logits, the rest from rank 0."""
+    merged = {}
+    for r in ranks:
+        for key, d in r.items():
+            m = merged.setdefault(key, {"logits": {}})
+            m["logits"].update(d["logits"])
+            m.update({k: v for k, v in d.items() if k != "logits"})
+    return merged
+
+
+def assert_logits_on_every_dp_rank(d: dict) -> None:
+    assert sorted(d["logits"]) == list(range(d["dp"])), f"logits from DP ranks {sorted(d['logits'])} of {d['dp']}"
+    bad = {r: gap for r, gap in d["logits"].items() if not gap < LOGIT_TOL}
+    assert not bad, bad
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +139,11 @@ def parity(tmp_path_factory):
     jobs = {2: {n: x for n, x in layouts.items() if n != "tp2_pp2"}, 4: {"tp2_pp2": layouts["tp2_pp2"]}}
     ranks = [r for world, job in jobs.items()
              for r in run_ranks(_rank_parity, world, tmp_path_factory.mktemp(f"parity{world}"), job, timeout=1200)]
-    merged = {}
-    for r in ranks:
-        for key, d in r.items():
-            merged.setdefault(key, {}).update(d)
-    print("\nmax |diff| HF vs megatron per family and layout:")
+    merged = merge_ranks(ranks)
+    print("\nHF vs megatron per family and layout: max |logit diff| per DP rank; worst gradient, relative "
+          "to its own max |grad|:")
     for (name, family), d in merged.items():
-        print(f"  {name} {family}: logits {d['logits']:.2e} grads {max(x[0] for x in d['grads'].values()):.2e}")
+        print(f"  {name} {family}: logits {d['logits']} grads {worst_ratio(d['grads'])}")
     return merged
 
 
@@ -112,21 +151,20 @@ def parity(tmp_path_factory):
 def test_layout_options_change_nothing(parity, name):
     for family in FAMILIES:
         d = parity[(name, family)]
-        assert d["logits"] < LOGIT_TOL, family
+        assert_logits_on_every_dp_rank(d)
         assert d["missing_grads"] == []
-        assert all(diff <= GRAD_TOL * max(scale, 1.0) for diff, scale in d["grads"].values()), family
+        assert not grad_mismatches(d["grads"], GRAD_RTOL), family
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(parity, family, tp, pp):
-    assert parity[(f"tp{tp}_pp{pp}", family)]["logits"] < LOGIT_TOL
+    assert_logits_on_every_dp_rank(parity[(f"tp{tp}_pp{pp}", family)])
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_hf_per_parameter(parity, family, tp, pp):
     assert parity[(f"tp{tp}_pp{pp}", family)]["missing_grads"] == []
-    grads = parity[(f"tp{tp}_pp{pp}", family)]["grads"]
-    bad = {n: d for n, (d, scale) in grads.items() if d > GRAD_TOL * max(scale, 1.0)}
+    bad = grad_mismatches(parity[(f"tp{tp}_pp{pp}", family)]["grads"], GRAD_RTOL)
     assert not bad, bad

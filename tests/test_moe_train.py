@@ -50,11 +50,14 @@ def records(run_dir):
 def test_megatron_ep2_and_deepspeed_zero3_agree_aux_loss_included(runs):
     zero3, ep2 = records(runs("zero3", "zero.stage=3")), records(runs("ep2", *EP2))
     assert len(zero3) == len(ep2) == 4
+    gaps = {k: max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(zero3, ep2))
+            for k in ("loss", "moe_aux_loss", "grad_norm")}
+    print(f"\nmax relative gap megatron EP=2 vs ZeRO-3: {gaps}")  # README quotes this
     for a, b in zip(zero3, ep2):
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5)  # measured: 6.4e-8 at most
-        assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=3e-7)  # measured 4.8e-8
+        assert b["moe_aux_loss"] == pytest.approx(a["moe_aux_loss"], rel=3e-7)  # measured 4.4e-8
         assert b["moe_expert_tokens"] == a["moe_expert_tokens"]  # the same routing decisions
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-5)  # measured 3.9e-6
         assert sum(a["moe_expert_tokens"][0]) == 8 * 32 * 2  # global batch x seq x top-k, per layer
         assert a["moe_load_max"] >= 1.0 and 1.0 < a["moe_aux_loss"] < 4.0  # 2 = an even load at top-2
 
@@ -75,6 +78,7 @@ def _convert_and_resume(tmp_path, data_cache, model_dir, source, to_args, overri
     run_in_process(["convert", str(source / "checkpoints" / "step_00000002"),
              str(resumed / "checkpoints" / "step_00000002"), *to_args])
     train(resumed, data_cache, *STEPS, f"model.name_or_path={model_dir}", *overrides)
+    assert resumes(resumed) == [("step_00000002", K, "as saved")]  # the converted checkpoint, at its layout
     return losses(source), losses(resumed)
 
 

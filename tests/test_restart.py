@@ -33,6 +33,9 @@ def test_kill_exception_and_divergence_recover_exactly(tmp_path, data_cache, uni
     train(run_dir, data_cache, *RESTART, "restart.divergence_every=1", "restart.straggler_every=2",
           env={"TOOLKIT_FAULT": faults})
     assert losses(run_dir) == uninterrupted
+    # killed after step 3 and diverged at step 4 (both before step 4's save): step 2; raised at 5: step 4
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved"), ("step_00000002", 2, "as saved"),
+                                ("step_00000004", 4, "as saved")]
     ev = events(run_dir)
     assert kinds(run_dir).count("restart") == 3 and "divergence" in kinds(run_dir)
     killed = [e for e in ev if e["kind"] == "failure" and e["signal"] == "SIGKILL"]
@@ -49,6 +52,7 @@ def test_hang_is_detected_named_and_restarted(tmp_path, data_cache, uninterrupte
     run_dir = tmp_path / "run"
     train(run_dir, data_cache, *RESTART, "restart.hang_timeout_s=15", env={"TOOLKIT_FAULT": "hang:step=3:rank=1"})
     assert losses(run_dir) == uninterrupted
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved")]
     hang = next(e for e in events(run_dir) if e["kind"] == "hang")
     assert hang["stuck_ranks"] == [1] and hang["step"] == 3
     assert "faults.py" in (run_dir / "stacks" / "rank_00001.txt").read_text()
@@ -62,16 +66,20 @@ def test_sigterm_saves_and_exits_then_resumes(tmp_path, data_cache, uninterrupte
     assert "preempt_saved" in kinds(run_dir) and "restart" not in kinds(run_dir)
     train(run_dir, data_cache, *RESTART)
     assert losses(run_dir) == uninterrupted
+    assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
 
 
 def test_kill_during_save_and_corrupt_checkpoint(tmp_path, data_cache, uninterrupted):
     """step 2 is committed then corrupted; step 4's save is killed half-way: the restart must skip
-    both (one incomplete, one failing its checksum) and start over, not load poison."""
+    both (the half-written step 4 never became a checkpoint: only its staging directory exists; step
+    2 fails its checksum) and start over, not load poison."""
     run_dir = tmp_path / "run"
     train(run_dir, data_cache, *RESTART, env={"TOOLKIT_FAULT": "corrupt:step=2:rank=0;kill_in_save:step=4:rank=1"})
     assert losses(run_dir) == uninterrupted
-    skipped = [e for e in events(run_dir) if e["kind"] == "checkpoint_skipped"]
-    assert any("step_00000002" in e["reason"] and "corrupted" in e["reason"] for e in skipped)
+    assert resumes(run_dir) == []  # nothing loadable: the restart started from step 0
+    skipped = [e["reason"] for e in events(run_dir) if e["kind"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0].startswith("skipping checkpoint step_00000002: "), skipped
+    assert "sha256 differs from the manifest (corrupted)" in skipped[0]
     assert not any((run_dir / "checkpoints").glob(".staging-step_00000004"))  # redone and committed
 
 
@@ -137,9 +145,11 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninter
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, out[-3000:]
-    assert "preempt_saved" in kinds(run_dir)
+    saved = [e["step"] for e in events(run_dir) if e["kind"] == "preempt_saved"]
+    assert len(saved) == 1 and saved[0] >= 2
     train(run_dir, data_cache, *RESTART)
     assert losses(run_dir) == uninterrupted
+    assert resumes(run_dir) == [(f"step_{saved[0]:08d}", saved[0], "as saved")]
 
 
 def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, uninterrupted):

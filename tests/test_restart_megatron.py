@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import losses, train
+from tests.conftest import losses, resumes, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -36,11 +36,17 @@ def test_crash_corruption_and_divergence_recover_exactly(tmp_path, data_cache, u
     train(run_dir, data_cache, *MEGATRON, "restart.max_restarts=5", "restart.divergence_every=1",
           nproc=NPROC, env={"TOOLKIT_FAULT": faults})
     assert losses(run_dir) == uninterrupted
+    # kill at 3: step 2 corrupted, start over; save of 4 killed: step 2 (saved again); diverge at 5
+    # and raise at 6: step 4
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved"), ("step_00000004", 4, "as saved"),
+                                ("step_00000004", 4, "as saved")]
     ev = events(run_dir)
     kinds = [e["kind"] for e in ev]
     assert kinds.count("restart") == 4, kinds
     assert any(e["kind"] == "failure" and e["signal"] == "SIGKILL" and e["rank"] == 1 for e in ev)
-    assert any(e["kind"] == "checkpoint_skipped" and "corrupted" in e["reason"] for e in ev)
+    skipped = [e["reason"] for e in ev if e["kind"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0].startswith("skipping checkpoint step_00000002: "), skipped
+    assert "(corrupted)" in skipped[0]
     divergence = next(e for e in ev if e["kind"] == "divergence")
     assert sorted(divergence["replica_groups"]) == [[1], [3]], divergence  # the tp-rank-1 replicas
     assert not any((run_dir / "checkpoints").glob(".staging-*"))
@@ -61,5 +67,7 @@ def test_hang_then_preemption_then_resume(tmp_path, data_cache, uninterrupted):
     assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").exists()
     train(run_dir, data_cache, *MEGATRON, *asynchronous, "restart.max_restarts=2", nproc=NPROC)
     assert losses(run_dir) == uninterrupted
+    # the hang at step 2 came before step 2's save: the restart started over; then the preemption's
+    assert resumes(run_dir) == [("step_00000004", 4, "as saved")]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["async"] for r in rows if r.get("event") == "checkpoint")

@@ -52,8 +52,11 @@ def test_kill_9_and_resume_is_bitwise_exact(stage, runs, tmp_path, data_cache):
 
 
 def test_checkpoint_is_self_describing_and_loads_in_hf(runs):
+    """The HF export loads with from_pretrained and holds, tensor for tensor, what DeepSpeed's own
+    zero_to_fp32 reconstructs from the last checkpoint."""
     import json
 
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
     run_dir = runs("zero2", "zero.stage=2")
     ckpt = run_dir / "checkpoints" / "step_00000006"
@@ -61,8 +64,11 @@ def test_checkpoint_is_self_describing_and_loads_in_hf(runs):
     assert meta["format"] == "toolkit-deepspeed" and meta["family"] == "llama" and meta["step"] == 6
     assert meta["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}
     assert (ckpt / "engine" / "global_step6").is_dir() and (ckpt / "config.json").exists()
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final")
-    assert sum(p.numel() for p in model.parameters()) > 0
+    loaded = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final", dtype=torch.float32).state_dict()
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "engine"))
+    assert set(reference) <= set(loaded)
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor.float()), name
     assert (run_dir / "ds_config.json").exists() and (run_dir / "config.yaml").exists()
 
 
@@ -169,3 +175,4 @@ def test_resume_exact_over_a_long_window(zero, tmp_path, data_cache):
     train(tmp_path / "b", data_cache, *long, "restart.max_restarts=1", "restart.backoff_s=0.2",
           env={"TOOLKIT_FAULT": "kill:step=14:rank=1"})
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    assert resumes(tmp_path / "b") == [("step_00000012", 12, "as saved")]

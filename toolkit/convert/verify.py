@@ -9,9 +9,11 @@ import torch
 from toolkit.convert.canonical import Source, hf_config_object
 from toolkit.convert.detect import open_source
 
-LOGIT_TOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 5e-3}
-"""Max |logit difference| allowed per destination dtype: fp32 weights are bit-identical, so the
-forward is too; half types round each weight (relative 2^-8 / 2^-11)."""
+LOGIT_RTOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+"""Max |logit difference| between SRC's forward at its own precision and DST's as stored, relative
+to SRC's largest |logit|, per destination dtype. fp32 weights are bit-identical, so the forward is
+too. Half types round each weight (2^-8 / 2^-11 relative); measured on the tests' tiny models: bf16
+up to 9.1e-3, fp16 6.3e-4 (dense) and 5.2e-3 (MoE: rounding flips near-tied routing choices)."""
 
 
 @dataclass
@@ -42,8 +44,8 @@ def verify(src, dst, hf_config: str | None = None, logits: bool = True) -> Repor
         report = compare_tensors(a, b)
         if logits:
             dtype = next(iter(b.infos.values())).dtype
-            report.logits_tol = LOGIT_TOL.get(dtype, 5e-2)
-            report.logits_max_diff = _logits_diff(a, b, dtype)
+            report.logits_max_diff, scale = _logits_diff(a, b)
+            report.logits_tol = LOGIT_RTOL.get(dtype, 5e-2) * scale
         return report
     finally:
         a.close()
@@ -88,9 +90,12 @@ def _model(source: Source, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def _logits_diff(a: Source, b: Source, dtype: torch.dtype) -> float:
+def _logits_diff(a: Source, b: Source) -> tuple[float, float]:
+    """(max |logit difference|, max |SRC logit|) on a fixed batch: SRC's weights as they are, DST's
+    as it stores them, each model built from its own config.json. A half-precision DST is judged by
+    what its rounding does to the output, not by comparing the rounded weights a second time."""
     vocab = a.hf_config["vocab_size"]
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    la = _model(a, dtype)(input_ids=ids).logits
+    la = _model(a, torch.float32)(input_ids=ids).logits
     lb = _model(b, torch.float32)(input_ids=ids).logits
-    return float((la - lb).abs().max())
+    return float((la - lb).abs().max()), float(la.abs().max())

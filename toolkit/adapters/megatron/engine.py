@@ -218,7 +218,8 @@ class MegatronEngine:
     @torch.no_grad()
     def logits(self, micro_batches) -> list[torch.Tensor] | None:
         """Full-vocabulary logits ``[mbs, seq, vocab]`` (padding dropped) per micro-batch, on the last
-        pipeline stage's TP rank 0 of DP replica 0; None on other ranks. For parity checks."""
+        pipeline stage's TP rank 0 of every DP replica (each for its own micro-batches); None on
+        other ranks. For parity checks."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         vocab = self.hf_config.vocab_size
@@ -241,7 +242,7 @@ class MegatronEngine:
             forward_only=True)
         for chunk in self.model:
             chunk.train()
-        mine = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        mine = self.is_last_stage and self.tp_rank == 0
         return [d["logits"] for d in out] if mine else None
 
     # --- checkpoints and export (toolkit/adapters/megatron/state.py, export.py) ----------------------

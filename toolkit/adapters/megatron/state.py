@@ -13,12 +13,15 @@ from toolkit.compat import megatron_core
 DESCRIPTION = "toolkit_megatron.json"
 
 
+def model_sharded_state_dict(engine) -> dict:
+    """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them)."""
+    return {"model" if len(engine.model) == 1 else f"model{i}": chunk.module.sharded_state_dict()
+            for i, chunk in enumerate(engine.model)}
+
+
 def sharded_state_dict(engine, is_loading: bool) -> dict:
-    """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them) and
-    ``optimizer``."""
-    sd = {}
-    for i, chunk in enumerate(engine.model):
-        sd["model" if len(engine.model) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
+    """The model's and the ``optimizer``'s."""
+    sd = model_sharded_state_dict(engine)
     # chained_optim_avoid_prefix: with ep > 1 megatron chains a dense and an expert optimizer;
     # without it their keys would differ from ep = 1's and no other ep could load them.
     sd["optimizer"] = engine.optimizer.sharded_state_dict(
@@ -45,6 +48,9 @@ def save(engine, path: Path) -> None:
 def load(engine, path: Path) -> None:
     """Collective; megatron reshards whatever layout wrote ``path``."""
     from megatron.core import dist_checkpointing
+    if not holds_optimizer_state(path):  # `toolkit convert --weights-only`: Adam starts fresh
+        load_weights_only(engine, path)
+        return
     megatron_core.materialize_optimizer_state(engine.optimizer)
     megatron_core.tolerate_step_state(engine.optimizer)
     loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(path))
@@ -52,6 +58,23 @@ def load(engine, path: Path) -> None:
         chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
     engine.optimizer.load_state_dict(megatron_core.param_groups_as_mine(engine.optimizer, loaded["optimizer"]))
     megatron_core.unshare_step_tensors(engine.optimizer)
+
+
+def load_weights_only(engine, path: Path) -> None:
+    """The model's tensors only; the optimizer keeps its fresh state (no moments, step 0) and takes
+    its fp32 main weights from the loaded model."""
+    from megatron.core import dist_checkpointing
+    loaded = dist_checkpointing.load(model_sharded_state_dict(engine), str(path))
+    for i, chunk in enumerate(engine.model):
+        chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
+    engine.optimizer.reload_model_params()
+
+
+def holds_optimizer_state(path: Path) -> bool:
+    """Whether a torch_dist checkpoint has optimizer tensors (from its DCP metadata, no tensor read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer.") for k in keys)
 
 
 def describe(engine) -> dict:
