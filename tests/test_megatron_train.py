@@ -17,8 +17,10 @@ LOSS_RTOL = 3e-7
 """Losses and eval losses vs DeepSpeed, relative. Measured max over the layouts: 6.6e-8 (dp2, tp2,
 tp2_pp2, tp2_sp; pp2 4.9e-8; eval 4.9e-8), about one float32 ulp of the loss: the same fp32 math in
 other reduction orders. Norms decayed on the megatron path only moved them by 6.8e-6."""
-GRAD_NORM_RTOL = 3e-5
-"""Measured max 8.1e-6 (tp2 layouts; dp2 1.3e-6): ZeRO-0 and megatron sum the squares in other orders."""
+GRAD_NORM_RTOL = 1e-4
+"""Measured max 4.2e-5 (dp2 and pp2 at step 6, where the norm has fallen to 1.3; the earlier steps
+within 1e-5), from the weights of the piecewise seeded init (adapters/hf.py); 8.1e-6 with the init
+before it: ZeRO-0 and megatron sum the squares in other orders, and Adam carries the difference on."""
 LAYOUTS = {  # name: (overrides, nproc)
     "tp2": (["megatron.tp=2"], 2),
     "pp2": (["megatron.pp=2", "profile.enabled=true", "profile.start_step=2", "profile.steps=2"], 2),

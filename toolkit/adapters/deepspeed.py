@@ -2,6 +2,7 @@
 the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,8 +13,14 @@ from toolkit import device
 from toolkit.adapters import moe
 from toolkit.adapters.hf import param_groups
 from toolkit.config import ConfigError, RunConfig
-from toolkit.engine import StepStats, token_loss_sum
+from toolkit.engine import DTYPES, StepStats, token_loss_sum
 from toolkit.plan import Plan
+
+def _install_op_caches() -> None:
+    from toolkit.compat import cpuinfo_cache, torch_extensions
+    cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
+    torch_extensions.install()  # this environment's own JIT-built ops (no rebuilds across venvs)
+
 
 def prebuilt_ops() -> list[str]:
     """DeepSpeed ops compiled at install time (the rest are JIT-compiled at first use)."""
@@ -39,10 +46,7 @@ class DeepSpeedEngine:
 
     def __init__(self, plan: Plan, model: torch.nn.Module):
         import deepspeed
-
-        from toolkit.compat import cpuinfo_cache, torch_extensions
-        cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
-        torch_extensions.install()  # this environment's own JIT-built ops (no rebuilds across venvs)
+        _install_op_caches()
         cfg = plan.config
         check_dtype_supported(cfg.model.dtype)
         self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
@@ -145,16 +149,12 @@ class DeepSpeedEngine:
             config.load_universal_checkpoint = saved
 
     def export_hf(self, path: Path, tokenizer) -> None:
-        import deepspeed
+        """Collective: ``path`` in fp32, written tensor by tensor (under ZeRO-3 each parameter is
+        gathered alone, so no rank holds more than one beyond its partition)."""
+        from toolkit.adapters.export import ModuleSource, write_streamed
         module = self.engine.module
-        params = list(module.parameters()) if self.cfg.zero.stage == 3 else []
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            if self.dp_rank == 0:
-                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in module.state_dict().items()}
-                module.save_pretrained(str(path), state_dict=state, safe_serialization=True)
-                _config_says_fp32(path)
-                tokenizer.save_pretrained(str(path))
-        dist.barrier()
+        source = ModuleSource(module, module.config.model_type, gather=_gathered if self.lay.zero_stage == 3 else None)
+        write_streamed(source, path, tokenizer, getattr(module, "generation_config", None))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -191,18 +191,67 @@ class DeepSpeedEngine:
 
 def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     """The worker's entry: record the resolved DeepSpeed JSON, build the HF model and the engine."""
-    from toolkit.adapters.hf import build_model
+    ds_config = plan.ds_config(dist.get_world_size())
     if rank == 0:
-        (Path(run_dir) / "ds_config.json").write_text(json.dumps(plan.ds_config(dist.get_world_size()), indent=2))
-    return DeepSpeedEngine(plan, build_model(plan))
+        (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    _install_op_caches()
+    return DeepSpeedEngine(plan, build_model(plan, ds_config))
 
 
-def _config_says_fp32(path: Path) -> None:
-    """The exported tensors are fp32, but ``save_pretrained`` records the module's dtype (bf16/fp16
-    under DeepSpeed's mixed precision) in config.json, and ``from_pretrained`` loads in that dtype."""
-    config = json.loads((path / "config.json").read_text())
-    config["dtype"] = "float32"
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+@contextlib.contextmanager
+def _gathered(param):
+    """One ZeRO-3 parameter whole on every rank (read only)."""
+    import deepspeed
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        yield
+
+
+@contextlib.contextmanager
+def _written_by_rank0(param):
+    """One ZeRO-3 parameter whole on every rank; rank 0's values are kept (it writes them)."""
+    import deepspeed
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        yield dist.get_rank() == 0
+
+
+def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
+    """The HF model for this rank: at ZeRO-3 built under DeepSpeed's ``zero.Init``, so each parameter
+    is partitioned as it is created and filled partition by partition (the seeded init drawn piece by
+    piece on rank 0 and scattered one parameter at a time, or this rank's element ranges of the
+    checkpoint); below stage 3 the
+    one full copy ZeRO 0-2 keep, in the training dtype (``adapters/hf.py``)."""
+    from toolkit.adapters import hf
+    dtype = DTYPES[plan.config.model.dtype]
+    if plan.layout(dist.get_world_size()).zero_stage < 3:
+        return hf.build_model(plan, dtype)
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.parallel import comm_backend
+    deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
+    from transformers.initialization import no_init_weights
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
+        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
+    model.tie_weights()
+    if plan.config.model.init == "pretrained":
+        _fill_partitions(model, hf.hf_checkpoint(plan), plan)
+    else:
+        hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
+    return hf.finish(model, plan)
+
+
+def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:
+    """Each ZeRO-3 partition from the checkpoint: this rank reads only its elements of each tensor
+    (DeepSpeed partitions a parameter's flattened elements, padded, in rank order)."""
+    from toolkit.adapters.hf import checkpoint_pieces, read_elements
+    pieces = checkpoint_pieces(model, plan)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            part = param.ds_tensor
+            start = dist.get_rank(group=param.ds_process_group) * part.ds_numel
+            stop = min(param.ds_numel, start + part.ds_numel)
+            if stop > start:
+                part[:stop - start].copy_(read_elements(source, pieces[name], start, stop))
 
 
 class _RouterLoss:

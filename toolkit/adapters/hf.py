@@ -1,37 +1,213 @@
-"""The HuggingFace model both backends start from: seeded random init from the planned config, or
-the pretrained weights; and the AdamW parameter groups."""
+"""The HuggingFace model both backends start from, built without a whole-model host copy where the
+layout shards it, and the AdamW parameter groups.
+
+Weights come from one of two sources, the same for every backend, layout and DP size:
+
+- ``model.init=random``: ``SeededWeights``. The model is cut into pieces (each decoder layer, the
+  embedding, the final norm, the LM head); each piece's parameters are HF's own init of that piece
+  alone (``_init_weights`` over its modules, in HF's order), drawn in fp32 with a generator seeded
+  from (train.seed, piece name). A tensor's values therefore do not depend on which other tensors a
+  rank builds, in which order, or in which dtype it keeps them: a ZeRO-3 rank, a megatron TP rank
+  and a single-process reference all get the same weights, one piece at a time. (A tied embedding
+  takes the embedding's init.)
+- ``model.init=pretrained``: the checkpoint, read by slice through the converter's HF reader
+  (``convert/hf.py``: safetensors, sharded with an index, truncation checks).
+
+The model skeleton is built with accelerate's ``init_empty_weights`` (parameters on the meta device,
+buffers real) and its parameters materialized in the training dtype (ZeRO 0-2: the one full copy
+ZeRO 0-2 keep by design), or under DeepSpeed's ``zero.Init`` (ZeRO-3: each rank holds its partition
+from the start; see ``adapters/deepspeed.py``).
+"""
 from __future__ import annotations
 
+import copy
+import hashlib
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from toolkit.config import ConfigError
 from toolkit.plan import Plan
 
 
-def build_model(plan: Plan) -> torch.nn.Module:
-    """The HF causal LM in fp32: seeded random init from its config, or its pretrained weights.
-
-    Every rank builds the same model (same seed), so a run at any DP size starts from the same weights
-    as the single-process reference.
-    """
-    cfg, hf_config = plan.config, plan.model.hf_config()
-    if cfg.model.init == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(_model_dir(cfg.model.name_or_path), config=hf_config,
-                                                     dtype=torch.float32)
-    else:
-        torch.manual_seed(cfg.train.seed)
+def empty_model(hf_config) -> torch.nn.Module:
+    """The HF causal LM with its parameters on the meta device (no memory) and real buffers."""
+    from accelerate import init_empty_weights
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    if cfg.model.activation_checkpointing:
+    model.tie_weights()  # init_empty_weights re-registers every parameter, which unties them
+    model.config.use_cache = False
+    return model
+
+
+def materialize(module: torch.nn.Module, dtype: torch.dtype, recurse: bool = True) -> None:
+    """Replace meta parameters with uninitialized ones of ``dtype`` on the CPU, keeping tied
+    parameters tied (a parameter registered in two modules stays one tensor)."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for owner in module.modules() if recurse else [module]:
+        for name, param in list(owner._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype),
+                                                     requires_grad=param.requires_grad)
+            owner._parameters[name] = made[id(param)]
+
+
+def unit_seed(seed: int, unit: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{unit}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def post_order(model: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) children first, as HF's ``initialize_weights`` visits them."""
+    out = []
+    for child_name, child in model.named_children():
+        out += post_order(child, f"{prefix}.{child_name}" if prefix else child_name)
+    out.append((prefix, model))
+    return out
+
+
+def init_units(model: torch.nn.Module) -> list[str]:
+    """The model cut into the pieces its init is drawn in: each element of a module list (a
+    decoder layer) and each other largest subtree holding parameters but no module list (the
+    embedding, the final norm, the LM head). HF's init of a module may reach into its children
+    (GPT-2 rescales ``c_proj`` from the block), never across these pieces."""
+    units = []
+
+    def visit(name: str, module: torch.nn.Module, in_list: bool) -> None:
+        has_list = any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
+        if (in_list or not has_list) and any(True for _ in module.parameters()):
+            units.append(name)
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, isinstance(module, torch.nn.ModuleList))
+    visit("", model, False)
+    return units
+
+
+class SeededWeights:
+    """HF's init of the model, drawn piece by piece (``init_units``): each piece alone, in fp32,
+    from a generator seeded with (seed, piece name), HF's ``_init_weights`` applied to its modules
+    in HF's order. A parameter two pieces share (a tied embedding) belongs to the first.
+    ``unit_tensors(unit)``: that piece's parameters by full name, freshly drawn."""
+
+    def __init__(self, hf_config, seed: int):
+        self.model = empty_model(hf_config)
+        self.seed = seed
+        self.units = init_units(self.model)
+        self.unit_of: dict[str, str] = {}
+        owner: dict[int, str] = {}
+        for unit in self.units:
+            for name, param in self.model.get_submodule(unit).named_parameters(prefix=unit):
+                owner.setdefault(id(param), unit)
+        for name, param in self.model.named_parameters():
+            self.unit_of[name] = owner[id(param)]
+
+    def owned(self, unit: str) -> list[str]:
+        return [n for n, u in self.unit_of.items() if u == unit]
+
+    def unit_tensors(self, unit: str) -> dict[str, torch.Tensor]:
+        from transformers import initialization
+        piece = copy.deepcopy(self.model.get_submodule(unit))  # meta parameters: nothing is copied
+        materialize(piece, torch.float32)
+        with torch.no_grad(), initialization.guard_torch_init_functions(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(unit_seed(self.seed, unit))
+            for _, module in post_order(piece):
+                self.model._init_weights(module)
+        tensors = dict(piece.named_parameters(prefix=unit, remove_duplicate=False))
+        return {n: tensors[n].detach() for n in self.owned(unit)}
+
+
+def seeded_into(model: torch.nn.Module, weights: SeededWeights, gather=None) -> None:
+    """Fill ``model``'s parameters (materialized, any dtype; or ZeRO-3 partitions with ``gather``)
+    from ``weights``, one piece at a time. ``gather(param)``: a context in which the parameter is
+    whole and this rank's writes are kept, yielding whether this rank writes (ZeRO-3: rank 0)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for unit in weights.units:
+            names = weights.owned(unit)
+            tensors = None
+            for name in names:
+                with gather(params[name]) if gather else _writes() as writer:
+                    if writer:
+                        tensors = tensors if tensors is not None else weights.unit_tensors(unit)
+                        params[name].copy_(tensors[name])
+
+
+class _writes:
+    def __enter__(self):
+        return True
+
+    def __exit__(self, *exc):
+        return False
+
+
+def build_model(plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The whole HF model on this rank in ``dtype`` (one copy: ZeRO 0-2, tests, references)."""
+    cfg = plan.config
+    model = empty_model(plan.model.hf_config())
+    materialize(model, dtype)
+    if cfg.model.init == "pretrained":
+        fill_from_checkpoint(model, hf_checkpoint(plan), plan)
+    else:
+        seeded_into(model, SeededWeights(model.config, cfg.train.seed))
+    return finish(model, plan)
+
+
+def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    if plan.config.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 
 
-def _model_dir(name_or_path: str) -> str:
-    path = Path(name_or_path)
-    return str(path.parent if path.is_file() else path)
+# --- pretrained weights, by element range ----------------------------------------------------------
+
+def hf_checkpoint(plan: Plan):
+    """The converter's reader of the model directory (``model.init=pretrained``)."""
+    from toolkit.convert import ConvertError
+    from toolkit.convert.hf import HFSource
+    path = Path(plan.config.model.name_or_path)
+    try:
+        return HFSource(path.parent if path.is_file() else path, plan.model.hf)
+    except ConvertError as exc:
+        raise ConfigError(f"model.init=pretrained: {exc}") from None
+
+
+def checkpoint_pieces(model: torch.nn.Module, plan: Plan) -> dict[str, list]:
+    """Module parameter name -> the checkpoint tensors composing it, in flattened order
+    (``families.Piece``: a packed MoE parameter is several; any other parameter is itself)."""
+    from toolkit.families import find_family, unpacked_layout
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+    layout = unpacked_layout(find_family(plan.model.model_type), model.config, shapes)
+    pieces: dict[str, list] = {}
+    for ckpt_name, piece in layout.items():
+        pieces.setdefault(piece.module, []).append((ckpt_name, piece))
+    return pieces
+
+
+def read_elements(source, pieces: list, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a module parameter, flattened, reading from the checkpoint only
+    the rows that hold them."""
+    parts = []
+    for ckpt_name, piece in pieces:
+        lo, hi = max(start, piece.start), min(stop, piece.start + piece.numel)
+        if lo >= hi:
+            continue
+        row = max(1, piece.numel // piece.shape[0]) if piece.shape else 1
+        a, b = lo - piece.start, hi - piece.start
+        rows = source.slice_of(ckpt_name)[a // row:-(-b // row)]
+        parts.append(rows.reshape(-1)[a - (a // row) * row:b - (a // row) * row])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def fill_from_checkpoint(model: torch.nn.Module, source, plan: Plan) -> None:
+    """Every (materialized) parameter from the checkpoint, one tensor at a time."""
+    pieces = checkpoint_pieces(model, plan)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.view(-1).copy_(read_elements(source, pieces[name], 0, param.numel()))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -39,5 +215,5 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

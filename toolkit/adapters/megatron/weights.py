@@ -4,7 +4,6 @@ frequencies, the embedding's ``padding_idx``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -13,16 +12,46 @@ from toolkit.families.base import Reader
 from toolkit.plan import Plan
 
 
-def hf_weights(plan: Plan, hf_config) -> Mapping[str, torch.Tensor] | Reader:
-    """HF tensors by checkpoint name: the model directory read by slice (``model.init=pretrained``),
-    or the seeded random init of ``build_model``."""
-    from toolkit.families import get_family
-    cfg = plan.config
-    if cfg.model.init == "pretrained":
-        return HFSliceReader(Path(cfg.model.name_or_path), plan.model.hf)
-    from toolkit.adapters.hf import build_model
-    model = build_model(plan)
-    return checkpoint_names(get_family(hf_config.model_type), hf_config, model.state_dict())
+def hf_weights(plan: Plan, hf_config) -> Reader:
+    """HF tensors by checkpoint name, read by slice: the model directory (``model.init=pretrained``)
+    or the seeded init (``adapters/hf.py``), generated one module at a time. No rank builds the
+    whole HF model."""
+    if plan.config.model.init == "pretrained":
+        return HFSliceReader(Path(plan.config.model.name_or_path), plan.model.hf)
+    return SeededReader(hf_config, plan.config.train.seed)
+
+
+class SeededReader(Reader):
+    """``adapters.hf.SeededWeights`` by checkpoint name (a packed MoE parameter's checkpoint
+    tensors are its slices): a piece (a decoder layer, the embedding...) is drawn when first asked
+    for and kept until another is."""
+
+    def __init__(self, hf_config, seed: int):
+        from toolkit.adapters.hf import SeededWeights
+        from toolkit.families import find_family, unpacked_layout
+        self.weights = SeededWeights(hf_config, seed)
+        shapes = {n: tuple(p.shape) for n, p in self.weights.model.named_parameters()}
+        self.layout = unpacked_layout(find_family(hf_config.model_type), hf_config, shapes)
+        self._unit: tuple[str, dict] | None = None
+
+    def keys(self):
+        return self.layout.keys()
+
+    def shape(self, name):
+        return tuple(self.layout[name].shape)
+
+    def dtype(self, name):
+        return torch.float32
+
+    def slice(self, name, dim=None, start=0, stop=None):
+        piece = self.layout[name]
+        unit = self.weights.unit_of[piece.module]
+        if self._unit is None or self._unit[0] != unit:
+            self._unit = (unit, self.weights.unit_tensors(unit))
+        whole = self._unit[1][piece.module].reshape(-1)[piece.start:piece.start + piece.numel].view(piece.shape)
+        if dim is None:
+            return whole
+        return whole[start:stop] if dim == 0 else whole[:, start:stop]
 
 
 class HFSliceReader(Reader):
