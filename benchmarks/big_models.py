@@ -1,0 +1,197 @@
+"""Peak host memory per rank while a model loads and while it is exported, as the layout shards it.
+
+    python benchmarks/big_models.py                       # 0.1B, 0.5B, 1.5B Llama; ~40 min on 2 cores
+    python benchmarks/big_models.py --sizes tiny,0.1 --cases zero3,tp2
+
+Each case starts 2 ranks (gloo, spawned), builds the engine from a pretrained safetensors checkpoint
+(model.init=pretrained, fp32) as ``toolkit train`` does until the rank is ready for step 1, then
+writes ``hf_final`` as the trainer's export does. Per rank it reads the kernel's high-water mark of
+resident memory (VmHWM, reset through /proc/self/clear_refs before each phase) and reports the peak
+above the rank's floor (RSS after imports and the process group, before the model). Cases:
+
+  zero3     toolkit ZeRO-3, DP=2       zero2   toolkit ZeRO-2, DP=2
+  tp2       toolkit megatron TP=2      pp2     toolkit megatron PP=2
+  hf_zero3  transformers as HF Trainer loads under DeepSpeed ZeRO-3 (``HfDeepSpeedConfig``, so
+            ``from_pretrained`` builds under ``zero.Init``), then ``deepspeed.initialize``; export as
+            Trainer saves a ZeRO-3 model (16-bit weights gathered to rank 0, ``save_pretrained``)
+
+No optimizer step is taken (a 1.5B model's Adam moments would not fit 2 ranks in 24 GiB); the model
+states DeepSpeed and megatron allocate at initialization (fp32 master partitions, gradient
+buffers) are part of "load". Results: benchmarks/results/big_models.json and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "rms_norm_eps": 1e-5,
+         "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 2048,
+         "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+SIZES = {  # ~parameters: hidden, layers, heads, kv heads, MLP width
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=2048),
+    "0.1": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                intermediate_size=2048),
+    "0.5": dict(hidden_size=1280, num_hidden_layers=20, num_attention_heads=20, num_key_value_heads=4,
+                intermediate_size=3456),
+    "1.5": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=5632),
+}
+CASES = ("zero3", "zero2", "tp2", "pp2", "hf_zero3")
+OVERRIDES = {"zero3": {"zero": {"stage": 3}}, "zero2": {"zero": {"stage": 2}},
+             "tp2": {"backend": "megatron", "megatron": {"tp": 2}}, "pp2": {"backend": "megatron", "megatron": {"pp": 2}},
+             "hf_zero3": {"zero": {"stage": 3}}}
+
+
+def memory_mb() -> dict:
+    status = Path("/proc/self/status").read_text().splitlines()
+    kb = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
+    return {"rss": kb["VmRSS"] / 1024, "hwm": kb["VmHWM"] / 1024}
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def checkpoint(size: str, root: Path) -> Path:
+    """A pretrained checkpoint of that size (seeded weights, saved once, reused)."""
+    out = root / f"llama-{size}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    config = LlamaConfig(**{k: v for k, v in {**LLAMA, **SIZES[size]}.items() if k not in ("model_type", "architectures")})
+    model = AutoModelForCausalLM.from_config(config)
+    tmp = root / f".llama-{size}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, out)
+    return out
+
+
+def run_config(case: str, model_dir: Path, run_dir: Path):
+    from toolkit.config import validate
+    raw = {"model": {"name_or_path": str(model_dir), "init": "pretrained"}, "run_dir": str(run_dir),
+           "train": {"global_batch_size": 2, "micro_batch_size": 1}, "data": {"seq_len": 32}}
+    for section, values in OVERRIDES[case].items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    return validate(raw)
+
+
+def toolkit_rank(case: str, model_dir: Path, out: Path) -> dict:
+    from toolkit.plan import build_plan
+    import torch.distributed as dist
+    plan = build_plan(run_config(case, model_dir, out), [dist.get_world_size()])
+    if plan.config.backend == "megatron":
+        from toolkit.adapters.megatron import build_engine
+    else:
+        from toolkit.adapters.deepspeed import build_engine
+    floor = memory_mb()["rss"]
+    reset_peak()
+    engine = build_engine(plan, out, dist.get_rank())
+    load = memory_mb()
+    reset_peak()
+    engine.export_hf(out / "hf_final", tokenizer=None)
+    export = memory_mb()
+    return {"floor_mb": floor, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
+            "export_peak_mb": export["hwm"] - floor}
+
+
+def hf_rank(model_dir: Path, out: Path) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from toolkit.plan import build_plan
+    plan = build_plan(run_config("hf_zero3", model_dir, out), [dist.get_world_size()])
+    ds_config = plan.ds_config(dist.get_world_size())
+    ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    deepspeed.init_distributed(dist_backend="gloo")
+    floor = memory_mb()["rss"]
+    reset_peak()
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while alive, from_pretrained builds under zero.Init)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    load = memory_mb()
+    reset_peak()
+    state = engine._zero3_consolidated_16bit_state_dict()  # what Trainer.save_model does at ZeRO-3
+    if dist.get_rank() == 0:
+        engine.module.save_pretrained(str(out / "hf_final"), state_dict=state, safe_serialization=True)
+    dist.barrier()
+    export = memory_mb()
+    return {"floor_mb": floor, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
+            "export_peak_mb": export["hwm"] - floor}
+
+
+def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    from toolkit.parallel import init_process_group
+    init_process_group()
+    work = Path(out) / f"rank{rank}"
+    result = hf_rank(Path(model_dir), Path(out)) if case == "hf_zero3" else toolkit_rank(case, Path(model_dir), Path(out))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "result.json").write_text(json.dumps(result))
+
+
+def measure(case: str, model_dir: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(dir=model_dir.parent) as out:
+        mp.start_processes(rank_main, args=(2, port, case, str(model_dir), out), nprocs=2, start_method="spawn")
+        return [json.loads((Path(out) / f"rank{r}" / "result.json").read_text()) for r in range(2)]
+
+
+def model_facts(model_dir: Path) -> dict:
+    from safetensors import safe_open
+    sizes = {}
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                shape = h.get_slice(k).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                sizes[k] = n * 4
+    return {"params": sum(sizes.values()) // 4, "model_mb": sum(sizes.values()) / 2**20,
+            "largest_tensor_mb": max(sizes.values()) / 2**20}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="tiny,0.1,0.5,1.5")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "toolkit-big-models")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "big_models.json")
+    args = p.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True)
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    for size in args.sizes.split(","):
+        model_dir = checkpoint(size, args.root)
+        facts = model_facts(model_dir)
+        for case in args.cases.split(","):
+            tic = time.perf_counter()
+            ranks = measure(case, model_dir)
+            results[f"{size}/{case}"] = {**facts, "ranks": ranks, "seconds": round(time.perf_counter() - tic, 1)}
+            args.out.write_text(json.dumps(results, indent=2))
+            worst = {k: max(r[k] for r in ranks) for k in ("load_peak_mb", "export_peak_mb")}
+            print(f"{size:>4}B {case:9s} model {facts['model_mb']:8.0f} MB  load +{worst['load_peak_mb']:8.0f} MB "
+                  f"({worst['load_peak_mb'] / facts['model_mb']:.2f}x model)  export +{worst['export_peak_mb']:8.0f} MB "
+                  f"({worst['export_peak_mb'] / facts['model_mb']:.2f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
