@@ -108,6 +108,7 @@ LAYOUTS = {  # name: (tp, pp, ep, megatron.* extras), each on 4 ranks: dp = 4 / 
     "tp2_sp_dp2": (2, 1, 1, {"sequence_parallel": True}),
     "tp2_sp_ep2": (2, 1, 2, {"sequence_parallel": True}),  # TP x EP: expert tensor parallelism = tp
     "pp2_ep2": (1, 2, 2, {}),
+    "ep2_dp4_local_attention": (1, 1, 2, {"attention": "local"}),  # megatron's own attention and RoPE
 }
 WORLD = 4
 LOGIT_TOL = 2e-5
