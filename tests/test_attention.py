@@ -199,6 +199,18 @@ def test_kernel_choice_refuses_what_a_kernel_cannot_do(mode, need, message):
         choose_kernel(mode, "cpu", **{"masked": False, "softcap": False, "dropout": False, **need})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_flex_is_refused_before_launch_without_a_gpu():
+    from tests.test_families import tiny_config
+    from toolkit.adapters.megatron import check_machine
+    from toolkit.config import validate
+    from toolkit.plan import build_plan
+    plan = build_plan(validate({"backend": "megatron", "megatron": {"attention": "flex"}}), [1],
+                      hf_config=tiny_config("llama"))
+    with pytest.raises(ConfigError, match="megatron.attention=flex needs a GPU to train"):
+        check_machine(plan)
+
+
 # --- the megatron submodule ---------------------------------------------------------------------------
 
 def megatron_module(options: AttentionOptions, dropout: float = 0.0, layer_number: int = 1):
