@@ -14,7 +14,9 @@ short still leaves what it measured):
   4. the GPU test layer, ``pytest -m gpu tests/gpu`` (correctness first; log in OUT/gpu_tests.log);
   5. throughput: a ~1.1B Llama in bf16, one rank per backend (megatron TP=1, DeepSpeed ZeRO-1), the
      same seed and data, no checkpoints or exports (the disk is 64 GiB); tokens/s and MFU from the
-     steps after warm-up, and the two backends' step-1 losses, which must agree within bf16 rounding.
+     steps after warm-up, and the two backends' step-1 losses, which must agree within bf16 rounding;
+  6. attention: one layer's attention, the toolkit's core attention vs megatron's local one, at seq
+     1k/2k/4k in bf16 (``benchmarks/attention.py``: forward + backward time, saved and peak memory).
 A short table ends the run.
 
 MFU = achieved model FLOP/s / the GPU's dense bf16 peak (``toolkit/plan/flops.py``, the formula and peak
@@ -156,6 +158,19 @@ def throughput(check: Check, name: str, args, config: dict) -> dict:
             "finite_and_falling": all(r["loss"] == r["loss"] for r in rows) and rows[-1]["loss"] < rows[0]["loss"]}
 
 
+def attention(check: Check, rehearse: bool) -> dict:
+    """benchmarks/attention.py on this device: per sequence length, median seconds and peak MiB of each."""
+    out = check.out / "attention.json"
+    args = ["--seq", "128", "256", "--repeats", "1"] if rehearse else ["--dtype", "bfloat16"]
+    code, log = check.run([sys.executable, "benchmarks/attention.py", *args, "--out", str(out)], "attention.log",
+                          min(check.left() - 15, 180))
+    if code != 0 or not out.exists():
+        return {"exit": code, "tail": log[-1500:]}
+    rows = json.loads(out.read_text())["rows"]
+    return {"exit": code, "rows": [{"seq": r["seq"], "median_s": r["median_s"],
+                                    "peak_mib": {k: round(v / 2**20) for k, v in r["peak_bytes"].items()}} for r in rows]}
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
@@ -169,6 +184,10 @@ def table(results: dict) -> str:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         first = r.get("first_losses", ["-"])[0]
         lines.append(f"| {name} | {r.get('tokens_per_s', r.get('exit', '-'))} | {mfu} | {first} | {r.get('last_loss', '-')} |")
+    for r in (results.get("attention") or {}).get("rows", []):
+        t, p = r["median_s"], r["peak_mib"]
+        lines.append(f"attention seq {r['seq']}: toolkit {t['toolkit']:.4f} s {p['toolkit']} MiB, "
+                     f"local {t['local']:.4f} s {p['local']} MiB")
     tests = results.get("gpu_tests") or {}
     lines.append(f"\nGPU tests: {tests.get('summary')}; losses agree at step 1: {results.get('step1_agree')}")
     env = results.get("environment", {})
@@ -207,6 +226,7 @@ def main() -> int:
             check.record(f"throughput_{name}", {"exit": "no time left"})
             continue
         check.record(f"throughput_{name}", throughput(check, name, args, config))
+    check.record("attention", attention(check, args.rehearse) if check.left() > 45 else {"exit": "no time left"})
     firsts = [check.results[f"throughput_{n}"].get("first_losses", [None])[0] for n in BACKENDS]
     if None not in firsts:
         check.record("step1_agree", abs(firsts[0] - firsts[1]) <= 2e-2 * abs(firsts[1]))  # bf16 rounding

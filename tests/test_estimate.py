@@ -82,6 +82,20 @@ def test_sequence_parallel_splits_the_norm_activations():
     assert b.activations_ckpt < a.activations_ckpt  # the kept layer inputs are split too
 
 
+def test_megatron_attention_choice_sets_the_scores_and_kv_terms():
+    """megatron.attention=local keeps the a x s scores and K/V repeated to every head; the toolkit's
+    attention (sdpa/flex) neither (the module docstring's per-token terms)."""
+    shape = model_spec(LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000))
+    run = [*BIG_RUN, "backend=megatron", "megatron.tp=8", "train.global_batch_size=1"]  # 1 micro-batch in flight
+    own, local = (load_config(None, run + [f"megatron.attention={a}"]) for a in ("auto", "local"))
+    a, b = (memory(c, shape, check_layout(c, shape, 8)) for c in (own, local))
+    tokens, w, t = 4096, 2, 8
+    per_token = (32 * 4096 + 2 * (4096 - 8 * 128)) / t  # scores (heads x s) + the repeated part of K and V
+    assert b.activations_no_ckpt - a.activations_no_ckpt == pytest.approx(32 * tokens * w * per_token)
+    assert a.activations_ckpt < b.activations_ckpt  # the one recomputed layer keeps no scores either
+
+
 def test_suggestions_are_the_least_sharded_layouts_that_fit():
     shape, cfg = model_spec(LLAMA_7B), load_config(None, BIG_RUN)
     found = suggestions(cfg, shape, 8, device_gib=80)

@@ -24,6 +24,9 @@ EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp
     "tp2_selective_recompute": (2, 1, {"recompute": "selective"}),
     "pp2_uneven_1_3": (1, 2, {"first_stage_layers": 1}),
     "tp2_sequence_parallel": (2, 1, {"sequence_parallel": True}),  # norms' grads summed over TP
+    # megatron's own DotProductAttention and RoPE (every other layout runs the toolkit's attention)
+    "pp2_local_attention": (1, 2, {"attention": "local"}),  # tp = 1
+    "tp2_sp_local_attention": (2, 1, {"sequence_parallel": True, "attention": "local"}),
 }
 LOGIT_TOL = 2e-6  # float32 rounding of other matmul shapes and reduction orders: measured 2.7e-7 (MoE 3.0e-7)
 GRAD_RTOL = 2e-5  # measured worst 5.1e-6 (qwen2 q_proj.weight at TP2); 1e-6 for the other families

@@ -109,6 +109,7 @@ LAYOUTS = {  # name: (tp, pp, ep, megatron.* extras), each on 4 ranks: dp = 4 / 
     "tp2_sp_dp2": (2, 1, 1, {"sequence_parallel": True}),
     "tp2_sp_ep2": (2, 1, 2, {"sequence_parallel": True}),  # TP x EP: expert tensor parallelism = tp
     "pp2_ep2": (1, 2, 2, {}),
+    "ep2_dp4_local_attention": (1, 1, 2, {"attention": "local"}),  # megatron's own attention and RoPE
 }
 WORLD = 4
 GRAD_RTOL = 1e-5  # per parameter, relative to its own max |grad| (as in test_megatron_parity); measured worst 1.2e-6

@@ -142,6 +142,15 @@ class MegatronConfig(_Section):
     """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: selective (core attention) or full (every layer)."""
+    attention: Literal["auto", "sdpa", "flex", "local"] = "auto"
+    """Core attention. ``auto``/``sdpa``/``flex``: the toolkit's module (torch's
+    scaled_dot_product_attention / flex_attention; RoPE from per-token positions, document masks;
+    no s x s scores kept), ``auto`` picking the kernel per device and need; ``flex`` needs a GPU to
+    train (torch has no flex_attention backward on CPU). ``local``: megatron-core's own
+    DotProductAttention and RoPE (materializes the scores; for comparison). Same weights either way."""
+    fused_kernels: bool = True
+    """On GPUs only: megatron's torch-compiled bias-dropout-add, and its SwiGLU when the model's MLP is
+    SwiGLU (no Transformer Engine or Apex needed; the same math). Always off on CPU."""
     preset: str | None = None
     """A megatron_configs/ YAML (name or path) of layout fields; explicit megatron.* keys win."""
 

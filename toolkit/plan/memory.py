@@ -23,11 +23,13 @@ width, a heads and t the TP degree::
     4h                     norm inputs and outputs (replicated across TP ranks; 4h / t with
                            megatron.sequence_parallel, which splits them along the sequence)
     5h / t                 q, k, v after RoPE (K/V heads repeated to all heads: HF's sdpa path and
-                           Megatron's local attention both expand GQA), the attention output and
-                           its contiguous copy that feeds the output projection
+                           megatron.attention=local both expand GQA), the attention output and
+                           its contiguous copy that feeds the output projection; (3h + 2·kv) / t
+                           with the toolkit's megatron attention (kv = K/V heads x head dim: not
+                           repeated)
     4I / t                 SwiGLU gate, up, act(gate), act(gate)*up   (2I for a plain GELU MLP)
-    a·s / t                attention probabilities, only when they are materialized (Megatron's
-                           local attention, HF eager); HF's sdpa/flash kernels keep none
+    a·s / t                attention probabilities, only when they are materialized
+                           (megatron.attention=local, HF eager); sdpa/flash/flex kernels keep none
 
 times the activation dtype's bytes. Outside the layers: logits, their log-softmax and the logits'
 gradient, 3 x 4 bytes x b·s·V/t (the loss is taken in fp32). With activation checkpointing only each
@@ -122,8 +124,9 @@ def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int,
     phi += expert_phi
     in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
     sp = lay.sequence_parallel and t > 1
-    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=True, logits=last, sp=sp)
-            for r in ("none", "selective", "full")}
+    local = cfg.megatron.attention == "local"  # megatron's DotProductAttention: scores kept, K/V repeated
+    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, logits=last, sp=sp,
+                            kv_repeated=local) for r in ("none", "selective", "full")}
     return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi))
 
 
@@ -133,14 +136,16 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, logits: bool = True, sp: bool = False) -> float:
+                 w: int, materialized: bool, logits: bool = True, sp: bool = False, kv_repeated: bool = True) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
-    ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks."""
+    ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
+    ``kv_repeated``: K and V are kept at every query head's width (GQA expanded)."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     h, mlp = spec.hidden, spec.mlp_width
     split = t if sp else 1
     scores = spec.heads * s / t if materialized and recompute != "selective" else 0
-    per_token = 4 * h / split + 5 * h / t + (4 if spec.glu else 2) * mlp / t + scores
+    attention = (3 * h + 2 * (h if kv_repeated else spec.kv_width)) / t
+    per_token = 4 * h / split + attention + (4 if spec.glu else 2) * mlp / t + scores
     layer = per_token * b * s * w
     kept = len(layers) * (b * s * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward

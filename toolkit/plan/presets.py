@@ -17,7 +17,7 @@ from toolkit.config import ConfigError, RunConfig
 
 AUTO = "auto"
 PRESET_KEYS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "sequence_parallel",
-               "make_vocab_size_divisible_by", "recompute", "moe_dispatcher")
+               "make_vocab_size_divisible_by", "recompute", "moe_dispatcher", "attention", "fused_kernels")
 
 
 # --- megatron layout presets ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Megatron-core adapter: this rank's GPTModel stage(s) from the run plan, as an Engine.
 
   model.py    TransformerConfig, the local layer spec (sequence-parallel norms, the toolkit's
-              load-balancing router), GPTModel chunks per virtual stage
+              core attention and load-balancing router), GPTModel chunks per virtual stage
+  attention.py  the core attention: torch sdpa / flex_attention, RoPE at per-token positions
+              (``TokenLayout``, passed as packed_seq_params), document masks, windows, softcap
   weights.py  HF weights into the chunks, each TP rank reading only its slices
   engine.py   ``MegatronEngine``: process groups, DDP, distributed optimizer, steps, the loss
   state.py    torch_dist checkpoints (fully reshardable optimizer)

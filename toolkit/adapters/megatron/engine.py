@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters.megatron import export, state
-from toolkit.adapters.megatron.model import build_chunks, load_balanced_router_class, transformer_config
+from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
+from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
+                                             transformer_config)
 from toolkit.adapters.megatron.weights import check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
@@ -49,7 +51,8 @@ class MegatronEngine:
             checkpoint_names(self.family, self.hf_config, hf_state)
         check_hf_keys(self.family, self.hf_config, hf_state)
         self.tconfig = transformer_config(self.cfg, self.lay, self.hf_config, self.family)
-        chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig)
+        self.attention = attention_options(self.cfg, self.hf_config, self.family, self.tconfig)
+        chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig, self.attention)
         for c in chunks:
             load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
         del hf_state
@@ -133,9 +136,21 @@ class MegatronEngine:
 
     def _forward_step(self, data_iterator, model):
         mb = device.to_device(next(data_iterator))
+        return model(**self._model_inputs(mb)), partial(self._loss_func, mb["labels"])
+
+    def _model_inputs(self, mb: dict) -> dict:
+        """GPTModel's inputs for a micro-batch on the device. The ``TokenLayout`` of its optional
+        ``position_ids`` / ``document_ids`` (packed documents) reaches every layer's attention as
+        ``packed_seq_params``; without them, positions are 0..seq-1 and each row one document."""
         ids = mb["input_ids"]
-        output = model(ids, _positions(ids), None)
-        return output, partial(self._loss_func, mb["labels"])
+        layout = TokenLayout.of(ids, mb.get("position_ids"), mb.get("document_ids"))
+        inputs = {"input_ids": ids, "position_ids": layout.position_ids, "attention_mask": None}
+        if self.attention is not None:
+            return inputs | {"packed_seq_params": layout}
+        if "position_ids" in mb or "document_ids" in mb:
+            raise ConfigError("megatron.attention=local applies neither per-token positions nor document "
+                              "masks (packed documents); use megatron.attention=auto")
+        return inputs
 
     def _loss_func(self, labels, logits):
         loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size)
@@ -229,8 +244,7 @@ class MegatronEngine:
             return output.sum() * 0, device.tensor(1, dtype=torch.int), {"logits": full}
 
         def step(data_iterator, model):
-            ids = device.to_device(next(data_iterator))["input_ids"]
-            return model(ids, _positions(ids), None), loss_func
+            return model(**self._model_inputs(device.to_device(next(data_iterator)))), loss_func
 
         for chunk in self.model:
             chunk.eval()
@@ -283,10 +297,12 @@ class MegatronEngine:
     def layout_record(self) -> dict:
         return self.lay.record()
 
-
-def _positions(ids: torch.Tensor) -> torch.Tensor:
-    """Position ids ``[batch, seq]`` of packed rows (0..seq-1 each), on the ids' device."""
-    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    def attention_kernels(self) -> str:
+        """Which attention kernel runs for this run's device and precision (logged once per run)."""
+        return describe_kernels(self.cfg.megatron.attention, device.rank_device().type, self.cfg.model.dtype,
+                                rope=self.family.position_embedding == "rope",
+                                softcap=bool(self.attention and self.attention.softcap),
+                                dropout=self.tconfig.attention_dropout > 0)
 
 
 def check_machine(plan: Plan) -> None:
@@ -295,6 +311,9 @@ def check_machine(plan: Plan) -> None:
     if plan.model.experts and plan.config.megatron.moe_dispatcher == "alltoall" and not torch.cuda.is_available():
         raise ConfigError("megatron.moe_dispatcher=alltoall needs GPUs (its all_to_all fails on CPU/gloo); "
                           "use megatron.moe_dispatcher=allgather")
+    if plan.config.megatron.attention == "flex" and not torch.cuda.is_available():
+        raise ConfigError("megatron.attention=flex needs a GPU to train (torch's flex_attention has no CPU "
+                          "backward); use megatron.attention=auto (sdpa on CPU) or sdpa")
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: int):
@@ -322,4 +341,7 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> MegatronEngine:
     """The worker's entry: record the layout, build the engine from the run's HF model."""
     if rank == 0:
         (Path(run_dir) / "megatron_layout.json").write_text(plan.layout(dist.get_world_size()).model_dump_json(indent=2))
-    return MegatronEngine(plan)
+    engine = MegatronEngine(plan)
+    if rank == 0:
+        print(engine.attention_kernels(), flush=True)
+    return engine

@@ -1,5 +1,6 @@
 """megatron-core model chunks from the run plan: the TransformerConfig, the local layer spec (with
-sequence-parallel norms and the toolkit's load-balancing router), one GPTModel per virtual stage."""
+sequence-parallel norms, the toolkit's core attention and its load-balancing router), one GPTModel
+per virtual stage."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -7,14 +8,18 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from toolkit import device
+from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
+from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
 from toolkit.engine import DTYPES
 from toolkit.plan import Layout
 
 
 def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
-    """megatron's TransformerConfig: the family's fields, the layout, the precision, and every fused
-    kernel that needs Transformer Engine or Apex off (neither is installed)."""
+    """megatron's TransformerConfig: the family's fields, the layout, the precision, every fused
+    kernel that needs Transformer Engine or Apex off (neither is installed), and on GPUs the
+    torch-compiled ones that need neither (``gpu_fusions``)."""
     from megatron.core.transformer import TransformerConfig
     dtype = DTYPES[cfg.model.dtype]
     kw = family.transformer_config(hf_config)
@@ -40,7 +45,31 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     if not torch.cuda.is_available():
         from toolkit.compat import megatron_cpu
         kw.update(megatron_cpu.TRANSFORMER_CONFIG)
+    elif cfg.megatron.fused_kernels:
+        kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
+
+
+def gpu_fusions(kw: dict) -> dict:
+    """megatron's fusions that need neither TE nor Apex (``megatron.core.jit``: torch.compile), on
+    GPUs, where they compute the same expressions: bias-dropout-add (``residual + dropout(x +
+    bias)``) always; the activation only for SwiGLU (``silu(gate) * up``, its backward written out).
+    megatron's fused GeLU is a tanh approximation with a rounded constant, so GeLU models (gpt2)
+    keep the unfused activation. Their outputs may differ from the unfused ops in the last bits (a
+    kernel's own rounding), and dropout masks come from another random stream."""
+    swiglu = kw.get("gated_linear_unit") and kw.get("activation_func") is torch.nn.functional.silu
+    return {"bias_dropout_fusion": True, "bias_activation_fusion": bool(swiglu)}
+
+
+def attention_options(cfg: RunConfig, hf_config, family, tconfig) -> AttentionOptions | None:
+    """The toolkit's core attention for ``megatron.attention`` (None: megatron's local one), with
+    HF's RoPE frequencies on this rank's device for RoPE families."""
+    if cfg.megatron.attention == "local":
+        return None
+    inv_freq = None
+    if family.position_embedding == "rope":
+        inv_freq = rope_inv_freq(hf_config, tconfig.kv_channels).to(device.rank_device())
+    return AttentionOptions(mode=cfg.megatron.attention, inv_freq=inv_freq)
 
 
 def _recompute(mode: str) -> dict:
@@ -51,28 +80,36 @@ def _recompute(mode: str) -> dict:
     return {}
 
 
-def build_chunks(lay: Layout, hf_config, family, tconfig) -> list:
-    """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers."""
+def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOptions | None = None) -> list:
+    """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers.
+    With the toolkit's attention, megatron's RoPE is off: the attention rotates q and k itself."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     vpp = lay.vpp
+    kwargs = family.model_kwargs(hf_config)
+    if attention is not None and kwargs["position_embedding_type"] == "rope":
+        kwargs["position_embedding_type"] = "none"
     chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
-        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp), vocab_size=lay.padded_vocab, vp_stage=vp,
-                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                               **family.model_kwargs(hf_config)))
+        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention), vocab_size=lay.padded_vocab,
+                               vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
     return chunks
 
 
-def layer_spec(tconfig, vp_stage: int | None):
-    """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``);
-    with sequence parallelism, a block spec whose norms are ``SequenceParallelNorm`` (megatron's own
-    torch-norm wrapper refuses sequence parallelism)."""
+def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None):
+    """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
+    ``attention``: the toolkit's core attention, else megatron's DotProductAttention); with sequence
+    parallelism, a block spec whose norms are ``SequenceParallelNorm`` (megatron's own torch-norm
+    wrapper refuses sequence parallelism)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
     spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
                                     normalization=tconfig.normalization)
+    if attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
     if not tconfig.sequence_parallel:

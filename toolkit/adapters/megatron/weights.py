@@ -172,22 +172,27 @@ def _padding_idx_without_grad(chunk, pad: int | None) -> None:
 
 
 def _copy_rope(chunk, family, hf_config) -> None:
-    """Use HF's own RoPE frequencies (default, linear and llama3 scaling alike): exact by construction."""
+    """megatron's own RoPE (``megatron.attention=local``) with HF's frequencies: exact by construction."""
     rope = getattr(chunk, "rotary_pos_emb", None)
     if rope is None or family.position_embedding != "rope":
         return
+    inv_freq = rope_inv_freq(hf_config, rope.inv_freq.numel() * 2)
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+
+
+def rope_inv_freq(hf_config, dim: int) -> torch.Tensor:
+    """HF's own RoPE frequencies ``[dim / 2]`` (fp32, on the CPU) for a rotary dimension ``dim``:
+    default, linear and llama3 scaling alike."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from toolkit.families import rope_parameters
-    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        params = rope_parameters(hf_config)
-        dim = rope.inv_freq.numel() * 2
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        assert scaling == 1.0, f"rope type {rope_type} scales attention by {scaling}"
-    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    assert scaling == 1.0, f"rope type {rope_type} scales attention by {scaling}"
+    return inv_freq
 
 
 def check_hf_keys(family, hf_config, hf_state) -> None:
