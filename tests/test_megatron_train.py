@@ -14,13 +14,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), re
 
 MEGATRON = "backend=megatron"
 LOSS_RTOL = 3e-7
-"""Losses and eval losses vs DeepSpeed, relative. Measured max over the layouts: 6.6e-8 (dp2, tp2,
-tp2_pp2, tp2_sp; pp2 4.9e-8; eval 4.9e-8), about one float32 ulp of the loss: the same fp32 math in
-other reduction orders. Norms decayed on the megatron path only moved them by 6.8e-6."""
-GRAD_NORM_RTOL = 1e-4
-"""Measured max 4.2e-5 (dp2 and pp2 at step 6, where the norm has fallen to 1.3; the earlier steps
-within 1e-5), from the weights of the piecewise seeded init (adapters/hf.py); 8.1e-6 with the init
-before it: ZeRO-0 and megatron sum the squares in other orders, and Adam carries the difference on."""
+"""Losses vs DeepSpeed, relative. Measured max over the layouts: 9.9e-8 (tp2 layouts; dp2, pp2
+8.3e-8), about one float32 ulp of the loss: the same fp32 math in other reduction orders."""
+EVAL_RTOL = 1e-6
+"""Eval losses vs DeepSpeed: measured 4.4e-7 at pp2 (the toolkit's core attention; 1.5e-7 with
+megatron's local one), <= 3.4e-8 elsewhere: a few float32 ulps of a sum over the eval tokens."""
+GRAD_NORM_RTOL = 3e-5
+"""Measured max 1.2e-5 (tp2 layouts; dp2, pp2 5.7e-6): ZeRO-0 and megatron sum the squares in
+other orders (4.2e-5 at step 6 with megatron's local attention)."""
 LAYOUTS = {  # name: (overrides, nproc)
     "tp2": (["megatron.tp=2"], 2),
     "pp2": (["megatron.pp=2", "profile.enabled=true", "profile.start_step=2", "profile.steps=2"], 2),
@@ -76,7 +77,7 @@ def test_loss_trajectory_matches_deepspeed(layout, runs, deepspeed_reference):
     assert got == pytest.approx(ref, rel=LOSS_RTOL)
     assert len(evals) == 2  # steps 3 and 6
     if layout != "dp2":  # the eval set is sliced per DP rank: compare at the same dp (1)
-        assert evals == pytest.approx(ref_evals, rel=LOSS_RTOL)
+        assert evals == pytest.approx(ref_evals, rel=EVAL_RTOL)
     assert norms == pytest.approx(ref_norms, rel=GRAD_NORM_RTOL)
 
 
