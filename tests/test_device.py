@@ -89,3 +89,18 @@ def test_stopwatch_and_rank_device_on_cpu():
     assert watch.seconds() > 0
     assert device.rank_device() == (torch.device("cuda", torch.cuda.current_device())
                                     if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def test_moves_to_the_host_dtype_casts_views_and_torch_functions_keep_the_mark(strict_group):
+    """``.cpu()``, ``.to("cpu")``, ``.to(dtype)``, tuple results (``split``) and torch's Python-level
+    functions (``F.pad``) called from toolkit code: all host tensors to a collective."""
+    for line in ("t = device.zeros(2, dtype=torch.float32).cpu()",
+                 "t = device.zeros(2, dtype=torch.float32).to('cpu')",
+                 "t = torch.zeros(4).to(torch.float64)",
+                 "t = torch.zeros(4).split(2)[1]",
+                 "t = torch.nn.functional.pad(torch.zeros(2), (1, 1))"):
+        with pytest.raises(device.DeviceError, match="_strict_probe.py:1"):
+            as_toolkit_code(f"{line}\ndist.all_reduce(t)")
+    as_toolkit_code("t = torch.zeros(2).to(device.rank_device())\ndist.all_reduce(t)")  # moved: fine
+    # copying host data into a device tensor (loading weights) is a hand-off, not a host tensor
+    as_toolkit_code("t = device.zeros(2, dtype=torch.float32)\nt.copy_(torch.ones(2))\ndist.all_reduce(t)")

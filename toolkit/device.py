@@ -36,12 +36,17 @@ class DeviceError(RuntimeError):
     """A tensor on the host where the rank's device is required (strict mode)."""
 
 
+_CPU_RANK_DEVICE = torch.device("cpu")
+"""One object: strict mode tells a move to the rank's device (this object) from one to the host
+(any other CPU device), though on a CPU machine both are the CPU."""
+
+
 def rank_device() -> torch.device:
     """This rank's compute device: ``cuda:<current>`` with a GPU (``parallel.init_process_group``
     sets it from LOCAL_RANK), else the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _CPU_RANK_DEVICE
 
 
 def tensor(values, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +130,7 @@ _strict: dict = {"on": False, "mode": None, "originals": {}}
 
 _FACTORIES = frozenset({torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
                         torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye})
-_PLACEMENTS = frozenset({torch.Tensor.to, torch.Tensor.cuda})
+_PLACEMENTS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
 # Point-to-point ops are left alone: torch's P2POp accepts only its own isend/irecv objects, and
 # toolkit code sends nothing point to point (megatron's pipeline does, on its own buffers).
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -192,10 +197,12 @@ def _mark(t: torch.Tensor, origin: str) -> None:
 
 
 def _toolkit_caller(depth: int = 2) -> str | None:
-    """``file:line`` of the calling frame when it is toolkit code (outside the exempt modules).
-    Other torch-function modes' frames (megatron's CPU layer stacks one above this) are skipped."""
+    """``file:line`` of the code that called torch, when it is toolkit code (outside the exempt
+    modules). Torch's own Python frames (``F.pad``, ``Tensor.split``) and other torch-function
+    modes (megatron's CPU layer stacks one above this) are looked through."""
     frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_name == "__torch_function__":
+    while frame is not None and (frame.f_code.co_name == "__torch_function__"
+                                 or frame.f_globals.get("__name__", "").startswith("torch.")):
         frame = frame.f_back
     if frame is None:
         return None
@@ -213,27 +220,48 @@ def _tensors(values):
             yield from (x for x in v if isinstance(x, torch.Tensor))
 
 
+def _placement(func, args, kwargs):
+    """Where an explicit placement sends a tensor: "host", "device", or None (no device named:
+    ``.to(dtype)``)."""
+    if func is torch.Tensor.cpu:
+        return "host"
+    if func is torch.Tensor.cuda:
+        return "device"
+    target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+    if target is None:
+        return None
+    return "host" if target is not _CPU_RANK_DEVICE and torch.device(target).type == "cpu" else "device"
+
+
 class _HostTracker(TorchFunctionMode):
-    """Marks what toolkit code makes on the host: factory calls without ``device=``, and results
-    computed from host tensors (except explicit placements, ``.to(device)`` / ``.cuda()``)."""
+    """Marks what toolkit code makes on the host: factory calls without ``device=``, explicit moves
+    to the CPU (``.cpu()``, ``.to("cpu")``), and results computed from host tensors; an explicit
+    move to the device unmarks. (``torch.from_numpy`` passes no torch-function mode: the data
+    pipeline marks its batches itself.)"""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
+        outputs = list(_tensors([out]))
+        if not outputs:
             return out
         site = _toolkit_caller()
         if site is None:
             return out
         if func in _FACTORIES:
-            if kwargs.get("device") is None:
-                _mark(out, site)
-        elif func in _PLACEMENTS and (len(args) > 1 or "device" in kwargs or func is torch.Tensor.cuda):
-            pass  # an explicit placement: where it lands is the caller's stated intent
+            origin = site if kwargs.get("device") is None else None
+        elif func in _PLACEMENTS and _placement(func, args, kwargs) is not None:
+            origin = site if _placement(func, args, kwargs) == "host" else None
+            if origin is None and host_origin(out) is not None:
+                # On the CPU a move to the rank's device returns the same tensor: it was moved.
+                delattr(out, _HOST_ORIGIN)
+        elif func is torch.Tensor.copy_:  # a copy into a tensor keeps where that tensor lives
+            return out
         else:
             origin = next((host_origin(t) for t in _tensors([*args, *kwargs.values()]) if host_origin(t)), None)
-            if origin is not None:
-                _mark(out, origin)
+        if origin is not None:
+            for t in outputs:
+                _mark(t, origin)
         return out
 
 
