@@ -155,3 +155,23 @@ def test_ranks_take_their_share_of_the_cores(monkeypatch):
         assert os.environ["OMP_NUM_THREADS"] == "7"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_ds_config_without_precision_or_optimizer_sections_gets_the_runs(tmp_path):
+    """DeepSpeed reads a missing "bf16" section as off: bf16 weights would train without fp32
+    master weights. Missing sections take the run's dtype and the toolkit's AdamW."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    ds = ds_config(load_config(None, [f"zero.ds_config={path}", "model.dtype=bf16"]))
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["lr"] == 3e-3
+
+
+def test_ds_config_precision_and_offload_errors_name_the_fix(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}}))
+    with pytest.raises(ConfigError, match=r"bf16.enabled=True contradicts model.dtype='fp32'; set model.dtype=bf16"):
+        ds_config(load_config(None, [f"zero.ds_config={path}"]))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    with pytest.raises(ConfigError, match=r"offload_param.device='nvme': the toolkit offloads to the CPU only"):
+        ds_config(load_config(None, [f"zero.ds_config={path}"]))

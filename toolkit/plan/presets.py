@@ -108,6 +108,13 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
     ``with_ds_json_values``); a concrete value that contradicts it is an error naming both."""
     ds, source = read_ds_config(cfg)
     zero = ds.setdefault("zero_optimization", {})
+    for section in ("bf16", "fp16"):  # absent means off to DeepSpeed: the run's dtype must be said
+        enabled = ds.setdefault(section, {}).setdefault("enabled", AUTO)
+        if enabled != AUTO and bool(enabled) != (cfg.model.dtype == section):
+            raise ConfigError(f"{source}: {section}.enabled={enabled!r} contradicts model.dtype={cfg.model.dtype!r}; "
+                              f"set model.dtype={section if enabled else 'fp32'} or put \"auto\" in the DeepSpeed JSON")
+    if "optimizer" not in ds:  # DeepSpeed would build none; the toolkit's is AdamW, set each step
+        ds["optimizer"] = {"type": "AdamW", "params": {k: AUTO for k in ("lr", "betas", "eps", "weight_decay")}}
     t = cfg.train
     wanted: dict[tuple[str, ...], Any] = {
         ("train_batch_size",): t.global_batch_size,
@@ -189,6 +196,9 @@ def _fill_offload(cfg: RunConfig, zero: dict, source: str) -> None:
     for flag, key in (("offload_optimizer", "offload_optimizer"), ("offload_params", "offload_param")):
         want = "cpu" if getattr(cfg.zero, flag) else "none"
         json_device = (zero.get(key) or {}).get("device", "none")
+        if json_device not in ("cpu", "none"):
+            raise ConfigError(f"{source}: zero_optimization.{key}.device={json_device!r}: the toolkit offloads to "
+                              "the CPU only (zero.offload_optimizer / zero.offload_params); use \"cpu\" or \"none\"")
         if key in zero and json_device != want:
             raise ConfigError(f"{source}: zero_optimization.{key}.device={json_device!r} contradicts "
                               f"zero.{flag}={getattr(cfg.zero, flag)}; change one of them")
