@@ -141,7 +141,7 @@ def cmd_train(args) -> int:
     cfg = _config_from_args(args)
     if launched_externally(own_rendezvous=args.rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
         adopt_slurm_env()
-        run_worker(build_plan(cfg, [int(os.environ.get("WORLD_SIZE", "1"))]))
+        run_worker(build_plan(cfg, [int(os.environ.get("WORLD_SIZE", "1"))]), record_plan=True)
         return 0
     plan = build_plan(cfg, [cfg.nproc * n for n in range(_min_nnodes(args), args.nnodes + 1)])
     if args.dry_run:

@@ -73,8 +73,10 @@ def _check_family(cfg: RunConfig, hf_config) -> None:
 
 
 def write_plan(plan: Plan, run_dir: Path) -> Path:
+    """RUN_DIR/plan.json, replaced whole (nodes writing it together leave one complete file)."""
+    from toolkit.storage import write_text_atomic
     path = Path(run_dir) / PLAN_FILE
-    path.write_text(plan.model_dump_json(indent=2))
+    write_text_atomic(path, plan.model_dump_json(indent=2))
     return path
 
 

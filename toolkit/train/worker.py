@@ -17,14 +17,16 @@ from toolkit.parallel import init_process_group, seed_everything
 from toolkit.plan import Plan, read_plan, write_plan
 
 
-def run_worker(plan: Plan) -> None:
+def run_worker(plan: Plan, record_plan: bool = False) -> None:
+    """``record_plan``: this job's ranks made the plan themselves (torchrun, srun, the deepspeed
+    launcher): rank 0 writes it to RUN_DIR/plan.json, replacing a previous job's."""
     init_process_group()
     rank = dist.get_rank()
     if device.strict_requested():
         device.enable_strict()
     device.use_tf32(plan.config.model.tf32)
     run_dir = Path(plan.config.run_dir)
-    if rank == 0 and not (run_dir / "plan.json").exists():  # a rank of torchrun / srun: record the plan
+    if record_plan and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_plan(plan, run_dir)
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
