@@ -274,9 +274,6 @@ class MegatronEngine:
         """The current weights (or ``attr`` of them, e.g. ``main_grad``) as an HF state dict on rank 0."""
         return export.hf_state(self, attr)
 
-    def full_mcore_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
-        return export.full_mcore_state(self, attr)
-
     def export_hf(self, path: Path, tokenizer) -> None:
         export.export_hf(self, path, tokenizer)
 

@@ -1,5 +1,11 @@
-"""The megatron engine's weights (or gradients) as full tensors: gathered to rank 0, unsharded
-through the family table, and written as an HF ``save_pretrained`` directory."""
+"""The megatron engine's weights (or another attribute of its parameters: gradients, loaded Adam
+moments) as HF checkpoint tensors, one megatron tensor at a time, and ``hf_final/``.
+
+A tensor's TP shards are gathered inside the TP group that holds it (its pipeline stage, the DP /
+expert-DP replica an export takes) to that group's TP rank 0, which unshards it and sends it to
+global rank 0; no other rank takes part. So no rank holds more than one full tensor beyond its own
+shards, and no collective spans ranks that have nothing to give.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,78 +13,57 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit import device
+from toolkit.adapters.megatron.weights import expert_offset, global_name, is_expert, layer_offset, local_params
 from toolkit.convert.canonical import Source, TensorInfo
 
-from toolkit.adapters.megatron.weights import _global_name, _local_params, expert_offset, is_expert, layer_offset
-
-
-def full_mcore_state(engine, attr: str | None = None) -> dict[str, torch.Tensor] | None:
-    """Full (unsharded, global layer numbers) mcore tensors, on global rank 0; None elsewhere.
-    ``attr="main_grad"``: the gradients instead of the weights (complete at dp=1, or after
-    ``forward_backward(..., complete_grads=True)``)."""
-    local = {}
-    for chunk in engine.model:
-        offset, first_expert = layer_offset(chunk.module), expert_offset(chunk.module)
-        for name, t in _local_params(chunk.module).items():
-            name = _global_name(name, offset, first_expert)
-            if not (engine.owns_experts if is_expert(name) else engine.owns_dense):
-                continue  # another DP (or expert-DP) replica's copy is taken
-            t = getattr(t, attr) if attr else t
-            local[name] = t.detach().to("cpu", torch.float32).clone()
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((engine.tp_rank, local), gathered, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    return _merge(engine, gathered)
-
-
-def _merge(engine, gathered) -> dict[str, torch.Tensor]:
-    from toolkit.families import unshard
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    for tp_rank, local in gathered:
-        for name, t in local.items():
-            parts.setdefault(name, {})[tp_rank] = t
-    full = {}
-    for name, by_rank in parts.items():
-        if name == "output_layer.weight" and engine.family.tied(engine.hf_config):
-            continue  # the last stage's copy of the tied embedding
-        full[name] = unshard(engine.family, engine.hf_config, name, [by_rank[r] for r in sorted(by_rank)])
-    return full
+MAX_DIMS = 8  # of a tensor's shape, sent ahead of its data
 
 
 def hf_state(engine, attr: str | None = None) -> dict[str, torch.Tensor] | None:
-    """The current weights (or ``attr`` of them) as an HF state dict on rank 0, strict through the
-    family table."""
-    from toolkit.families import mcore_to_hf
-    full = full_mcore_state(engine, attr)
-    return None if full is None else mcore_to_hf(engine.family, engine.hf_config, full, engine.lay.padded_vocab)
+    """Every tensor (or ``attr`` of each parameter: ``main_grad``, complete at dp=1 or after
+    ``forward_backward(..., complete_grads=True)``) as an HF state dict on rank 0, None elsewhere;
+    a tied model also gets ``lm_head.weight``, as HF's own state dict has. Collective."""
+    source = MegatronSource(engine, attr)
+    state = {name: source.read(name) for name in source.infos}
+    if dist.get_rank() != 0:
+        return None
+    if engine.family.tied(engine.hf_config):
+        state["lm_head.weight"] = engine_embedding(state)
+    return state
+
+
+def engine_embedding(state: dict) -> torch.Tensor:
+    return next(t for n, t in state.items() if n.endswith(("embed_tokens.weight", "wte.weight")))
 
 
 def export_hf(engine, path: Path, tokenizer) -> None:
-    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names), one
-    megatron tensor at a time: its TP shards gathered to rank 0, unsharded, mapped to HF names."""
+    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names)."""
+    from transformers import GenerationConfig
+
     from toolkit.adapters.export import write_streamed
-    write_streamed(MegatronSource(engine), path, tokenizer)
+    generation = GenerationConfig.from_model_config(engine.hf_config)
+    write_streamed(MegatronSource(engine), path, tokenizer, generation)
 
 
 class MegatronSource(Source):
-    """The engine's weights as HF checkpoint tensors, read in HF order. Reads are collective: the
-    ranks holding the megatron tensor (its pipeline stage, every TP rank, one DP replica) send their
-    shards to rank 0, which keeps the HF tensors made from it until another one is needed (q, k
-    and v come from one fused tensor)."""
+    """The engine's parameters as HF checkpoint tensors, read in HF order (every rank reads every
+    name in the same order; the result is on rank 0). The HF tensors made from one megatron tensor
+    are kept until another is needed (q, k and v come from one fused tensor)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, attr: str | None = None):
+        from toolkit.adapters.export import fp32_config
         from toolkit.adapters.hf import empty_model
-        from toolkit.adapters.export import _config_dict
         from toolkit.families import table, unpacked_layout
-        super().__init__(path=Path("."), format="engine", hf_config=_config_dict(engine.hf_config))
-        self.engine, self.collective = engine, True
+        super().__init__(path=Path("."), format="engine", hf_config=fp32_config(engine.hf_config))
+        self.engine, self.attr, self.collective = engine, attr, True
         shapes = {n: tuple(p.shape) for n, p in empty_model(engine.hf_config).named_parameters()}
-        layout = unpacked_layout(engine.family, engine.hf_config, shapes)
-        self.infos = {n: TensorInfo(piece.shape, torch.float32) for n, piece in layout.items()}
+        self.infos = {n: TensorInfo(piece.shape, torch.float32)
+                      for n, piece in unpacked_layout(engine.family, engine.hf_config, shapes).items()}
         self.entries = {hp + hf: (mcore, e) for mcore, (e, hp) in table(engine.family, engine.hf_config).items()
                         for hf in e.hf_names()}
-        self.local = _owned_params(engine)
+        self.local = owned_params(engine)
+        self.sender = _senders(self.local)
         self._cached: tuple[str, dict] | None = None
 
     def read(self, name: str, state: str = "param") -> torch.Tensor | None:
@@ -88,30 +73,73 @@ class MegatronSource(Source):
         return self._cached[1].get(name)
 
     def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
-        from toolkit.families import unshard
-        engine = self.engine
-        mine = self.local.get(mcore)
-        part = None if mine is None else (engine.tp_rank, mine.detach().to("cpu", torch.float32).clone())
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(part, gathered, dst=0)
+        full = self._full(mcore)
         if dist.get_rank() != 0:
             return {}
-        shards = dict(p for p in gathered if p is not None)
-        full = unshard(engine.family, engine.hf_config, mcore, [shards[r] for r in sorted(shards)])
         prefix = name[:len(name) - len(next(h for h in entry.hf_names() if name.endswith(h)))]
-        dims = engine.family.dims(engine.hf_config, engine.lay.padded_vocab)
+        dims = self.engine.family.dims(self.engine.hf_config, self.engine.lay.padded_vocab)
         return {prefix + k: v for k, v in entry.to_hf(full, dims).items()}
 
+    def _full(self, mcore: str) -> torch.Tensor | None:
+        """The unsharded tensor on global rank 0 (fp32, CPU); None elsewhere."""
+        full = self._gather_tp(mcore) if mcore in self.local else None
+        sender = self.sender[mcore]
+        if sender != 0 and dist.get_rank() == sender:
+            _send(full, dst=0)
+        elif sender != 0 and dist.get_rank() == 0:
+            full = _recv(src=sender)
+        return full
 
-def _owned_params(engine) -> dict[str, torch.Tensor]:
-    """This rank's megatron tensors by global name, where it is the replica an export takes."""
+    def _gather_tp(self, mcore: str) -> torch.Tensor | None:
+        """This TP group's shards of ``mcore`` on its TP rank 0, joined (fp32, CPU)."""
+        from toolkit.families import unshard
+        t = self.local[mcore]
+        t = (getattr(t, self.attr) if self.attr else t).detach().to(torch.float32).contiguous()
+        group = _tp_group(mcore)
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(t) for _ in range(size)] if me == 0 else None
+        dist.gather(t, parts, dst=dist.get_global_rank(group, 0), group=group)
+        if me != 0:
+            return None
+        return unshard(self.engine.family, self.engine.hf_config, mcore, [p.cpu() for p in parts])
+
+
+def owned_params(engine) -> dict[str, torch.Tensor]:
+    """This rank's megatron tensors by global name, where it is in the replica an export takes."""
     out = {}
     for chunk in engine.model:
         offset, first_expert = layer_offset(chunk.module), expert_offset(chunk.module)
-        for name, t in _local_params(chunk.module).items():
-            name = _global_name(name, offset, first_expert)
+        for name, t in local_params(chunk.module).items():
+            name = global_name(name, offset, first_expert)
             if (engine.owns_experts if is_expert(name) else engine.owns_dense) and name not in out:
                 out[name] = t
     if engine.family.tied(engine.hf_config):
         out.pop("output_layer.weight", None)  # the last stage's copy of the tied embedding
     return out
+
+
+def _tp_group(mcore: str):
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_tensor_parallel_group() if is_expert(mcore) else ps.get_tensor_model_parallel_group()
+
+
+def _senders(local: dict) -> dict[str, int]:
+    """Global rank of the TP rank 0 that joins each tensor (one small all-gather of names)."""
+    mine = [n for n in local if dist.get_rank(_tp_group(n)) == 0]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (dist.get_rank(), mine))
+    return {name: rank for rank, names in every for name in names}
+
+
+def _send(tensor: torch.Tensor, dst: int) -> None:
+    shape = device.tensor(list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
+    dist.send(shape, dst=dst)
+    dist.send(tensor.to(device.rank_device()), dst=dst)
+
+
+def _recv(src: int) -> torch.Tensor:
+    shape = device.zeros(MAX_DIMS, dtype=torch.int64)
+    dist.recv(shape, src=src)
+    full = torch.empty([int(d) for d in shape.tolist() if d >= 0], dtype=torch.float32, device=device.rank_device())
+    dist.recv(full, src=src)
+    return full.cpu()

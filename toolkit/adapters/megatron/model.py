@@ -23,6 +23,9 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     from megatron.core.transformer import TransformerConfig
     dtype = DTYPES[cfg.model.dtype]
     kw = family.transformer_config(hf_config)
+    # perform_initialization stays on although every weight is then overwritten from the HF
+    # tensors: megatron marks TP-split weights (tensor_model_parallel, partition_dim) only in its
+    # init path, and the grad norm counts unmarked weights once per TP group, not per shard.
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
               virtual_pipeline_model_parallel_size=lay.vpp, sequence_parallel=lay.sequence_parallel,
               num_layers_in_first_pipeline_stage=lay.first_stage_layers,

@@ -3,11 +3,9 @@ only its slices (through the family's weight table), plus what the table cannot 
 frequencies, the embedding's ``padding_idx``)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
-from toolkit.config import ConfigError
 from toolkit.families.base import Reader
 from toolkit.plan import Plan
 
@@ -17,7 +15,7 @@ def hf_weights(plan: Plan, hf_config) -> Reader:
     or the seeded init (``adapters/hf.py``), generated one module at a time. No rank builds the
     whole HF model."""
     if plan.config.model.init == "pretrained":
-        return HFSliceReader(Path(plan.config.model.name_or_path), plan.model.hf)
+        return HFSliceReader(plan)
     return SeededReader(hf_config, plan.config.train.seed)
 
 
@@ -31,20 +29,20 @@ class SeededReader(Reader):
         from toolkit.families import find_family, unpacked_layout
         self.weights = SeededWeights(hf_config, seed)
         shapes = {n: tuple(p.shape) for n, p in self.weights.model.named_parameters()}
-        self.layout = unpacked_layout(find_family(hf_config.model_type), hf_config, shapes)
+        self.unpacked = unpacked_layout(find_family(hf_config.model_type), hf_config, shapes)
         self._unit: tuple[str, dict] | None = None
 
     def keys(self):
-        return self.layout.keys()
+        return self.unpacked.keys()
 
     def shape(self, name):
-        return tuple(self.layout[name].shape)
+        return tuple(self.unpacked[name].shape)
 
     def dtype(self, name):
         return torch.float32
 
     def slice(self, name, dim=None, start=0, stop=None):
-        piece = self.layout[name]
+        piece = self.unpacked[name]
         unit = self.weights.unit_of[piece.module]
         if self._unit is None or self._unit[0] != unit:
             self._unit = (unit, self.weights.unit_tensors(unit))
@@ -55,17 +53,13 @@ class SeededReader(Reader):
 
 
 class HFSliceReader(Reader):
-    """An HF ``save_pretrained`` directory through the converter's reader (safetensors, sharded with
-    an index, truncation checks), read by slice: a TP rank reads only its part of each tensor."""
+    """An HF ``save_pretrained`` directory through the converter's reader (``adapters.hf.hf_checkpoint``:
+    safetensors, sharded with an index, truncation checks), read by slice: a TP rank reads only
+    its part of each tensor."""
 
-    def __init__(self, model_dir: Path, hf_config: dict):
-        from toolkit.convert import ConvertError
-        from toolkit.convert.hf import HFSource
-        model_dir = model_dir.parent if model_dir.is_file() else model_dir
-        try:
-            self.source = HFSource(model_dir, hf_config)
-        except ConvertError as exc:
-            raise ConfigError(f"model.init=pretrained: {exc}") from None
+    def __init__(self, plan: Plan):
+        from toolkit.adapters.hf import hf_checkpoint
+        self.source = hf_checkpoint(plan)
 
     def keys(self):
         return self.source.infos.keys()
@@ -90,7 +84,7 @@ def checkpoint_names(family, hf_config, state):
     return state if isinstance(state, Reader) else unpack(family, hf_config, state)
 
 
-def _global_name(name: str, offset: int, expert_offset: int = 0) -> str:
+def global_name(name: str, offset: int, expert_offset: int = 0) -> str:
     """A chunk's parameter name with global layer (and expert) numbers."""
     from toolkit.families import EXPERTS, split_expert
     if not name.startswith("decoder.layers."):
@@ -117,7 +111,7 @@ def is_expert(name: str) -> bool:
     return split_expert(name) is not None
 
 
-def _local_params(chunk) -> dict[str, torch.Tensor]:
+def local_params(chunk) -> dict[str, torch.Tensor]:
     return {n: t for n, t in chunk.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
 
 
@@ -131,8 +125,8 @@ def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp
     reading only those slices (``hf_state``: a state dict, or a ``SafetensorsReader``)."""
     from toolkit.families import MappingReader, Reader, read_shard, table
     offset, tied = layer_offset(chunk), family.tied(hf_config)
-    local = _local_params(chunk)
-    source = {n: _global_name(n, offset, expert_offset(chunk)) for n in local}
+    local = local_params(chunk)
+    source = {n: global_name(n, offset, expert_offset(chunk)) for n in local}
     if tied:  # a last pipeline stage holds its own copy of the tied embedding as output_layer
         source = {n: "embedding.word_embeddings.weight" if g == "output_layer.weight" else g for n, g in source.items()}
     known = table(family, hf_config)
