@@ -76,7 +76,7 @@ class DeepSpeedEngine:
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 objective = objective + self.router.loss(out.router_logits) / len(micro_batches)
             self.engine.backward(objective, scale_wrt_gas=False)
-            if i == len(micro_batches) - 1 and self.cfg.zero.stage == 0:
+            if i == len(micro_batches) - 1 and self._norm_not_recorded:
                 grad_norm = self._reduced_grad_norm()
             self.engine.step()
             local_sum += loss_sum.detach().double()
@@ -105,8 +105,14 @@ class DeepSpeedEngine:
             return self.engine(input_ids=input_ids, output_router_logits=True)
         return self.engine(input_ids=input_ids)
 
+    @property
+    def _norm_not_recorded(self) -> bool:
+        """Only fp32 without ZeRO leaves DeepSpeed's optimizer unwrapped, recording no grad norm;
+        its module grads are then unscaled (fp16's loss scale lives in its optimizer wrapper)."""
+        return self.cfg.zero.stage == 0 and self.cfg.model.dtype == "fp32"
+
     def _reduced_grad_norm(self) -> float:
-        """Without ZeRO, DeepSpeed does not record the norm; the grads are all-reduced by now."""
+        """The global norm from the module's grads (all-reduced by now)."""
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
 
@@ -195,6 +201,7 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     if rank == 0:
         (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     _install_op_caches()
+    check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     return DeepSpeedEngine(plan, build_model(plan, ds_config))
 
 
@@ -216,20 +223,23 @@ def _written_by_rank0(param):
 
 def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
     """The HF model for this rank: at ZeRO-3 built under DeepSpeed's ``zero.Init``, so each parameter
-    is partitioned as it is created and filled partition by partition (the seeded init drawn piece by
-    piece on rank 0 and scattered one parameter at a time, or this rank's element ranges of the
-    checkpoint); below stage 3 the
-    one full copy ZeRO 0-2 keep, in the training dtype (``adapters/hf.py``)."""
+    is partitioned as it is created and filled partition by partition (the seeded init drawn piece
+    by piece on rank 0 and scattered one parameter at a time, or this rank's element ranges of the
+    checkpoint); below stage 3 the one full copy ZeRO 0-2 keep, in the training dtype, on the rank's
+    device (``adapters/hf.py``). A pretrained model of a family the toolkit has no table for loads
+    through transformers (under ``zero.Init`` at ZeRO-3, as HF Trainer does)."""
     from toolkit.adapters import hf
     dtype = DTYPES[plan.config.model.dtype]
     if plan.layout(dist.get_world_size()).zero_stage < 3:
-        return hf.build_model(plan, dtype)
+        return hf.build_model(plan, dtype, device.rank_device())
     import deepspeed
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
-    from transformers.initialization import no_init_weights
+    if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
+        return hf.finish(_hf_zero3_load(plan, ds_config, dtype), plan)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
@@ -240,11 +250,20 @@ def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
     return hf.finish(model, plan)
 
 
+def _hf_zero3_load(plan: Plan, ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' own ZeRO-3 load (its checkpoint conversions; rank 0 reads, ranks keep shares)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from toolkit.adapters.hf import model_dir
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
+    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)
+
+
 def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:
     """Each ZeRO-3 partition from the checkpoint: this rank reads only its elements of each tensor
     (DeepSpeed partitions a parameter's flattened elements, padded, in rank order)."""
     from toolkit.adapters.hf import checkpoint_pieces, read_elements
-    pieces = checkpoint_pieces(model, plan)
+    pieces = checkpoint_pieces(model, plan, source)
     with torch.no_grad():
         for name, param in model.named_parameters():
             part = param.ds_tensor

@@ -28,35 +28,63 @@ class ModuleSource(Source):
     def __init__(self, module: torch.nn.Module, model_type: str, gather=None):
         from toolkit.families import find_family, unpacked_layout
         config = module.config
-        super().__init__(path=Path("."), format="engine", hf_config=_config_dict(config))
+        super().__init__(path=Path("."), format="engine", hf_config=fp32_config(config))
         self.params = dict(module.named_parameters())
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.params.items()}
-        self.layout = unpacked_layout(find_family(model_type), config, shapes)
-        self.infos = {n: TensorInfo(piece.shape, torch.float32) for n, piece in self.layout.items()}
+        self.unpacked = unpacked_layout(find_family(model_type), config, shapes)
+        self.infos = {n: TensorInfo(piece.shape, torch.float32) for n, piece in self.unpacked.items()}
         self.gather = gather
         self.collective = gather is not None  # reads gather on every rank; else rank 0 reads alone
         self._cached: tuple[str, torch.Tensor] | None = None
 
-    def read(self, name: str, state: str = "param") -> torch.Tensor:
-        piece = self.layout[name]
-        return self._whole(piece.module).reshape(-1)[piece.start:piece.start + piece.numel].view(piece.shape)
+    def read(self, name: str, state: str = "param") -> torch.Tensor | None:
+        piece = self.unpacked[name]
+        whole = self._whole(piece.module)
+        return None if whole is None else whole.reshape(-1)[piece.start:piece.start + piece.numel].view(piece.shape)
 
-    def _whole(self, param_name: str) -> torch.Tensor:
-        """The parameter in fp32 on the CPU (kept until another is asked for: a packed MoE parameter
-        serves one checkpoint tensor per expert in a row)."""
+    def _whole(self, param_name: str) -> torch.Tensor | None:
+        """The parameter in fp32 on the CPU, on rank 0 (kept until another is asked for: a packed MoE
+        parameter serves one checkpoint tensor per expert in a row); the other ranks only take part
+        in the gather."""
         if self._cached is None or self._cached[0] != param_name:
             self._cached = None
             param = self.params[param_name]
             with self.gather(param) if self.gather else contextlib.nullcontext():
-                self._cached = (param_name, param.detach().to("cpu", torch.float32).clone())
+                if dist.get_rank() == 0:
+                    self._cached = (param_name, param.detach().to("cpu", torch.float32).clone())
+            if self._cached is None:
+                self._cached = (param_name, None)
         return self._cached[1]
 
 
-def _config_dict(config) -> dict:
+def fp32_config(config) -> dict:
     """config.json as written next to fp32 tensors (mixed precision changed the module's dtype)."""
     out = json.loads(config.to_json_string(use_diff=False))
     out["dtype"] = "float32"
     return out
+
+
+@contextlib.contextmanager
+def _drained_on_failure(source: Source):
+    """If rank 0's writing fails (a full disk), it still makes the reads the other ranks are waiting
+    in, so they finish with it instead of hanging until the process-group timeout; then it raises."""
+    names, done = list(source.infos), [0]
+    read = source.read
+
+    def counted(name, state="param"):
+        done[0] += 1
+        return read(name, state)
+    source.read = counted
+    try:
+        yield
+    except BaseException:
+        if source.collective:
+            for name in names[done[0]:]:
+                read(name)
+        dist.barrier()
+        raise
+    finally:
+        source.read = read
 
 
 def write_streamed(source: Source, path: Path, tokenizer=None, generation_config=None) -> None:
@@ -72,7 +100,8 @@ def write_streamed(source: Source, path: Path, tokenizer=None, generation_config
     stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    write_hf(source, stage)
+    with _drained_on_failure(source):
+        write_hf(source, stage)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(stage))
     if generation_config is not None:

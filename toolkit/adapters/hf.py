@@ -41,16 +41,16 @@ def empty_model(hf_config) -> torch.nn.Module:
     return model
 
 
-def materialize(module: torch.nn.Module, dtype: torch.dtype, recurse: bool = True) -> None:
-    """Replace meta parameters with uninitialized ones of ``dtype`` on the CPU, keeping tied
+def materialize(module: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    """Replace meta parameters with uninitialized ones of ``dtype`` on ``device``, keeping tied
     parameters tied (a parameter registered in two modules stays one tensor)."""
     made: dict[int, torch.nn.Parameter] = {}
-    for owner in module.modules() if recurse else [module]:
+    for owner in module.modules():
         for name, param in list(owner._parameters.items()):
             if param is None or not param.is_meta:
                 continue
             if id(param) not in made:
-                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype),
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
                                                      requires_grad=param.requires_grad)
             owner._parameters[name] = made[id(param)]
 
@@ -83,6 +83,10 @@ def init_units(model: torch.nn.Module) -> list[str]:
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child, isinstance(module, torch.nn.ModuleList))
     visit("", model, False)
+    covered = {id(p) for unit in units for p in model.get_submodule(unit).parameters()}
+    for name, module in post_order(model):  # parameters held right beside a module list: their module
+        if any(id(p) not in covered for p in module.parameters(recurse=False)):
+            units.append(name)
     return units
 
 
@@ -112,7 +116,7 @@ class SeededWeights:
         piece = copy.deepcopy(self.model.get_submodule(unit))  # meta parameters: nothing is copied
         materialize(piece, torch.float32)
         with torch.no_grad(), initialization.guard_torch_init_functions(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(unit_seed(self.seed, unit))
+            torch.default_generator.manual_seed(unit_seed(self.seed, unit))  # the CPU's only: GPU streams untouched
             for _, module in post_order(piece):
                 self.model._init_weights(module)
         tensors = dict(piece.named_parameters(prefix=unit, remove_duplicate=False))
@@ -143,16 +147,32 @@ class _writes:
         return False
 
 
-def build_model(plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The whole HF model on this rank in ``dtype`` (one copy: ZeRO 0-2, tests, references)."""
+def build_model(plan: Plan, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The whole HF model in ``dtype`` on ``device`` (one copy: ZeRO 0-2 on the rank's device,
+    tests and references on the CPU)."""
     cfg = plan.config
+    if cfg.model.init == "pretrained" and not reads_by_slice(plan):
+        model = AutoModelForCausalLM.from_pretrained(model_dir(cfg.model.name_or_path), dtype=dtype)
+        return finish(model.to(device), plan)
     model = empty_model(plan.model.hf_config())
-    materialize(model, dtype)
+    materialize(model, dtype, device)
     if cfg.model.init == "pretrained":
         fill_from_checkpoint(model, hf_checkpoint(plan), plan)
     else:
         seeded_into(model, SeededWeights(model.config, cfg.train.seed))
     return finish(model, plan)
+
+
+def reads_by_slice(plan: Plan) -> bool:
+    """Whether the toolkit knows this model's checkpoint names (a family table, ``toolkit/families``)
+    and so reads a pretrained checkpoint by slice; other models load through transformers."""
+    from toolkit.families import find_family
+    return find_family(plan.model.model_type) is not None
+
+
+def model_dir(name_or_path: str) -> str:
+    path = Path(name_or_path)
+    return str(path.parent if path.is_file() else path)
 
 
 def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
@@ -175,12 +195,20 @@ def hf_checkpoint(plan: Plan):
         raise ConfigError(f"model.init=pretrained: {exc}") from None
 
 
-def checkpoint_pieces(model: torch.nn.Module, plan: Plan) -> dict[str, list]:
+def checkpoint_pieces(model: torch.nn.Module, plan: Plan, source) -> dict[str, list]:
     """Module parameter name -> the checkpoint tensors composing it, in flattened order
-    (``families.Piece``: a packed MoE parameter is several; any other parameter is itself)."""
+    (``families.Piece``: a packed MoE parameter is several; any other parameter is itself). Strict:
+    every parameter found, every checkpoint tensor used."""
     from toolkit.families import find_family, unpacked_layout
     shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
     layout = unpacked_layout(find_family(plan.model.model_type), model.config, shapes)
+    missing = sorted(set(layout) - set(source.infos))
+    unexpected = sorted(set(source.infos) - set(layout))
+    if missing or unexpected:
+        raise ConfigError(f"model.name_or_path={plan.config.model.name_or_path!r}: the checkpoint does not match "
+                          f"the {plan.model.model_type} model; missing {missing[:10]}, unexpected "
+                          f"{ {k: tuple(source.infos[k].shape) for k in unexpected[:10]} } (is config.json the one "
+                          "saved with these weights?)")
     pieces: dict[str, list] = {}
     for ckpt_name, piece in layout.items():
         pieces.setdefault(piece.module, []).append((ckpt_name, piece))
@@ -204,7 +232,7 @@ def read_elements(source, pieces: list, start: int, stop: int) -> torch.Tensor:
 
 def fill_from_checkpoint(model: torch.nn.Module, source, plan: Plan) -> None:
     """Every (materialized) parameter from the checkpoint, one tensor at a time."""
-    pieces = checkpoint_pieces(model, plan)
+    pieces = checkpoint_pieces(model, plan, source)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.view(-1).copy_(read_elements(source, pieces[name], 0, param.numel()))
