@@ -91,18 +91,22 @@ def toolkit_rank(case: str, model_dir: Path, out: Path) -> dict:
     from toolkit.plan import build_plan
     import torch.distributed as dist
     plan = build_plan(run_config(case, model_dir, out), [dist.get_world_size()])
-    if plan.config.backend == "megatron":
-        from toolkit.adapters.megatron import build_engine
-    else:
-        from toolkit.adapters.deepspeed import build_engine
     floor = memory_mb()["rss"]
     reset_peak()
-    engine = build_engine(plan, out, dist.get_rank())
+    built = {}
+    if plan.config.backend == "megatron":
+        from toolkit.adapters.megatron import build_engine
+        engine = build_engine(plan, out, dist.get_rank())
+    else:  # the HF model first (its construction alone), then DeepSpeed's engine around it
+        from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+        model = build_model(plan, plan.ds_config(dist.get_world_size()))
+        built = {"build_peak_mb": memory_mb()["hwm"] - floor}
+        engine = DeepSpeedEngine(plan, model)
     load = memory_mb()
     reset_peak()
     engine.export_hf(out / "hf_final", tokenizer=None)
     export = memory_mb()
-    return {"floor_mb": floor, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
+    return {"floor_mb": floor, **built, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
             "export_peak_mb": export["hwm"] - floor}
 
 
@@ -121,6 +125,7 @@ def hf_rank(model_dir: Path, out: Path) -> dict:
     reset_peak()
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while alive, from_pretrained builds under zero.Init)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    built = {"build_peak_mb": memory_mb()["hwm"] - floor}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     load = memory_mb()
     reset_peak()
@@ -129,7 +134,7 @@ def hf_rank(model_dir: Path, out: Path) -> dict:
         engine.module.save_pretrained(str(out / "hf_final"), state_dict=state, safe_serialization=True)
     dist.barrier()
     export = memory_mb()
-    return {"floor_mb": floor, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
+    return {"floor_mb": floor, **built, "load_peak_mb": load["hwm"] - floor, "after_load_mb": load["rss"] - floor,
             "export_peak_mb": export["hwm"] - floor}
 
 

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
 
 def print_table(result: dict) -> None:
     f = result["figures"]
-    print(f"\n| case | median step s | per-run medians | first step after launch s (ranks started) | peak RSS MB per rank |")
+    print("\n| case | median step s | per-run medians | first step after launch s (ranks started) | peak RSS MB per rank |")
     print("|---|---|---|---|---|")
     for case, x in f.items():
         print(f"| {case} | {x['median_step_s']:.3f} | {', '.join(f'{v:.3f}' for v in x['per_run_median_step_s'])} | "
@@ -331,7 +331,6 @@ def _hf_model():
 def raw_deepspeed(workdir: Path, data: dict, steps: int, stamps: Stamps) -> None:
     """The loop a DeepSpeed user writes: one engine, micro-batches, backward, step."""
     import deepspeed
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     dist.init_process_group("gloo")
