@@ -30,6 +30,7 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
 from toolkit.convert.errors import ConvertError
+from toolkit.convert.pages import SourceMaps, give_back, trim_heap
 from toolkit.convert.safeload import safe_load
 
 KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -202,7 +203,12 @@ class MegatronSource(Source):
         key, index = storage_key(m)
         stored = self._stored(key, state)
         if self._cache is None or self._cache[0] != (m, stored):
-            self._cache = ((m, stored), self.layout_.to_hf(m, self._region(stored, index)))
+            self._cache = None  # the last region goes before the next is read, and its heap pages with it
+            trim_heap()
+            decoded = self.layout_.to_hf(m, self._region(stored, index))
+            if len(decoded) == 1:  # nothing else to serve from this region: the caller gets it, no copy
+                return decoded[name].float()
+            self._cache = ((m, stored), decoded)
         return self._cache[1][name].float().clone()
 
 
@@ -337,13 +343,16 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     items, resolvers = _plan(source, layout, dtype, moments)
 
     written: list[torch.Tensor] = []
+    source_maps = SourceMaps(source.path)
 
     def resolve(item):
         # DCP's serial writer keeps a reference to every tensor it wrote (a dict for its safetensors
         # format, unused here); it asks for item i+1 only after writing item i, so the storage of
-        # item i is freed here, keeping memory at one region instead of the whole model.
+        # item i is freed here, keeping memory at one region instead of the whole model, and the
+        # pages it held go back to the OS (pages.give_back: else they stay resident).
         while written:
             written.pop().untyped_storage().resize_(0)
+        give_back(source_maps)
         value = resolvers[(item.index.fqn, tuple(item.index.offset or ()))]()
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
@@ -459,7 +468,10 @@ def _row_block(source, name, state, lo, hi, width, dtype):
 
 
 def _rows(source, name, state, lo, hi, width) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of a source tensor: from its memory-mapped pieces when it has them."""
+    """Rows ``[lo, hi)`` of a source tensor: from its memory-mapped pieces or its safetensors slice
+    when it has them (an HF source: reading only these rows, not the whole matrix per block)."""
+    if hasattr(source, "slice_of") and state == "param":
+        return source.slice_of(name)[lo:hi]
     if not hasattr(source, "pieces"):
         return source.read(name, state)[lo:hi]
     out = torch.empty((hi - lo) * width, dtype=torch.float32)
