@@ -11,10 +11,19 @@ each in its own process, measuring wall time and peak RSS (``os.wait4``'s ru_max
   copy                cp -r CKPT OUT  (reading and writing the same bytes, nothing else)
 Each is run --repeats times; the best wall time and the largest peak RSS are reported (a child's
 peak includes this process's RSS at the fork, ``parent_rss_mb``: the checkpoint is built in a child
-so that stays ~15 MB). The HF output is checked tensor for tensor against zero_to_fp32's. Writes
-benchmarks/results/convert.json.
+so that stays ~15 MB). The HF output is checked tensor for tensor against zero_to_fp32's.
 
-  python benchmarks/convert.py [--workdir /tmp/toolkit_bench_convert] [--repeats 2]
+Memory section (``--sections memory``): every conversion path (``PATHS``: ZeRO, Megatron and HF
+sources into each writer) on the same 134M model and on a tiny one of the same family (hidden 64,
+2 layers, vocab 1000: the same imports and code, no tensor above 0.3 MB). The tiny run's peak RSS
+is the path's *floor* (Python, torch, DCP, transformers' config, the CLI); the 134M run's peak minus
+that floor is what the conversion itself holds at its worst, reported in MB and in units of the
+model's largest tensor (the 98 MB fp32 embedding). Bounded memory means a few of those, whatever
+the model size.
+
+Writes benchmarks/results/convert.json.
+
+  python benchmarks/convert.py [--workdir /tmp/toolkit_bench_convert] [--repeats 2] [--sections timing,memory]
 """
 from __future__ import annotations
 
@@ -32,9 +41,22 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=12, vocab_size=32000, max_position_embeddings=512,
               tie_word_embeddings=False)
+TINY_CONFIG = dict(CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=1000)
+"""The same family and code paths with tensors of at most 0.3 MB: a conversion's peak RSS is its floor."""
+PATHS = {  # name: (source: the ZeRO checkpoint or an earlier path's output, convert arguments)
+    "zero_to_hf": ("zero", ["--to", "hf"]),  # the torch-free route
+    "zero_to_hf_bf16": ("zero", ["--to", "hf", "--dtype", "bf16"]),  # the torch reader and HF writer
+    "zero_to_megatron": ("zero", ["--to", "megatron", "--tp", "2", "--pp", "2"]),
+    "zero_to_megatron_weights_only": ("zero", ["--to", "megatron", "--tp", "2", "--pp", "2", "--weights-only"]),
+    "zero_to_zero_universal": ("zero", ["--to", "zero", "--dp", "2", "--zero-stage", "3"]),
+    "megatron_to_hf": ("zero_to_megatron", ["--to", "hf"]),
+    "megatron_to_zero": ("zero_to_megatron", ["--to", "zero", "--dp", "2", "--zero-stage", "3"]),
+    "hf_to_megatron": ("zero_to_hf", ["--to", "megatron", "--tp", "2"]),
+}
 
 
-def _rank(rank: int, world: int, port: int, ckpt: str) -> None:
+def _rank(rank: int, world: int, port: int, ckpt: str, model: dict) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -42,7 +64,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    kw = dict(CONFIG)
+    kw = dict(model)
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -60,15 +82,16 @@ def _rank(rank: int, world: int, port: int, ckpt: str) -> None:
     dist.destroy_process_group()
 
 
-def build(ckpt: Path) -> None:
+def build(ckpt: Path, tiny: bool = False) -> None:
     """The checkpoint, built in a child process so that this one stays small: a child's ru_maxrss
     counts the RSS of the process it was forked from (fork copies the page tables before exec), so
     a parent that had imported torch (~220 MB) would set a floor under every measured peak."""
     if not (ckpt / "latest").is_file():
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-only", str(ckpt)], cwd=REPO, check=True)
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-only", str(ckpt)]
+                       + (["--tiny"] if tiny else []), cwd=REPO, check=True)
 
 
-def _build_here(ckpt: Path) -> None:
+def _build_here(ckpt: Path, model: dict) -> None:
     import socket
 
     import torch.multiprocessing as mp
@@ -76,7 +99,7 @@ def _build_here(ckpt: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print(f"building the ZeRO-3 DP=2 checkpoint in {ckpt} (DeepSpeed, CPU) ...", flush=True)
-    mp.start_processes(_rank, args=(2, port, str(ckpt)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_rank, args=(2, port, str(ckpt), model), nprocs=2, start_method="spawn", join=True)
 
 
 def measure(cmd: list[str], out: Path) -> dict:
@@ -119,16 +142,42 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/toolkit_bench_convert")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sections", default="timing,memory", help="timing (vs zero_to_fp32), memory (every path)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "convert.json"))
     ap.add_argument("--build-only", metavar="CKPT", help=argparse.SUPPRESS)  # build() runs this in a child
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.build_only:
-        _build_here(Path(args.build_only))
+        _build_here(Path(args.build_only), TINY_CONFIG if args.tiny else CONFIG)
         return 0
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "checkpoint-1"
     build(ckpt)
+    sections = set(args.sections.split(","))
+    out = Path(args.out)
+    record = json.loads(out.read_text()) if out.is_file() else {}  # a section not run keeps its last figures
+    record["benchmark"] = "convert"
+    if "memory" in sections:  # first: timing's output check imports torch here, and a child's peak counts ours
+        record["memory"] = {"machine": _machine(), **memory(work, ckpt)}
+    if "timing" in sections:
+        machine = _machine()
+        record.update(when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine,
+                      **timing(work, ckpt, args.repeats))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"written {out}")
+    return 0
+
+
+def _machine() -> dict:
+    from importlib.metadata import version  # not ``import torch``: this process must stay small (build())
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": version("torch"), "load_average": os.getloadavg()}
+
+
+def timing(work: Path, ckpt: Path, repeats: int) -> dict:
+    """Ours vs zero_to_fp32 and a plain copy: wall time and peak RSS, best of ``repeats``."""
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     py = sys.executable
     cases = {
@@ -146,7 +195,7 @@ def main() -> int:
     import resource
     parent_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # every child's peak includes it
     runs = {name: [] for name in cases}
-    for _ in range(args.repeats):  # interleaved, so a busy moment on the shared machine hits all alike
+    for _ in range(repeats):  # interleaved, so a busy moment on the shared machine hits all alike
         for name, cmd in cases.items():
             runs[name].append(measure(cmd, work / f"out_{name}"))
     results = {name: {"wall_s": min(r["wall_s"] for r in rs), "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
@@ -156,26 +205,50 @@ def main() -> int:
     for name, r in results.items():
         r["wall_vs_zero_to_fp32"] = round(r["wall_s"] / ref["wall_s"], 3)
         r["rss_vs_zero_to_fp32"] = round(r["peak_rss_mb"] / ref["peak_rss_mb"], 3)
-    import torch
-    record = {"benchmark": "convert", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__},
-              "checkpoint": {"model": CONFIG, "zero_stage": 3, "dp": 2, "bytes": size},
-              "parent_rss_mb": round(parent_rss, 1),
-              "hf_output_equals_zero_to_fp32": True, "tensors_compared": tensors, "repeats": args.repeats,
-              "results": results,
-              "targets": {"rss_le_quarter": results["ours_zero_to_hf"]["rss_vs_zero_to_fp32"] <= 0.25,
-                          "wall_le_half": results["ours_zero_to_hf"]["wall_vs_zero_to_fp32"] <= 0.5}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2))
     print(f"checkpoint: {size / 1e9:.2f} GB on disk (ZeRO-3, DP=2, {tensors} tensors)")
     print(f"{'case':<44}{'wall s':>9}{'x z2fp32':>10}{'peak RSS MB':>13}{'x z2fp32':>10}")
     for name, r in results.items():
         print(f"{name:<44}{r['wall_s']:>9.2f}{r['wall_vs_zero_to_fp32']:>10.2f}{r['peak_rss_mb']:>13.0f}"
               f"{r['rss_vs_zero_to_fp32']:>10.2f}")
-    print(f"targets (ours ZeRO->HF): RSS <= 1/4: {record['targets']['rss_le_quarter']}, "
-          f"wall <= 1/2: {record['targets']['wall_le_half']}; written {args.out}")
-    return 0
+    targets = {"rss_le_quarter": results["ours_zero_to_hf"]["rss_vs_zero_to_fp32"] <= 0.25,
+               "wall_le_half": results["ours_zero_to_hf"]["wall_vs_zero_to_fp32"] <= 0.5}
+    print(f"targets (ours ZeRO->HF): RSS <= 1/4: {targets['rss_le_quarter']}, wall <= 1/2: {targets['wall_le_half']}")
+    return {"checkpoint": {"model": CONFIG, "zero_stage": 3, "dp": 2, "bytes": size}, "parent_rss_mb": round(parent_rss, 1),
+            "hf_output_equals_zero_to_fp32": True, "tensors_compared": tensors, "repeats": repeats,
+            "results": results, "targets": targets}
+
+
+def largest_tensor_bytes(model: dict) -> int:
+    """fp32 bytes of the model's largest tensor (Llama: the embedding or the fused MLP input)."""
+    h, i, v = model["hidden_size"], model["intermediate_size"], model["vocab_size"]
+    return 4 * max(v * h, 2 * i * h)
+
+
+def memory(work: Path, ckpt: Path) -> dict:
+    """Peak RSS of every conversion path on the 134M model and on the tiny one (its floor)."""
+    tiny = work / "checkpoint-tiny"
+    build(tiny, tiny=True)
+    peaks = {}
+    for size, src in (("tiny", tiny), ("model", ckpt)):
+        outs = {"zero": src}
+        for name, (source, extra) in PATHS.items():
+            outs[name] = work / f"mem_{size}_{name}"
+            cmd = [sys.executable, "-m", "toolkit", "convert", str(outs[source]), str(outs[name]), *extra]
+            peaks[(size, name)] = measure(cmd, outs[name])
+    largest = largest_tensor_bytes(CONFIG) / 2**20
+    rows = {}
+    print(f"{'path':<32}{'floor MB':>10}{'peak MB':>10}{'above floor':>13}{'x largest':>11}{'wall s':>9}")
+    for name in PATHS:
+        floor, peak = peaks[("tiny", name)]["peak_rss_mb"], peaks[("model", name)]["peak_rss_mb"]
+        rows[name] = {"floor_mb": floor, "peak_mb": peak, "above_floor_mb": round(peak - floor, 1),
+                      "above_floor_in_largest_tensors": round((peak - floor) / largest, 2),
+                      "wall_s": peaks[("model", name)]["wall_s"], "args": PATHS[name][1], "source": PATHS[name][0]}
+        r = rows[name]
+        print(f"{name:<32}{floor:>10.0f}{peak:>10.0f}{r['above_floor_mb']:>13.0f}"
+              f"{r['above_floor_in_largest_tensors']:>11.2f}{r['wall_s']:>9.1f}")
+    print(f"largest tensor: {largest:.1f} MB (fp32 embedding [{CONFIG['vocab_size']}, {CONFIG['hidden_size']}])")
+    return {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": os.getloadavg(),
+            "model": CONFIG, "tiny_model": TINY_CONFIG, "largest_tensor_mb": round(largest, 1), "paths": rows}
 
 
 if __name__ == "__main__":

@@ -244,9 +244,98 @@ def test_activation_model_within_8_percent_of_what_autograd_saves():
     ids = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         token_loss_sum(model(input_ids=ids).logits, ids)
-    log_softmax = 4 * 256 * 2048 * 4  # the loss's saved output; the model counts it in its 3 x logits
-    measured = sum(n for ptr, n in saved.items() if ptr not in weights) - log_softmax
+    logits = 4 * 256 * 2048 * 4  # what the loss saves (fp32 here): the model counts it in logits_loss
+    measured = sum(n for ptr, n in saved.items() if ptr not in weights) - logits
     shape = model_spec(_hf(cfg))
-    estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False, logits=False)
+    estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False)
     print(f"layers: estimated {estimated / 2**20:.1f} MiB, autograd saved {measured / 2**20:.1f} MiB")
     assert 0.97 <= measured / estimated <= 1.08  # measured 1.043 (41.7 MiB saved, 40.0 MiB estimated)
+
+
+# --- host memory at load and export, logits and loss (issue 18) ---------------------------------------
+
+LAMBDA_7B = 32000 * 4096  # the largest tensor: embedding and LM head [V, h] (the MLP's is 11008 x 4096)
+
+
+def _at(cfg, world=8):
+    shape = model_spec(LLAMA_7B)
+    return shape, memory(cfg, shape, check_layout(cfg, shape, world))
+
+
+@pytest.mark.parametrize("stage, share", [(3, 2 * 6_738_415_616 / 8), (2, 2 * 6_738_415_616), (0, 2 * 6_738_415_616)])
+def test_host_memory_at_load_and_export_on_deepspeed(stage, share):
+    """ZeRO-3: the rank's partition plus one tensor, never the model; ZeRO 0-2: one bf16 copy plus one
+    tensor. Load stages a tensor in fp32 (4 bytes), export holds it in bf16 and in fp32 (2 + 4)."""
+    shape, mem = _at(load_config(None, [*BIG_RUN, f"zero.stage={stage}"]))
+    assert shape.total == 6_738_415_616 and mem.largest_tensor == LAMBDA_7B
+    assert mem.host_load == pytest.approx(share + 4 * LAMBDA_7B)
+    assert mem.host_export == pytest.approx(share + 6 * LAMBDA_7B)
+    if stage == 3:
+        assert mem.host_load < 2.3e9  # 1.68 GB of partition + 0.52 GB: not the 13.5 GB bf16 model
+
+
+def test_host_memory_counts_offloaded_state_once():
+    shape, mem = _at(load_config(None, [*BIG_RUN, "zero.stage=3", "zero.offload_optimizer=true",
+                                        "zero.offload_params=true"]))
+    phi = shape.total
+    assert mem.host == pytest.approx((2 + 2 + 12) * phi / 8)  # weights, gradients, master + Adam: on the host
+    assert mem.host_load == pytest.approx(mem.host + 4 * LAMBDA_7B)  # the partition is in ``host`` already
+
+
+def test_host_memory_on_megatron_is_the_tp_pp_share_plus_one_tensor():
+    shape, mem = _at(load_config(None, [*BIG_RUN, "backend=megatron", "megatron.tp=4", "megatron.pp=2"]))
+    assert mem.params < shape.total / 7  # one eighth of the model, plus norms replicated over TP
+    assert mem.host_load == pytest.approx(2 * mem.params + 4 * LAMBDA_7B)
+    assert mem.host_export == pytest.approx(2 * mem.params + 6 * LAMBDA_7B)
+
+
+def test_logits_and_loss_memory_with_the_chunked_loss():
+    """N = 4096 tokens, V = 32000, bf16: the logits and their gradient in bf16 plus three fp32 chunks
+    of 2096 rows (256 MiB each at most); megatron's loss keeps three fp32 [N, V / t]."""
+    from toolkit.engine import loss_chunk_rows
+    n, v = 4096, 32000
+    assert loss_chunk_rows(v) == 2096
+    _, mem = _at(load_config(None, BIG_RUN))
+    assert mem.logits_loss == 2 * 2 * n * v + 3 * 4 * 2096 * v
+    _, long = _at(load_config(None, [*BIG_RUN, "data.seq_len=32768"]))  # 8x the tokens: only the bf16 part grows
+    assert long.logits_loss == 2 * 2 * 8 * n * v + 3 * 4 * 2096 * v < 3 * 4 * 8 * n * v / 2  # < half the old 3 fp32 copies
+    _, meg = _at(load_config(None, [*BIG_RUN, "backend=megatron", "megatron.tp=8"]))
+    assert meg.logits_loss == 3 * 4 * n * v / 8
+
+
+def test_logits_and_loss_formula_matches_the_allocator():
+    """The formula against what torch allocates for the loss (its profiler's memory events): the bf16
+    logits, then the loss's peak during forward and backward, for one chunk and for several."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from toolkit.engine import token_loss_sum
+    from toolkit.plan.memory import chunked_loss_bytes
+    b, s, v = 2, 256, 4099
+    shape = model_spec(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=v))
+    cfg = load_config(None, [f"data.seq_len={s}", f"train.micro_batch_size={b}"])
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, s, v, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, v, (b, s), generator=gen)
+    for rows, formula in ((None, chunked_loss_bytes(cfg, shape, 2)), (64, 2 * 2 * b * s * v + 3 * 4 * 64 * v)):
+        logits.grad = None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            token_loss_sum(logits, labels, chunk_rows=rows)[0].backward()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        live = peak = 0
+        for _, nbytes in events:
+            live += nbytes
+            peak = max(peak, live)
+        measured = logits.nbytes + peak
+        assert 0.99 <= measured / formula <= 1.01, (rows, measured, formula)
+
+
+def test_estimate_shows_host_memory_and_logits(capsys):
+    assert main(["estimate", "--device-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory at load" in out and "host memory at export" in out and "of which logits and loss" in out
+    result = json.loads(run_cli(["estimate", "--json", "--device-memory", "16"]).stdout)["memory"]
+    assert result["host_load"] > result["weights"] > 0 and result["host_export"] > result["host_load"]
+    assert 0 < result["logits_loss"] < result["activations"] and result["largest_tensor"] == 2048 * 128

@@ -76,6 +76,7 @@ class DeepSpeedEngine:
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 objective = objective + self.router.loss(out.router_logits) / len(micro_batches)
             self.engine.backward(objective, scale_wrt_gas=False)
+            del out, objective  # else this micro-batch's logits [b, s, V] live through the next forward
             if i == len(micro_batches) - 1 and self._norm_not_recorded:
                 grad_norm = self._reduced_grad_norm()
             self.engine.step()
@@ -127,6 +128,7 @@ class DeepSpeedEngine:
         for mb in map(device.to_device, micro_batches):
             logits = self.engine(input_ids=mb["input_ids"]).logits
             loss_sum, count = token_loss_sum(logits, mb["labels"])
+            del logits  # not alive while the next micro-batch's are computed
             totals += torch.stack([loss_sum.double(), count.double()])
         self.engine.train()
         dist.all_reduce(totals)

@@ -58,13 +58,13 @@ def locate(path, hf_config: str | None = None) -> Located:
 
 def open_located(found: Located) -> Source:
     """The reader of a located checkpoint (these import torch)."""
-    from toolkit.convert import hf, megatron, zero
+    from toolkit.convert import hf, megatron, megatron_legacy, zero
     if found.format == "hf":
         return hf.HFSource(found.path, found.hf_config)
     if found.format == "megatron":
         return megatron.MegatronSource(found.path, found.hf_config, **found.extras)
     if found.format == "megatron-legacy":
-        return megatron.LegacySource(found.path, found.hf_config)
+        return megatron_legacy.LegacySource(found.path, found.hf_config)
     cls = zero.UniversalSource if found.format == "zero-universal" else zero.ZeroSource
     return cls(found.path, found.hf_config, **found.extras)
 

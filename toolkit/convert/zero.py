@@ -28,9 +28,13 @@ import torch
 
 from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
 from toolkit.convert.errors import ConvertError
-from toolkit.convert.pages import FileMaps
+from toolkit.convert.pages import FileMaps, SourceMaps, give_back
 from toolkit.convert.safeload import safe_load
 from toolkit.convert.zero_index import ZeroIndex, spans, sub_frags
+
+
+READ_BLOCK = 4 << 20
+"""Elements (16 MB of fp32) copied out of a memory-mapped partition before its pages are given back."""
 
 
 class ZeroSource(Source):
@@ -80,9 +84,10 @@ class ZeroSource(Source):
         out = torch.empty(math.prod(info.shape), dtype=torch.float32)
         pos = 0
         for piece in self.pieces(name, state):
-            out[pos:pos + piece.numel()].copy_(piece)
-            pos += piece.numel()
-            self.maps.release(piece)
+            for block in piece.split(READ_BLOCK):  # pages mapped in per block, not per partition
+                out[pos:pos + block.numel()].copy_(block)
+                pos += block.numel()
+                self.maps.release(block)
         return out.view(info.shape)
 
 
@@ -152,17 +157,16 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
     zero = tag / "zero"
     zero.mkdir(parents=True)
     modules = _module_params(source)
+    source_maps = SourceMaps(source.path)
     for module, (shape, pieces) in modules.items():
         d = zero / module
         d.mkdir()
-        param = _assemble(source, shape, pieces, "param")
-        torch.save({"param": param}, d / "fp32.pt")
+        _save_state(source, shape, pieces, "param", d / "fp32.pt", source_maps)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.save({"param": _assemble(source, shape, pieces, key) if moments else torch.zeros_like(param)},
-                       d / f"{key}.pt")
+            _save_state(source, shape, pieces, key if moments else None, d / f"{key}.pt", source_maps)
         torch.save(opt_step, d / "step.pt")
         if progress:
-            progress(module, param.nbytes * (3 if moments else 1))
+            progress(module, _dtype(source, shape, pieces).itemsize * math.prod(shape) * (3 if moments else 1))
     layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage}
     shapes = {m: list(shape) for m, (shape, _) in modules.items()}
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": ds_version,
@@ -188,6 +192,22 @@ def _module_params(source: Source) -> dict[str, tuple[tuple[int, ...], list]]:
     for name, piece in module_layout(source.hf_config, {m: s for m, (s, _) in out.items()}).items():
         out[piece.module][1].append((name, piece))
     return out
+
+
+def _save_state(source: Source, shape: tuple[int, ...], pieces, state: str | None, file: Path,
+                source_maps: SourceMaps) -> None:
+    """One universal file ``{"param": tensor}`` (zeros when ``state`` is None); one tensor in memory
+    at a time, its pages given back once written (``pages.give_back``)."""
+    tensor = _assemble(source, shape, pieces, state) if state else torch.zeros(shape, dtype=_dtype(source, shape, pieces))
+    torch.save({"param": tensor}, file)
+    del tensor
+    give_back(source_maps)
+
+
+def _dtype(source: Source, shape: tuple[int, ...], pieces) -> torch.dtype:
+    """The dtype ``_assemble`` gives: a lone source tensor's own, else fp32."""
+    whole = len(pieces) == 1 and pieces[0][1].shape == shape
+    return source.infos[pieces[0][0]].dtype if whole else torch.float32
 
 
 def _assemble(source: Source, shape: tuple[int, ...], pieces, state: str) -> torch.Tensor:

@@ -66,13 +66,17 @@ def print_estimate(result: dict) -> None:
     c = result["cluster"]
     console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
                   f"{result['layout']['world']} ranks")
-    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/plan/estimate.py)")
+    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/plan/memory.py)")
     for key, label in (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
                        ("buffers", "buffers"), ("activations_no_ckpt", "activations, no checkpointing"),
                        ("activations_ckpt", "activations, with checkpointing"), ("activations", "activations, as set"),
-                       ("total", "total"), ("host", "host memory (offload)")):
+                       ("logits_loss", "  of which logits and loss"), ("total", "total"),
+                       ("host", "host memory (offload)"), ("host_load", "host memory at load"),
+                       ("host_export", "host memory at export (hf_final/)")):
         table.add_row(label, f"{mem[key] / GiB:,.3f}")
     console.print(table)
+    console.print(f"host memory at load / export: the rank's share of the weights plus its largest tensor "
+                  f"({mem['largest_tensor']:,} elements), beyond the fixed runtime")
     verdict = "fits" if result["fits"] else "does NOT fit"
     console.print(f"{verdict} in {result['device_gib']:g} GiB per device ({USABLE:.0%} usable)")
     for s in result["suggestions"]:

@@ -31,12 +31,37 @@ width, a heads and t the TP degree::
     a·s / t                attention probabilities, only when they are materialized
                            (megatron.attention=local, HF eager); sdpa/flash/flex kernels keep none
 
-times the activation dtype's bytes. Outside the layers: logits, their log-softmax and the logits'
-gradient, 3 x 4 bytes x b·s·V/t (the loss is taken in fp32). With activation checkpointing only each
-layer's input (h per token, h / t with sequence parallelism) is kept, plus one layer's full
-activations while it is recomputed.
-DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches in flight on
-the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
+times the activation dtype's bytes. With activation checkpointing only each layer's input (h per
+token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is
+recomputed. DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
+in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
+
+Logits and loss (``logits_loss``, part of the activations), N = b·s tokens, V the vocabulary::
+
+    DeepSpeed (HF model, chunked loss ``toolkit.engine.token_loss_sum``):
+        2·w·N·V  +  3·4·min(N, r)·V        r = loss_chunk_rows(V): fp32 rows of <= 256 MiB
+      the logits in the model's dtype (kept for the loss's backward) and, in the backward, their
+      gradient, plus at most three fp32 chunks of rows at once (log-probabilities, their gradient,
+      the chunk's gradient before its cast). Never an fp32 [N, V].
+    Megatron (vocab-parallel loss, fp32 upcast): 3·4·N·V/t on the last stage
+      the fp32 logits, the softmax it saves and their gradient.
+
+Host memory per rank (``host_load``, ``host_export``): the CPU-side peak of loading the model and of
+writing ``hf_final/``, beyond the fixed runtime (Python, libraries), with Λ the largest tensor's
+elements (the embedding or LM head V·h, else the widest MLP or attention matrix), S the rank's share
+of the weights in the training dtype (S = Φ·w/D at ZeRO-3, Φ·w at ZeRO 0-2, the TP/PP share's
+Φ·w on megatron) and O what offload keeps on the host::
+
+    load    O + S + 4·Λ       each rank builds only its share, reading one tensor at a time (at
+                             most fp32, as a checkpoint may store it or a random init draws it);
+                             ZeRO 0-2 hold one full copy in the training dtype by design
+    export  O + S + (w+4)·Λ   the export streams tensor by tensor: one tensor gathered in the
+                             training dtype and its fp32 copy for the file, beside the share
+
+These count the weights and the transfer's own transient. On a CPU-only run, where the device is
+the host, the optimizer state, gradients and buffers the engine builds come on top in the process's
+RSS (the device rows above); on GPUs the share is built on the device, so these bound the host side
+from above. No rank ever holds the whole model at ZeRO-3 or TP/PP.
 """
 from __future__ import annotations
 
@@ -63,6 +88,14 @@ class Memory:
     activations_ckpt: float
     host: float
     params: int  # parameters this rank holds a slice or copy of (before ZeRO partitioning)
+    logits_loss: float = 0.0
+    """Of ``activations``: the logits and the loss's own memory (the docstring's formulas)."""
+    host_load: float = 0.0
+    """Host memory of loading the model, per rank (the docstring's formulas)."""
+    host_export: float = 0.0
+    """Host memory of writing ``hf_final/``, per rank."""
+    largest_tensor: int = 0
+    """Elements of the model's largest tensor (Λ)."""
 
     @property
     def model_state(self) -> float:
@@ -102,10 +135,15 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     if lay.offload_params and stage == 3:
         host += weights
         weights = 0.0
-    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False)
+    loss = chunked_loss_bytes(cfg, spec, w)
+    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False) + loss
             for r in ("none", "full")}
+    share = phi * w / (d if stage == 3 else 1)
+    on_host = host + (0.0 if lay.offload_params and stage == 3 else share)  # offloaded weights: in host already
+    largest = largest_tensor(spec)
     return Memory(weights, grads, optim, buffers, acts[lay.recompute if lay.recompute in acts else "none"],
-                  acts["none"], acts["full"], host, phi)
+                  acts["none"], acts["full"], host, phi, logits_loss=loss,
+                  host_load=on_host + 4 * largest, host_export=on_host + (w + 4) * largest, largest_tensor=largest)
 
 
 def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int) -> Memory:
@@ -125,9 +163,13 @@ def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int,
     in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
     sp = lay.sequence_parallel and t > 1
     local = cfg.megatron.attention == "local"  # megatron's DotProductAttention: scores kept, K/V repeated
-    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, logits=last, sp=sp,
-                            kv_repeated=local) for r in ("none", "selective", "full")}
-    return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi))
+    loss = _vocab_parallel_loss_bytes(cfg, spec, t) if last else 0.0
+    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, sp=sp, kv_repeated=local) + loss
+            for r in ("none", "selective", "full")}
+    largest = largest_tensor(spec)
+    return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi),
+                  logits_loss=loss,
+                  host_load=phi * w + 4 * largest, host_export=phi * w + (w + 4) * largest, largest_tensor=largest)
 
 
 def micro_batches(cfg: RunConfig, lay: Layout) -> int:
@@ -136,7 +178,7 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, logits: bool = True, sp: bool = False, kv_repeated: bool = True) -> float:
+                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
     ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
     ``kv_repeated``: K and V are kept at every query head's width (GQA expanded)."""
@@ -149,8 +191,26 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
     layer = per_token * b * s * w
     kept = len(layers) * (b * s * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
-    head = 3 * 4 * b * s * spec.vocab / t if logits else 0
-    return kept + recomputing + head
+    return kept + recomputing
+
+
+def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int) -> float:
+    """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring)."""
+    from toolkit.engine import loss_chunk_rows
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    return 2 * w * tokens * spec.vocab + 3 * 4 * min(tokens, loss_chunk_rows(spec.vocab)) * spec.vocab
+
+
+def _vocab_parallel_loss_bytes(cfg: RunConfig, spec: ModelSpec, t: int) -> float:
+    """Megatron's loss on the last stage: fp32 logits, softmax and gradient, 3·4·N·V/t."""
+    return 3 * 4 * cfg.train.micro_batch_size * cfg.data.seq_len * spec.vocab / t
+
+
+def largest_tensor(spec: ModelSpec) -> int:
+    """Elements of the largest tensor a loader or an export holds at once (Λ): the embedding or LM
+    head [V, h], else the widest MLP matrix [I, h] or attention projection [heads·head_dim, h]
+    (a checkpoint stores experts one tensor each, so an expert counts as one MLP matrix)."""
+    return max(spec.vocab, spec.mlp_width, spec.heads * spec.head_dim) * spec.hidden
 
 
 # --- fit and suggestions ----------------------------------------------------------------------------
