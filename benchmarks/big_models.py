@@ -17,7 +17,9 @@ above the rank's floor (RSS after imports and the process group, before the mode
 
 No optimizer step is taken (a 1.5B model's Adam moments would not fit 2 ranks in 24 GiB); the model
 states DeepSpeed and megatron allocate at initialization (fp32 master partitions, gradient
-buffers) are part of "load". Results: benchmarks/results/big_models.json and a table.
+buffers) are part of "load". Results: benchmarks/results/big_models.json; ``--table`` prints the
+markdown table of benchmarks/README.md from it, with the bounds ``toolkit estimate`` predicts (its
+``host_load``/``host_export`` and the model states; the runtime is the tiny model's figure, same case).
 """
 from __future__ import annotations
 
@@ -78,24 +80,30 @@ def checkpoint(size: str, root: Path) -> Path:
     return out
 
 
-def run_config(case: str, model_dir: Path, run_dir: Path):
+def run_config(case: str, model_dir: Path, run_dir: Path, dtype: str):
     from toolkit.config import validate
-    raw = {"model": {"name_or_path": str(model_dir), "init": "pretrained"}, "run_dir": str(run_dir),
+    raw = {"model": {"name_or_path": str(model_dir), "init": "pretrained", "dtype": dtype}, "run_dir": str(run_dir),
            "train": {"global_batch_size": 2, "micro_batch_size": 1}, "data": {"seq_len": 32}}
     for section, values in OVERRIDES[case].items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return validate(raw)
 
 
-def toolkit_rank(case: str, model_dir: Path, out: Path) -> dict:
+def toolkit_rank(case: str, model_dir: Path, out: Path, dtype: str) -> dict:
     from toolkit.plan import build_plan
     import torch.distributed as dist
-    plan = build_plan(run_config(case, model_dir, out), [dist.get_world_size()])
+    plan = build_plan(run_config(case, model_dir, out, dtype), [dist.get_world_size()])
     floor = memory_mb()["rss"]
     reset_peak()
     built = {}
     if plan.config.backend == "megatron":
-        from toolkit.adapters.megatron import build_engine
+        from toolkit.adapters.megatron import build_engine, engine as megatron_engine
+        wrap = megatron_engine.MegatronEngine._wrap_ddp
+
+        def built_then_wrap(self, chunks):  # the model's layers built and loaded; DDP's buffers not yet
+            built["build_peak_mb"] = memory_mb()["hwm"] - floor
+            return wrap(self, chunks)
+        megatron_engine.MegatronEngine._wrap_ddp = built_then_wrap
         engine = build_engine(plan, out, dist.get_rank())
     else:  # the HF model first (its construction alone), then DeepSpeed's engine around it
         from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
@@ -110,14 +118,14 @@ def toolkit_rank(case: str, model_dir: Path, out: Path) -> dict:
             "export_peak_mb": export["hwm"] - floor}
 
 
-def hf_rank(model_dir: Path, out: Path) -> dict:
+def hf_rank(model_dir: Path, out: Path, dtype: str) -> dict:
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     from toolkit.plan import build_plan
-    plan = build_plan(run_config("hf_zero3", model_dir, out), [dist.get_world_size()])
+    plan = build_plan(run_config("hf_zero3", model_dir, out, dtype), [dist.get_world_size()])
     ds_config = plan.ds_config(dist.get_world_size())
     ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     deepspeed.init_distributed(dist_backend="gloo")
@@ -138,24 +146,25 @@ def hf_rank(model_dir: Path, out: Path) -> dict:
             "export_peak_mb": export["hwm"] - floor}
 
 
-def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, case: str, model_dir: str, out: str, dtype: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     from toolkit.parallel import init_process_group
     init_process_group()
     work = Path(out) / f"rank{rank}"
-    result = hf_rank(Path(model_dir), Path(out)) if case == "hf_zero3" else toolkit_rank(case, Path(model_dir), Path(out))
+    result = hf_rank(Path(model_dir), Path(out), dtype) if case == "hf_zero3" else \
+        toolkit_rank(case, Path(model_dir), Path(out), dtype)
     work.mkdir(parents=True, exist_ok=True)
     (work / "result.json").write_text(json.dumps(result))
 
 
-def measure(case: str, model_dir: Path) -> list[dict]:
+def measure(case: str, model_dir: Path, dtype: str) -> list[dict]:
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(dir=model_dir.parent) as out:
-        mp.start_processes(rank_main, args=(2, port, case, str(model_dir), out), nprocs=2, start_method="spawn")
+        mp.start_processes(rank_main, args=(2, port, case, str(model_dir), out, dtype), nprocs=2, start_method="spawn")
         return [json.loads((Path(out) / f"rank{r}" / "result.json").read_text()) for r in range(2)]
 
 
@@ -174,13 +183,62 @@ def model_facts(model_dir: Path) -> dict:
             "largest_tensor_mb": max(sizes.values()) / 2**20}
 
 
+def estimated_mb(key: str, result: dict, root: Path) -> dict:
+    """``toolkit estimate``'s per-rank figures for this case (MB): host memory at load and export, and
+    the model states plus buffers the engine allocates (on CPU these live in the same RSS)."""
+    from toolkit.plan import build_plan
+    from toolkit.plan.memory import memory
+    size, case = key.split("/")
+    plan = build_plan(run_config(case, checkpoint(size, root), root / "unused", result["dtype"]), [2])
+    ds = plan.ds_config(2).get("zero_optimization", {}) if plan.config.backend == "deepspeed" else {}
+    mem = memory(plan.config, plan.model, plan.layout(2), int(ds.get("reduce_bucket_size", 0)) or None)
+    return {"host_load": mem.host_load / 2**20, "host_export": mem.host_export / 2**20,
+            "states": (mem.model_state + mem.buffers) / 2**20}
+
+
+def table(results: dict, root: Path) -> str:
+    """Markdown: per case the worst rank's peaks (MB above its floor) beside their bounds. Build bound:
+    estimate's host_load + the tiny model's build peak (runtime), and by how much the build exceeds it
+    in largest tensors of the training dtype (the CPU-only transient ``plan/memory.py`` describes);
+    engine-ready: host_load + model states + buffers + the tiny model's engine-ready peak; export
+    transient: export peak - RSS after load (estimate: (w+4)·Λ)."""
+    rows = ["| params | case | dtype | model MB | build peak | bound | over, in w·Λ | engine ready | bound | export transient |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        if key.startswith("tiny/"):
+            continue
+        case, runtime = key.split("/")[1], results.get(f"tiny/{key.split('/')[1]}")
+        worst = {k: max(rank[k] for rank in r["ranks"]) for k in ("build_peak_mb", "load_peak_mb")}
+        transient = max(rank["export_peak_mb"] - rank["after_load_mb"] for rank in r["ranks"])
+        tiny = {k: max(rank[k] for rank in runtime["ranks"]) for k in worst} if runtime else dict.fromkeys(worst, 0)
+        if case == "hf_zero3":  # not the toolkit's plan: no bound of ours applies
+            bounds = ("", "", "")
+        else:
+            est = estimated_mb(key, r, root)
+            build_bound = est["host_load"] + tiny["build_peak_mb"]
+            tensor_mb = r["largest_tensor_mb"] * (2 if r["dtype"] == "bf16" else 4) / 4  # largest_tensor_mb is fp32
+            over = max(0.0, worst["build_peak_mb"] - build_bound) / tensor_mb
+            bounds = (f"{build_bound:.0f}", f"{over:.2f}",
+                      f"{est['host_load'] + est['states'] + tiny['load_peak_mb']:.0f}")
+        rows.append(f"| {r['params'] / 1e9:.2f}B | {case} | {r['dtype']} | {r['model_mb']:.0f} | "
+                    f"{worst['build_peak_mb']:.0f} | {bounds[0]} | {bounds[1]} | {worst['load_peak_mb']:.0f} | "
+                    f"{bounds[2]} | {transient:+.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="tiny,0.1,0.5,1.5")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="training dtype (the checkpoints are fp32); bf16 lets 1.5B's ZeRO-2 fit 2 ranks in 24 GiB")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "toolkit-big-models")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "big_models.json")
+    p.add_argument("--table", action="store_true", help="print the table from --out and stop (runs nothing)")
     args = p.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text()), args.root))
+        return 0
     args.root.mkdir(parents=True, exist_ok=True)
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     for size in args.sizes.split(","):
@@ -188,8 +246,9 @@ def main() -> int:
         facts = model_facts(model_dir)
         for case in args.cases.split(","):
             tic = time.perf_counter()
-            ranks = measure(case, model_dir)
-            results[f"{size}/{case}"] = {**facts, "ranks": ranks, "seconds": round(time.perf_counter() - tic, 1)}
+            ranks = measure(case, model_dir, args.dtype)
+            results[f"{size}/{case}"] = {**facts, "dtype": args.dtype, "ranks": ranks,
+                                         "seconds": round(time.perf_counter() - tic, 1)}
             args.out.write_text(json.dumps(results, indent=2))
             worst = {k: max(r[k] for r in ranks) for k in ("load_peak_mb", "export_peak_mb")}
             print(f"{size:>4}B {case:9s} model {facts['model_mb']:8.0f} MB  load +{worst['load_peak_mb']:8.0f} MB "

@@ -264,8 +264,8 @@ def _hf_zero3_load(plan: Plan, ds_config: dict, dtype: torch.dtype) -> torch.nn.
 def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:
     """Each ZeRO-3 partition from the checkpoint: this rank reads only its elements of each tensor
     (DeepSpeed partitions a parameter's flattened elements, padded, in rank order)."""
-    from toolkit.adapters.hf import checkpoint_pieces, read_elements
-    pieces = checkpoint_pieces(model, plan, source)
+    from toolkit.adapters.hf import checkpoint_pieces, page_returner, read_elements
+    pieces, give_back = checkpoint_pieces(model, plan, source), page_returner(source)
     with torch.no_grad():
         for name, param in model.named_parameters():
             part = param.ds_tensor
@@ -273,6 +273,7 @@ def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:
             stop = min(param.ds_numel, start + part.ds_numel)
             if stop > start:
                 part[:stop - start].copy_(read_elements(source, pieces[name], start, stop))
+            give_back()
 
 
 class _RouterLoss:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.convert.canonical import Source, TensorInfo
+from toolkit.convert.pages import trim_heap
 
 
 class ModuleSource(Source):
@@ -48,6 +49,7 @@ class ModuleSource(Source):
         in the gather."""
         if self._cached is None or self._cached[0] != param_name:
             self._cached = None
+            trim_heap()  # the previous tensor's pages back to the OS (convert/pages.py: else RSS grows)
             param = self.params[param_name]
             with self.gather(param) if self.gather else contextlib.nullcontext():
                 if dist.get_rank() == 0:

@@ -230,12 +230,23 @@ def read_elements(source, pieces: list, start: int, stop: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def page_returner(source):
+    """A call that gives back the pages of ``source``'s memory-mapped shards and the heap's free
+    pages (``convert/pages.py``). Called after each tensor, a load keeps one tensor's file pages
+    resident, not every page it has read (safetensors maps a shard whole): on a ZeRO-3 rank that was
+    its whole share of the files again, beside the partitions it filled."""
+    from toolkit.convert.pages import SourceMaps, give_back
+    maps = SourceMaps(source.path)
+    return lambda: give_back(maps)
+
+
 def fill_from_checkpoint(model: torch.nn.Module, source, plan: Plan) -> None:
     """Every (materialized) parameter from the checkpoint, one tensor at a time."""
-    pieces = checkpoint_pieces(model, plan, source)
+    pieces, give_back = checkpoint_pieces(model, plan, source), page_returner(source)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.view(-1).copy_(read_elements(source, pieces[name], 0, param.numel()))
+            give_back()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

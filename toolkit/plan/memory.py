@@ -61,7 +61,11 @@ of the weights in the training dtype (S = Φ·w/D at ZeRO-3, Φ·w at ZeRO 0-2, 
 These count the weights and the transfer's own transient. On a CPU-only run, where the device is
 the host, the optimizer state, gradients and buffers the engine builds come on top in the process's
 RSS (the device rows above); on GPUs the share is built on the device, so these bound the host side
-from above. No rank ever holds the whole model at ZeRO-3 or TP/PP.
+from above. No rank ever holds the whole model at ZeRO-3 or TP/PP. On a CPU-only run the libraries
+add one more tensor in the training dtype to ``load`` (w·Λ), one at a time: DeepSpeed's ``zero.Init``
+receives each parameter whole from rank 0 before partitioning it (ranks >= 1), and megatron without
+CUDA casts a full-size fp32 master of each weight before keeping its slice. On GPUs both are device
+memory. ``benchmarks/big_models.py`` measures all of this against these formulas.
 """
 from __future__ import annotations
 

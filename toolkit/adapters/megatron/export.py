@@ -16,6 +16,7 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters.megatron.weights import expert_offset, global_name, is_expert, layer_offset, local_params
 from toolkit.convert.canonical import Source, TensorInfo
+from toolkit.convert.pages import trim_heap
 
 MAX_DIMS = 8  # of a tensor's shape, sent ahead of its data
 
@@ -69,6 +70,8 @@ class MegatronSource(Source):
     def read(self, name: str, state: str = "param") -> torch.Tensor | None:
         mcore, entry = self.entries[name]
         if self._cached is None or self._cached[0] != mcore:
+            self._cached = None
+            trim_heap()  # the previous tensor's pages back to the OS (convert/pages.py: else RSS grows)
             self._cached = (mcore, self._hf_tensors(mcore, entry, name))
         return self._cached[1].get(name)
 
@@ -81,27 +84,30 @@ class MegatronSource(Source):
         return {prefix + k: v for k, v in entry.to_hf(full, dims).items()}
 
     def _full(self, mcore: str) -> torch.Tensor | None:
-        """The unsharded tensor on global rank 0 (fp32, CPU); None elsewhere."""
+        """The unsharded tensor on global rank 0 (fp32, CPU); None elsewhere. Shards travel in the
+        training dtype and become fp32 once, joined on rank 0: the transient is one tensor in the
+        training dtype and its fp32 copy (``plan/memory.py``'s host_export)."""
         full = self._gather_tp(mcore) if mcore in self.local else None
         sender = self.sender[mcore]
         if sender != 0 and dist.get_rank() == sender:
             _send(full, dst=0)
+            full = None
         elif sender != 0 and dist.get_rank() == 0:
             full = _recv(src=sender)
-        return full
+        return None if full is None else full.cpu().to(torch.float32)
 
     def _gather_tp(self, mcore: str) -> torch.Tensor | None:
-        """This TP group's shards of ``mcore`` on its TP rank 0, joined (fp32, CPU)."""
+        """This TP group's shards of ``mcore`` on its TP rank 0, joined (training dtype)."""
         from toolkit.families import unshard
         t = self.local[mcore]
-        t = (getattr(t, self.attr) if self.attr else t).detach().to(torch.float32).contiguous()
+        t = (getattr(t, self.attr) if self.attr else t).detach().contiguous()
         group = _tp_group(mcore)
         size, me = dist.get_world_size(group), dist.get_rank(group)
+        if size == 1:
+            return t
         parts = [torch.empty_like(t) for _ in range(size)] if me == 0 else None
         dist.gather(t, parts, dst=dist.get_global_rank(group, 0), group=group)
-        if me != 0:
-            return None
-        return unshard(self.engine.family, self.engine.hf_config, mcore, [p.cpu() for p in parts])
+        return unshard(self.engine.family, self.engine.hf_config, mcore, parts) if me == 0 else None
 
 
 def owned_params(engine) -> dict[str, torch.Tensor]:
@@ -131,15 +137,19 @@ def _senders(local: dict) -> dict[str, int]:
     return {name: rank for rank, names in every for name in names}
 
 
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a tensor's dtype, sent as its index
+
+
 def _send(tensor: torch.Tensor, dst: int) -> None:
-    shape = device.tensor(list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
-    dist.send(shape, dst=dst)
+    header = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim()) + [WIRE_DTYPES.index(tensor.dtype)]
+    dist.send(device.tensor(header, dtype=torch.int64), dst=dst)
     dist.send(tensor.to(device.rank_device()), dst=dst)
 
 
 def _recv(src: int) -> torch.Tensor:
-    shape = device.zeros(MAX_DIMS, dtype=torch.int64)
-    dist.recv(shape, src=src)
-    full = torch.empty([int(d) for d in shape.tolist() if d >= 0], dtype=torch.float32, device=device.rank_device())
+    header = device.zeros(MAX_DIMS + 1, dtype=torch.int64)
+    dist.recv(header, src=src)
+    *shape, dtype = header.tolist()
+    full = torch.empty([int(d) for d in shape if d >= 0], dtype=WIRE_DTYPES[dtype], device=device.rank_device())
     dist.recv(full, src=src)
-    return full.cpu()
+    return full

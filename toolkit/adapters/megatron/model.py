@@ -25,7 +25,13 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     kw = family.transformer_config(hf_config)
     # perform_initialization stays on although every weight is then overwritten from the HF
     # tensors: megatron marks TP-split weights (tensor_model_parallel, partition_dim) only in its
-    # init path, and the grad norm counts unmarked weights once per TP group, not per shard.
+    # init path, and the grad norm counts unmarked weights once per TP group, not per shard. Its
+    # init methods draw nothing (``weights.py`` fills every parameter, seeded or pretrained): a
+    # draw would be wasted, and without CUDA megatron draws each TP-split weight whole in fp32
+    # before keeping its slice (``_initialize_affine_weight_cpu``), whose pages an empty tensor
+    # never touches.
+    kw.update(init_method=_filled_by_loader, output_layer_init_method=_filled_by_loader,
+              embedding_init_method=_filled_by_loader)
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
               virtual_pipeline_model_parallel_size=lay.vpp, sequence_parallel=lay.sequence_parallel,
               num_layers_in_first_pipeline_stage=lay.first_stage_layers,
@@ -51,6 +57,11 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     elif cfg.megatron.fused_kernels:
         kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
+
+
+def _filled_by_loader(weight: torch.Tensor) -> torch.Tensor:
+    """megatron's init method for every weight: none (the loader writes each one)."""
+    return weight
 
 
 def gpu_fusions(kw: dict) -> dict:

@@ -58,8 +58,9 @@ class HFSliceReader(Reader):
     its part of each tensor."""
 
     def __init__(self, plan: Plan):
-        from toolkit.adapters.hf import hf_checkpoint
+        from toolkit.adapters.hf import hf_checkpoint, page_returner
         self.source = hf_checkpoint(plan)
+        self._give_back = page_returner(self.source)
 
     def keys(self):
         return self.source.infos.keys()
@@ -71,6 +72,7 @@ class HFSliceReader(Reader):
         return self.source.infos[name].dtype
 
     def slice(self, name, dim=None, start=0, stop=None):
+        self._give_back()  # the previous slice's file pages (its tensor, if still in use, re-reads them)
         part = self.source.slice_of(name)
         if dim is None:
             return part[:]
