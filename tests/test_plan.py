@@ -83,3 +83,20 @@ def test_ranks_run_the_plan_not_the_yaml(tmp_path, data_cache):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses(run_dir)) == 5
     assert max(r["lr"] for r in rows if "lr" in r) == pytest.approx(2e-3)
+
+
+def test_nodes_writing_the_plan_together_leave_one_complete_file(tmp_path):
+    """Every node's agent writes RUN_DIR/plan.json on a shared filesystem at about the same time
+    (examples/slurm/train.sbatch): no writer may fail, and the file is always one whole plan."""
+    import multiprocessing as mp
+    plan = build_plan(load_config(None, TINY), [2])
+    ctx = mp.get_context("fork")
+    with ctx.Pool(4) as pool:
+        pool.starmap(_write_plan_many, [(plan, tmp_path)] * 4)
+    assert read_plan(tmp_path / "plan.json") == plan
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
+
+
+def _write_plan_many(plan, run_dir):
+    for _ in range(200):
+        write_plan(plan, run_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 MANIFEST, COMPLETE, LATEST = "manifest.json", "COMPLETE", "latest"
@@ -74,12 +75,20 @@ def write_json_durable(path: Path, obj) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``path`` replaced whole. Each writer has its own temporary file: several processes (every
+    node's agent writing RUN_DIR/plan.json on a shared filesystem) may write at once, the last
+    rename wins and no reader sees a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from the run's other readers
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     fsync(path.parent)
 
 

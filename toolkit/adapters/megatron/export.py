@@ -94,7 +94,8 @@ class MegatronSource(Source):
             full = None
         elif sender != 0 and dist.get_rank() == 0:
             full = _recv(src=sender)
-        return None if full is None else full.cpu().to(torch.float32)
+        # a copy always: at TP=1 ``full`` is the live parameter, which later steps change in place
+        return None if full is None else full.to("cpu", torch.float32, copy=True)
 
     def _gather_tp(self, mcore: str) -> torch.Tensor | None:
         """This TP group's shards of ``mcore`` on its TP rank 0, joined (training dtype)."""
