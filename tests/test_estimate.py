@@ -8,7 +8,7 @@ import math
 import pytest
 from transformers import LlamaConfig
 
-from tests.conftest import REPO, run_cli, run_in_process
+from tests.conftest import REPO, loss_allocations, run_cli, run_in_process
 from toolkit.cli import main
 from toolkit.config import load_config
 from toolkit.plan.layout import check_layout
@@ -307,7 +307,6 @@ def test_logits_and_loss_formula_matches_the_allocator():
     """The formula against what torch allocates for the loss (its profiler's memory events): the bf16
     logits, then the loss's peak during forward and backward, for one chunk and for several."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from toolkit.engine import token_loss_sum
     from toolkit.plan.memory import chunked_loss_bytes
@@ -316,18 +315,10 @@ def test_logits_and_loss_formula_matches_the_allocator():
                                    num_key_value_heads=4, vocab_size=v))
     cfg = load_config(None, [f"data.seq_len={s}", f"train.micro_batch_size={b}"])
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(b, s, v, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    logits = torch.randn(b, s, v, generator=gen).to(torch.bfloat16)
     labels = torch.randint(0, v, (b, s), generator=gen)
     for rows, formula in ((None, chunked_loss_bytes(cfg, shape, 2)), (64, 2 * 2 * b * s * v + 3 * 4 * 64 * v)):
-        logits.grad = None
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            token_loss_sum(logits, labels, chunk_rows=rows)[0].backward()
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
-        live = peak = 0
-        for _, nbytes in events:
-            live += nbytes
-            peak = max(peak, live)
+        peak, _ = loss_allocations(token_loss_sum, logits, labels, chunk_rows=rows)
         measured = logits.nbytes + peak
         assert 0.99 <= measured / formula <= 1.01, (rows, measured, formula)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
+from tests.conftest import loss_allocations
 from toolkit import device
 from toolkit.engine import IGNORE_INDEX, LOSS_CHUNK_BYTES, loss_chunk_rows, token_loss_sum
 
@@ -109,23 +109,6 @@ def test_strict_mode_refuses_host_labels():
         device.disable_strict()
 
 
-def _allocations(fn, logits, labels, **kw) -> tuple[int, int]:
-    """(peak live bytes, largest single allocation) of torch's CPU allocations during the loss's
-    forward and backward, from the profiler's memory events (the logits themselves are allocated
-    before; their gradient is among the allocations)."""
-    x = logits.detach().clone().requires_grad_(True)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss, _ = fn(x, labels, **kw)
-        loss.backward()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak, max(n for _, n in events)
-
-
 def test_full_fp32_logits_never_exist():
     """bf16 logits [N, V]: the whole-tensor loss allocates fp32 [N, V] copies (upcast, log-softmax,
     its gradient: 3 at once); the chunked one never holds even one - its peak is the bf16 gradient
@@ -135,8 +118,8 @@ def test_full_fp32_logits_never_exist():
     logits = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), generator=gen)
     full_fp32, chunk_fp32 = n * vocab * 4, rows * vocab * 4
-    ref_peak, ref_largest = _allocations(reference_token_loss_sum, logits, labels)
-    peak, largest = _allocations(token_loss_sum, logits, labels, chunk_rows=rows)
+    ref_peak, ref_largest = loss_allocations(reference_token_loss_sum, logits, labels)
+    peak, largest = loss_allocations(token_loss_sum, logits, labels, chunk_rows=rows)
     print(f"peak live bytes: whole-tensor {ref_peak / full_fp32:.2f}, chunked {peak / full_fp32:.2f} "
           f"x one fp32 [N, V] copy; largest allocation {ref_largest / full_fp32:.2f} vs {largest / full_fp32:.2f}")
     assert ref_largest >= full_fp32 and ref_peak >= 3 * full_fp32  # the measurement sees the copies
