@@ -120,7 +120,7 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
-                                    normalization=tconfig.normalization)
+                                    qk_layernorm=tconfig.qk_layernorm, normalization=tconfig.normalization)
     if attention is not None:
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=core_attention_class(), params={"options": attention})
@@ -130,6 +130,9 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    if tconfig.qk_layernorm:  # per head, on this rank's heads of the whole sequence: a partial gradient too
+        attention_parts = spec.submodules.self_attention.submodules
+        attention_parts.q_layernorm = attention_parts.k_layernorm = SequenceParallelNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelNorm)
 
