@@ -72,3 +72,18 @@ def test_torch_free_unpickler_reads_tensor_locations_and_lets_nothing_be_rewritt
     before = torchzip.Tensor(rec.storage, -4, (4,), (1,))
     with pytest.raises(torchzip.Unsupported, match="outside its storage"):
         before.byte_range(0, 4)
+
+
+def test_a_config_with_little_more_than_model_type_is_refused_naming_the_fields(tmp_path):
+    """transformers fills a missing field with its class default (a 4096-wide Llama): the converter
+    must name what config.json lacks instead (before: TypeError: unsupported operand ... NoneType)."""
+    import json
+
+    from safetensors.torch import save_file
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 8)}, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ConvertError, match=r"has no num_hidden_layers, num_attention_heads, intermediate_size, "
+                                           r"vocab_size: the megatron layout needs each"):
+        convert(tmp_path / "hf", tmp_path / "meg", to="megatron")
+    assert not (tmp_path / "meg").exists()

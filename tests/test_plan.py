@@ -100,3 +100,12 @@ def test_nodes_writing_the_plan_together_leave_one_complete_file(tmp_path):
 def _write_plan_many(plan, run_dir):
     for _ in range(200):
         write_plan(plan, run_dir)
+
+
+def test_megatron_refuses_a_config_json_without_its_shapes(tmp_path):
+    """The megatron model is built from config.json's shapes; a missing one is named, never defaulted."""
+    config = {**json.loads((REPO / "toolkit/demo/tiny-llama/config.json").read_text())}
+    del config["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config.json has no num_attention_heads; the megatron model is built"):
+        build_plan(load_config(None, ["backend=megatron", f"model.name_or_path={tmp_path}"]), [2])

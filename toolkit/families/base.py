@@ -41,6 +41,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 copies HF's own ``inv_freq`` into megatron's rotary embedding, so all of them are exact."""
 
 
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+"""megatron's TransformerConfig fields that fix tensor shapes (``Family.missing_fields``)."""
+
+
 class FamilyError(ValueError):
     """An HF model or checkpoint this family cannot convert; the message says why and what to do."""
 
@@ -339,6 +343,13 @@ class Family:
         return dataclasses.replace(self, **changes)
 
     # --- config -----------------------------------------------------------------------------------
+
+    def missing_fields(self, config_json: dict) -> list[str]:
+        """The fields that fix tensor shapes (layers, widths, heads, vocabulary) that ``config.json``
+        leaves out. transformers would fill them with its class defaults (a 4096-wide, 32-layer
+        Llama), which no conversion or megatron build may assume of a checkpoint."""
+        needed = [hf for hf, mcore in self.config.items() if mcore in SHAPE_FIELDS] + ["vocab_size"]
+        return [f for f in needed if config_json.get(f) is None]
 
     def check(self, hf_config) -> None:
         """Raise FamilyError naming every HF config field this family cannot honour."""

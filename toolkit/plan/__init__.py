@@ -66,10 +66,17 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
 def _check_family(cfg: RunConfig, hf_config) -> None:
     """The megatron path needs a family table for the model, and a config it can honour exactly."""
     from toolkit.families import FamilyError, get_family
+    from toolkit.plan.model import read_config_json
     try:
-        get_family(hf_config.model_type).check(hf_config)
+        family = get_family(hf_config.model_type)
+        family.check(hf_config)
     except FamilyError as exc:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {exc}") from None
+    missing = family.missing_fields(read_config_json(cfg.model.name_or_path) or hf_config.to_dict())
+    if missing:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: config.json has no {', '.join(missing)}; "
+                          "the megatron model is built from them: add them as the model's published config.json "
+                          "has them (transformers' class defaults are not this checkpoint's shapes)")
 
 
 def write_plan(plan: Plan, run_dir: Path) -> Path:

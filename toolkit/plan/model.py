@@ -101,6 +101,15 @@ def _routed_experts(hf_config) -> int:
     return int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0)
 
 
+def read_config_json(name_or_path: str) -> dict | None:
+    """``config.json`` as written (no class defaults filled in), or None where there is no such file."""
+    import json
+    from pathlib import Path
+    path = Path(name_or_path)
+    path = path if path.suffix == ".json" else path / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def load_hf_config(name_or_path: str):
     """The HF config of ``model.name_or_path`` (a directory holding config.json, or the file)."""
     from pathlib import Path
