@@ -42,6 +42,11 @@ TINY_MOE = {
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
                       pad_token_id=0),
+    # qwen3_moe: q/k norms, head_dim 32 (not hidden / heads), renormalized top-k, no shared expert
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=0),
 }
 
 

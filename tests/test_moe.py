@@ -1,4 +1,4 @@
-"""Mixture of experts (mixtral, qwen2_moe): family tables against transformers' own checkpoint layout,
+"""Mixture of experts (mixtral, qwen2_moe, qwen3_moe): family tables against transformers' own checkpoint layout,
 the load-balancing loss against HF's, and the megatron path against HF's own forward on 4 ranks at
 EP 1 and 2 (x DP 4), TP 2 with sequence parallelism (x DP 2, x EP 2) and PP 2 x EP 2: logits, routing and
 per-parameter gradients, aux loss included. The tiny configs live in tests/test_families.py."""
@@ -72,6 +72,8 @@ def test_expert_glu_is_gate_then_up_per_expert():
     ("mixtral", {"sliding_window": 16}, "sliding_window"),
     ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias=False is not supported by the megatron path; the megatron table "
                                        "has q/k/v biases"),
 ])

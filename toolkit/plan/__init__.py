@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
 from toolkit.plan.layout import Layout, check_layout
-from toolkit.plan.model import ModelSpec, load_hf_config, model_spec
+from toolkit.plan.model import ModelSpec, load_hf_config, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 
 PLAN_FILE = "plan.json"
@@ -53,9 +53,11 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     """Resolve ``cfg`` for jobs of each size in ``worlds``; errors name the field and the fix.
     ``hf_config``: the model's HF config when the caller has it (else read from model.name_or_path)."""
     cfg = with_megatron_preset(cfg) if cfg.backend == "megatron" else with_ds_json_values(cfg)
+    # config.json as written, where the config comes from it (a given hf_config is taken as it is)
+    written = read_config_json(cfg.model.name_or_path) if hf_config is None else None
     hf_config = hf_config if hf_config is not None else load_hf_config(cfg.model.name_or_path)
     if cfg.backend == "megatron":
-        _check_family(cfg, hf_config)
+        _check_family(cfg, hf_config, written)
     spec = model_spec(hf_config)
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
     ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
@@ -63,16 +65,16 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds)
 
 
-def _check_family(cfg: RunConfig, hf_config) -> None:
-    """The megatron path needs a family table for the model, and a config it can honour exactly."""
+def _check_family(cfg: RunConfig, hf_config, written: dict | None) -> None:
+    """The megatron path needs a family table for the model, and a config it can honour exactly
+    (``written``: config.json as written, whose shape fields must all be there)."""
     from toolkit.families import FamilyError, get_family
-    from toolkit.plan.model import read_config_json
     try:
         family = get_family(hf_config.model_type)
         family.check(hf_config)
     except FamilyError as exc:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {exc}") from None
-    missing = family.missing_fields(read_config_json(cfg.model.name_or_path) or hf_config.to_dict())
+    missing = family.missing_fields(written) if written is not None else []
     if missing:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: config.json has no {', '.join(missing)}; "
                           "the megatron model is built from them: add them as the model's published config.json "
