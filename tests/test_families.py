@@ -26,6 +26,11 @@ TINY = {
     "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
                   max_position_embeddings=64, tie_word_embeddings=False, use_sliding_window=False, pad_token_id=0),
+    # gemma: sqrt(hidden)-scaled embedding, (1 + w) RMSNorm, gated GeLU-tanh, tied, head_dim 32
+    "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+                  max_position_embeddings=64, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                  pad_token_id=0),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=250, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }

@@ -319,6 +319,8 @@ class Family:
     packed: tuple[Packed, ...] = ()
     """Per layer (names relative to ``hf_layer``): transformers' module parameters that pack
     checkpoint tensors (MoE experts); the rest are stored under their checkpoint names."""
+    embedding_scale: Callable | None = None
+    """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
 
     def num_experts(self, hf_config) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""

@@ -109,14 +109,23 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
         chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention), vocab_size=lay.padded_vocab,
                                vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
+        if family.embedding_scale and chunks[-1].pre_process:
+            _scale_embedding(chunks[-1].embedding, family.embedding_scale(hf_config))
     return chunks
+
+
+def _scale_embedding(embedding, scale: float) -> None:
+    """The lookup times ``scale``, rounded to the weights' dtype first as HF does (Gemma's
+    ``embed_scale.to(weight.dtype)``); megatron's embedding has no such factor."""
+    factor = torch.tensor(scale, dtype=torch.float32)
+    embedding.register_forward_hook(lambda module, args, output: output * factor.to(output.dtype).to(output.device))
 
 
 def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None):
     """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
     ``attention``: the toolkit's core attention, else megatron's DotProductAttention); with sequence
-    parallelism, a block spec whose norms are ``SequenceParallelNorm`` (megatron's own torch-norm
-    wrapper refuses sequence parallelism)."""
+    parallelism or zero-centered norm weights, a block spec whose norms are ``ToolkitNorm``
+    (megatron's own torch-norm wrapper refuses both)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
@@ -126,32 +135,51 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
             module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
-    if not tconfig.sequence_parallel:
+    if not (tconfig.sequence_parallel or tconfig.layernorm_zero_centered_gamma):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ToolkitNorm
     if tconfig.qk_layernorm:  # per head, on this rank's heads of the whole sequence: a partial gradient too
         attention_parts = spec.submodules.self_attention.submodules
-        attention_parts.q_layernorm = attention_parts.k_layernorm = SequenceParallelNorm
+        attention_parts.q_layernorm = attention_parts.k_layernorm = ToolkitNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
-                                      layer_norm=SequenceParallelNorm)
+                                      layer_norm=ToolkitNorm)
 
 
-class SequenceParallelNorm:
-    """A torch ``LayerNorm`` / ``RMSNorm`` (what megatron's ``WrappedTorchNorm`` builds) whose
-    parameters are marked ``sequence_parallel``. Under sequence parallelism each TP rank normalizes
-    its own ``[seq / tp, batch, hidden]`` slice, so each holds a partial gradient of the (replicated)
-    norm weights; megatron's ``finalize_model_grads`` sums the gradients of marked parameters over
-    the TP group, as it does for Transformer Engine's norms."""
+class ToolkitNorm:
+    """The norms megatron's own torch-norm wrapper (``WrappedTorchNorm``) refuses: under sequence
+    parallelism and with weights centered on zero (Gemma's (1 + w) RMSNorm). A torch ``LayerNorm`` /
+    ``RMSNorm``, or ``ZeroCenteredRMSNorm``; under sequence parallelism its parameters are marked
+    ``sequence_parallel``: each TP rank normalizes its own ``[seq / tp, batch, hidden]`` slice, so
+    each holds a partial gradient of the (replicated) norm weights, which megatron's
+    ``finalize_model_grads`` sums over the TP group, as it does for Transformer Engine's norms."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in norms:
-            raise ValueError(f"normalization={config.normalization!r}: sequence parallelism supports {sorted(norms)}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
+            raise ValueError(f"normalization={config.normalization!r}: the toolkit's norms are {sorted(norms)}")
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            raise ValueError("layernorm_zero_centered_gamma: the toolkit has it for RMSNorm only")
+        norm = (ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else norms[config.normalization])(
+            hidden_size, eps=eps)
         for param in norm.parameters():
-            param.sequence_parallel = True
+            param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight is stored centered on zero and scales by (1 + w), computed in fp32 and
+    cast back as HF's ``GemmaRMSNorm`` does (megatron's ``layernorm_zero_centered_gamma``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
 
 
 @lru_cache(maxsize=1)
