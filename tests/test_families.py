@@ -31,6 +31,11 @@ TINY = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
                   max_position_embeddings=64, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
                   pad_token_id=0),
+    # phi3: fused qkv_proj and gate_up_proj in the checkpoint, a sliding window shorter than the
+    # parity tests' 16 tokens
+    "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+                 sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=250, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
@@ -157,6 +162,10 @@ def test_unsupported_model_type_lists_supported():
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"embd_pdrop": 0.1}, "embd_pdrop"),
+    ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [1.0] * 8, "original_max_position_embeddings": 32}}, "longrope"),
+    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
 def test_config_fields_that_cannot_be_honoured_fail(family, changes, field):
     with pytest.raises(FamilyError, match=field):

@@ -109,3 +109,14 @@ def test_megatron_refuses_a_config_json_without_its_shapes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"config.json has no num_attention_heads; the megatron model is built"):
         build_plan(load_config(None, ["backend=megatron", f"model.name_or_path={tmp_path}"]), [2])
+
+
+def test_a_sliding_window_needs_the_toolkits_attention(tmp_path):
+    """Phi-3's sliding window runs through the toolkit's core attention; megatron's local one has none."""
+    from tests.test_families import TINY
+    (tmp_path / "config.json").write_text(json.dumps(TINY["phi3"]))
+    args = ["backend=megatron", f"model.name_or_path={tmp_path}"]
+    assert build_plan(load_config(None, args), [2]).model.model_type == "phi3"
+    with pytest.raises(ConfigError, match=r"sliding_window=6 needs the toolkit's core attention; .* "
+                                          r"set megatron.attention=auto"):
+        build_plan(load_config(None, [*args, "megatron.attention=local"]), [2])

@@ -168,8 +168,10 @@ class FuseQKV:
 
 @dataclass(frozen=True)
 class FuseGLU:
-    """HF gate and up projections ``[F, H]`` -> megatron's ``linear_fc1`` (``[gate_r; up_r]`` per rank)."""
-    hf: tuple[str, str]
+    """HF gate and up projections ``[F, H]`` -> megatron's ``linear_fc1`` (``[gate_r; up_r]`` per rank).
+
+    ``hf`` is two names, or one name of a packed ``[gate; up]`` tensor (Phi-3's ``gate_up_proj``)."""
+    hf: tuple[str, ...]
     mcore: str
     split: str = COLUMN
 
@@ -177,9 +179,11 @@ class FuseGLU:
         return self.hf
 
     def to_mcore(self, t, dims):
-        return torch.cat([t[self.hf[0]], t[self.hf[1]]], dim=0)
+        return torch.cat([t[n] for n in self.hf], dim=0)
 
     def to_hf(self, x, dims):
+        if len(self.hf) == 1:
+            return {self.hf[0]: x.contiguous()}
         gate, up = torch.chunk(x, 2, dim=0)
         return {self.hf[0]: gate.contiguous(), self.hf[1]: up.contiguous()}
 
@@ -188,6 +192,10 @@ class FuseGLU:
         return torch.cat([_split(gate, COLUMN, tp, rank), _split(up, COLUMN, tp, rank)], dim=0)
 
     def read_shard(self, reader: "Reader", dims: Dims, tp: int, rank: int) -> torch.Tensor:
+        if len(self.hf) == 1:  # packed: the gate's rows of this rank, then the up projection's
+            width = reader.shape(self.hf[0])[0] // 2
+            lo, hi = _range(width, tp, rank)
+            return torch.cat([reader.slice(self.hf[0], 0, lo, hi), reader.slice(self.hf[0], 0, width + lo, width + hi)])
         rows = _range(reader.shape(self.hf[0])[0], tp, rank)
         return torch.cat([reader.slice(self.hf[0], 0, *rows), reader.slice(self.hf[1], 0, *rows)])
 
@@ -319,12 +327,20 @@ class Family:
     packed: tuple[Packed, ...] = ()
     """Per layer (names relative to ``hf_layer``): transformers' module parameters that pack
     checkpoint tensors (MoE experts); the rest are stored under their checkpoint names."""
+    windows: Callable | None = None
+    """HF config -> sliding window of each layer (keys at distance < window; None: full attention);
+    served by the toolkit's core attention, refused with megatron's local one."""
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
 
     def num_experts(self, hf_config) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
         return int(getattr(hf_config, self.num_experts_field)) if self.num_experts_field else 0
+
+    def sliding_windows(self, hf_config) -> tuple[int | None, ...]:
+        """Each layer's sliding window, or () where every layer attends to all earlier tokens."""
+        windows = tuple(self.windows(hf_config)) if self.windows else ()
+        return windows if any(w is not None for w in windows) else ()
 
     def padding_idx(self, hf_config) -> int | None:
         return getattr(hf_config, self.padding_idx_field, None) if self.padding_idx_field else None

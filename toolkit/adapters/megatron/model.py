@@ -83,7 +83,7 @@ def attention_options(cfg: RunConfig, hf_config, family, tconfig) -> AttentionOp
     inv_freq = None
     if family.position_embedding == "rope":
         inv_freq = rope_inv_freq(hf_config, tconfig.kv_channels).to(device.rank_device())
-    return AttentionOptions(mode=cfg.megatron.attention, inv_freq=inv_freq)
+    return AttentionOptions(mode=cfg.megatron.attention, inv_freq=inv_freq, windows=family.sliding_windows(hf_config))
 
 
 def _recompute(mode: str) -> dict:
