@@ -18,7 +18,7 @@ TINY = {
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                    sliding_window=None, tie_word_embeddings=False, pad_token_id=0),
+                    sliding_window=8, tie_word_embeddings=False, pad_token_id=0),  # < the parity tests' 16 tokens
     "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
                   tie_word_embeddings=True, use_sliding_window=False, pad_token_id=0),
@@ -158,7 +158,6 @@ def test_unsupported_model_type_lists_supported():
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"hidden_act": "relu"}, "hidden_act"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"embd_pdrop": 0.1}, "embd_pdrop"),

@@ -1,10 +1,11 @@
-"""Mistral: Llama's table; sliding-window attention is not available in the megatron path."""
-from toolkit.families.base import Check
+"""Mistral: Llama's table, and a sliding window over every layer where the config sets one (the
+toolkit's core attention keeps keys at distance < window, as HF's mask does)."""
 from toolkit.families.llama import FAMILY as LLAMA
 
-FAMILY = LLAMA.extend(
-    model_type="mistral",
-    checks=(Check("sliding_window", lambda v: v is not None,
-                  "set \"sliding_window\": null in config.json (identical while sequences are no longer than "
-                  "the window) or use backend=deepspeed"),),
-)
+
+def every_layer_window(c) -> tuple:
+    """``sliding_window`` on every layer (Mistral, Phi-3), () where it is unset."""
+    return (c.sliding_window,) * c.num_hidden_layers if c.sliding_window else ()
+
+
+FAMILY = LLAMA.extend(model_type="mistral", windows=every_layer_window)

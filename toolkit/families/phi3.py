@@ -3,10 +3,7 @@ rows and ``gate_up_proj`` = [gate; up] rows, and a sliding window over every lay
 sets one (the toolkit's core attention keeps keys at distance < window, as HF's mask does)."""
 from toolkit.families.base import ROW, Check, FuseGLU, FuseQKV, Rename
 from toolkit.families.llama import FAMILY as LLAMA
-
-
-def _windows(c) -> tuple:
-    return (c.sliding_window,) * c.num_hidden_layers if c.sliding_window else ()
+from toolkit.families.mistral import every_layer_window
 
 
 def _partial_rotary(c) -> float:
@@ -20,7 +17,7 @@ FAMILY = LLAMA.extend(
            Rename("self_attn.o_proj.weight", "self_attention.linear_proj.weight", ROW),
            FuseGLU(("mlp.gate_up_proj.weight",), "mlp.linear_fc1.weight"),
            Rename("mlp.down_proj.weight", "mlp.linear_fc2.weight", ROW)),
-    windows=_windows,
+    windows=every_layer_window,
     checks=(Check("resid_pdrop", bool, "megatron drops the embedding output at the hidden-state rate too and "
                   "HF Phi-3 does not: set resid_pdrop=0 for the megatron path or use backend=deepspeed"),
             Check("partial_rotary_factor", lambda v, c: _partial_rotary(c) != 1.0,
