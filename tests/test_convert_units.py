@@ -87,3 +87,41 @@ def test_a_config_with_little_more_than_model_type_is_refused_naming_the_fields(
                                            r"vocab_size: the megatron layout needs each"):
         convert(tmp_path / "hf", tmp_path / "meg", to="megatron")
     assert not (tmp_path / "meg").exists()
+
+
+def _save_pickled(model, out, shards: int = 2) -> None:
+    """What transformers < 5 wrote with safe_serialization=False: pytorch_model-*.bin + index."""
+    import json
+    out.mkdir()
+    model.config.save_pretrained(out)
+    names = list(model.state_dict())
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {n: t.contiguous() for n, t in model.state_dict().items() if names.index(n) % shards == i}
+        torch.save(part, out / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_pickled_checkpoints_are_read_as_data_only(tmp_path):
+    """pytorch_model*.bin sources go through the allowlisted unpickler (tensors, never code), sharded
+    with their index, at TP=2 by slice; a pickle holding anything else is refused by name."""
+    model = tiny_model("llama")
+    _save_pickled(model, tmp_path / "bin")
+    convert(tmp_path / "bin", tmp_path / "meg", to="megatron", tp=2)
+    convert(tmp_path / "meg", tmp_path / "hf", to="hf")
+    src, state = open_source(tmp_path / "hf"), model.state_dict()
+    assert sorted(src.names()) == sorted(state)
+    for name in src.names():
+        assert torch.equal(src.read(name), state[name]), name
+    evil = tmp_path / "evil"
+    _save_pickled(model, evil, shards=1)
+    torch.save({"model.norm.weight": torch.ones(64), "payload": _NotAllowed()}, evil / "pytorch_model-00001-of-00001.bin")
+    with pytest.raises(ConvertError, match="_NotAllowed"):
+        convert(evil, tmp_path / "never", to="megatron")
+    assert not (tmp_path / "never").exists()
+
+
+class _NotAllowed:
+    """Stands for any class a pickle may name to run code on load."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # annotations only: the writer runs without torch on the dire
     import torch
 
 INDEX = "model.safetensors.index.json"
+PICKLED_INDEX = "pytorch_model.bin.index.json"
 CARRY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
          "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja")
 """Files an HF output carries over from the source (or from the directory of ``--hf-config``)."""
@@ -37,7 +38,8 @@ direct ZeRO -> HF route in ``direct.py`` writes through it without torch)."""
 
 def is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and (
-        (path / INDEX).is_file() or any(path.glob("*.safetensors")))
+        (path / INDEX).is_file() or any(path.glob("*.safetensors")) or (path / PICKLED_INDEX).is_file()
+        or any(path.glob("pytorch_model*.bin")))
 
 
 class HFSource(Source):
@@ -49,12 +51,15 @@ class HFSource(Source):
         from safetensors import safe_open  # framework="pt" imports torch: an HF source is read with it
         self._where = {}
         for file in self._files(path):
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for damaged headers
-                raise ConvertError(f"{file}: not a readable safetensors file ({exc}); it is truncated or "
-                                   "corrupted") from None
-            _check_size(file, handle)
+            if file.suffix == ".bin":
+                handle = PickledShard(file)
+            else:
+                try:
+                    handle = safe_open(str(file), framework="pt")
+                except Exception as exc:  # safetensors raises its own error types for damaged headers
+                    raise ConvertError(f"{file}: not a readable safetensors file ({exc}); it is truncated or "
+                                       "corrupted") from None
+                _check_size(file, handle)
             for key in handle.keys():
                 self._where[key] = handle
         for key, handle in self._where.items():
@@ -75,9 +80,15 @@ class HFSource(Source):
                                    "re-export the model")
             return [path / f for f in files]
         files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ConvertError(f"{path}: no *.safetensors files (only safetensors are read: pickled "
-                               "pytorch_model.bin can run code; re-save with safe_serialization=True)")
+        if files:
+            return files
+        pickled_index = path / PICKLED_INDEX
+        files = sorted({path / f for f in json.loads(pickled_index.read_text())["weight_map"].values()}) \
+            if pickled_index.is_file() else sorted(path.glob("pytorch_model*.bin"))
+        missing = [f.name for f in files if not f.is_file()]
+        if missing or not files:
+            raise ConvertError(f"{path}: no *.safetensors files and no complete pytorch_model*.bin set (missing: "
+                               f"{missing or 'every file'}); copy the model's weight files")
         return files
 
     def _tie(self) -> None:
@@ -96,6 +107,42 @@ class HFSource(Source):
     def slice_of(self, name: str):
         """safetensors' lazy slice of ``name`` (index it to read only that part)."""
         return self._where[name].get_slice(name)
+
+
+class PickledShard:
+    """A ``pytorch_model*.bin`` shard behind safetensors' handle API (``keys``, ``get_slice``,
+    ``get_tensor``), read through the converter's allowlisted unpickler (``safeload.py``: tensors
+    and containers only, never code), memory-mapped: a tensor's pages are read when it is touched."""
+
+    def __init__(self, file: Path):
+        from toolkit.convert.safeload import safe_load
+        state = safe_load(file)
+        if not isinstance(state, dict):
+            raise ConvertError(f"{file}: holds a {type(state).__name__}, not a state dict of tensors")
+        self.tensors = {k: v for k, v in state.items() if hasattr(v, "shape")}
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, key: str) -> "torch.Tensor":
+        return self.tensors[key].clone()  # a copy, as safetensors returns: callers may keep it
+
+    def get_slice(self, key: str) -> "_PickledSlice":
+        return _PickledSlice(self.tensors[key])
+
+
+class _PickledSlice:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        return ST_DTYPES[_dtype_name(self.tensor.dtype)]
+
+    def __getitem__(self, index) -> "torch.Tensor":
+        return self.tensor[index].clone()
 
 
 def _dtype(name: str) -> torch.dtype:
