@@ -125,3 +125,20 @@ def test_pickled_checkpoints_are_read_as_data_only(tmp_path):
 
 class _NotAllowed:
     """Stands for any class a pickle may name to run code on load."""
+
+
+def test_inspect_says_where_an_hf_model_can_train(tmp_path):
+    """``toolkit inspect`` of an HF directory: the family, the TP sizes that divide its heads and KV
+    heads, the PP sizes that divide its layers, EP sizes for experts; or why megatron cannot run it."""
+    import json
+
+    from tests.conftest import run_in_process
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "moe", safe_serialization=True)
+    info = json.loads(run_in_process(["inspect", str(tmp_path / "moe"), "--json"]).stdout)
+    assert info["family"] == "qwen3_moe" and info["deepspeed"] == "ZeRO 0-3"
+    assert info["megatron"].startswith("tp in [1, 2], pp in [1, 2] (or uneven") and info["megatron"].endswith(
+        "ep in [1, 2, 4]")
+    tiny_model("qwen3_moe", mlp_only_layers=[1]).save_pretrained(tmp_path / "dense1", safe_serialization=True)
+    info = json.loads(run_in_process(["inspect", str(tmp_path / "dense1"), "--json"]).stdout)
+    assert "mlp_only_layers=[1] is not supported by the megatron path" in info["megatron"]

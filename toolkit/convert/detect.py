@@ -144,6 +144,34 @@ def inspect(path, hf_config: str | None = None) -> dict:
         return {"path": str(root), "format": src.format, "family": src.model_type, "layout": src.layout,
                 "step": src.step, "parameters": src.num_params(), "tensors": len(src.infos), "dtypes": dtypes,
                 "bytes_on_disk": size, "optimizer_state": src.has_optimizer, "tied_embeddings": src.tied,
-                "complete": True, "manifest": str(manifest / MANIFEST) if manifest else None}
+                "complete": True, "manifest": str(manifest / MANIFEST) if manifest else None,
+                **runs_on(src.hf_config)}
     finally:
         src.close()
+
+
+def runs_on(config: dict) -> dict:
+    """Where the model can train: DeepSpeed takes any transformers causal LM; megatron needs a family
+    table and a config it honours exactly, then the TP/PP/EP sizes that split it evenly."""
+    from toolkit.convert.canonical import hf_config_object
+    from toolkit.families import FamilyError, find_family, supported
+    from toolkit.plan.layout import divisors
+    family = find_family(config.get("model_type"))
+    if family is None:
+        return {"deepspeed": "ZeRO 0-3", "megatron": f"no family for model_type={config.get('model_type')!r} "
+                                                     f"(supported: {', '.join(supported())})"}
+    missing = family.missing_fields(config)
+    if missing:
+        return {"deepspeed": "ZeRO 0-3", "megatron": f"config.json has no {', '.join(missing)}"}
+    try:
+        family.check(hf_config_object(config))
+    except FamilyError as exc:
+        return {"deepspeed": "ZeRO 0-3", "megatron": str(exc).replace("\n  ", "; ")}
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    kv_heads = config.get("num_key_value_heads") or heads
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    experts = family.num_experts(hf_config_object(config))
+    layout = (f"tp in {[t for t in divisors(kv_heads) if heads % t == 0]}, pp in {divisors(layers)} "
+              "(or uneven with first/last_stage_layers)")
+    return {"deepspeed": "ZeRO 0-3", "megatron": layout + (f", ep in {divisors(experts)}" if experts else "")}
+
