@@ -46,7 +46,8 @@ TINY = {
 TINY_MOE = {
     "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                    num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False),
+                    num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False,
+                    sliding_window=8),
     "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -41,7 +41,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 copies HF's own ``inv_freq`` into megatron's rotary embedding, so all of them are exact."""
 
 
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+MCORE_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
 """megatron's TransformerConfig fields that fix tensor shapes (``Family.missing_fields``)."""
 
 
@@ -366,7 +366,7 @@ class Family:
         """The fields that fix tensor shapes (layers, widths, heads, vocabulary) that ``config.json``
         leaves out. transformers would fill them with its class defaults (a 4096-wide, 32-layer
         Llama), which no conversion or megatron build may assume of a checkpoint."""
-        needed = [hf for hf, mcore in self.config.items() if mcore in SHAPE_FIELDS] + ["vocab_size"]
+        needed = [hf for hf, mcore in self.config.items() if mcore in MCORE_SHAPE_FIELDS] + ["vocab_size"]
         return [f for f in needed if config_json.get(f) is None]
 
     def check(self, hf_config) -> None:

@@ -1,10 +1,12 @@
-"""Mixtral: Llama's attention and norms; each layer's MLP is a top-k routed mixture of SwiGLU experts.
+"""Mixtral: Llama's attention and norms (Mistral's sliding window, where set); each layer's MLP is a
+top-k routed mixture of SwiGLU experts.
 
 Router: softmax over all experts, the top k renormalized to sum to 1 (megatron: top-k of the logits,
 then softmax over them, ``moe_router_pre_softmax=False``: the same numbers).
 """
 from toolkit.families.base import REPLICATED, ROW, Check, FuseGLU, Packed, Rename
 from toolkit.families.llama import FAMILY as LLAMA
+from toolkit.families.mistral import every_layer_window
 
 FAMILY = LLAMA.extend(
     model_type="mixtral",
@@ -21,8 +23,7 @@ FAMILY = LLAMA.extend(
             Packed("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight",
                                                 "block_sparse_moe.experts.{e}.w3.weight"), per_expert=True),
             Packed("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",), per_expert=True)),
-    checks=(Check("sliding_window", lambda v: v is not None,
-                  "set \"sliding_window\": null in config.json or use backend=deepspeed"),
-            Check("router_jitter_noise", bool, "set router_jitter_noise=0 (megatron jitters only the router input) "
-                  "or use backend=deepspeed")),
+    windows=every_layer_window,
+    checks=(Check("router_jitter_noise", bool, "set router_jitter_noise=0 (megatron jitters only the router input) "
+                  "or use backend=deepspeed"),),
 )
