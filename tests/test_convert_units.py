@@ -10,7 +10,7 @@ from toolkit.convert import ConvertError, convert, open_source
 from toolkit.convert.safeload import safe_load
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3", "gemma2"])
 def test_hf_megatron_hf_zero_round_trip_exact(tmp_path, monkeypatch, family):
     monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)  # vocab rows in blocks
     model = tiny_model(family)

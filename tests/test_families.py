@@ -36,6 +36,13 @@ TINY = {
     "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
                  sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # gemma2: four norms per layer, query_pre_attn_scalar, attention and final softcaps (small enough
+    # to bite at these logits), a window of 6 on every other layer
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+                   max_position_embeddings=64, tie_word_embeddings=True, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=250, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }

@@ -330,6 +330,13 @@ class Family:
     windows: Callable | None = None
     """HF config -> sliding window of each layer (keys at distance < window; None: full attention);
     served by the toolkit's core attention, refused with megatron's local one."""
+    attention_softcap: Callable | None = None
+    """HF config -> attention logit softcapping (``cap * tanh(score / cap)``, Gemma 2); None: none."""
+    logit_softcap: Callable | None = None
+    """HF config -> final logit softcapping of the LM head's output (Gemma 2); None: none."""
+    post_norms: bool = False
+    """A norm after the attention's and after the MLP's output projection, before each residual add
+    (Gemma 2): HF's ``post_attention_layernorm`` / ``post_feedforward_layernorm``."""
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
 

@@ -78,6 +78,9 @@ def _check_family(cfg: RunConfig, hf_config, written: dict | None) -> None:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: sliding_window="
                           f"{getattr(hf_config, 'sliding_window', None)} needs the toolkit's core attention; "
                           "megatron's local one has no window: set megatron.attention=auto")
+    if family.attention_softcap and family.attention_softcap(hf_config) and cfg.megatron.attention == "local":
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: attention logit softcapping needs "
+                          "the toolkit's core attention: set megatron.attention=auto")
     missing = family.missing_fields(written) if written is not None else []
     if missing:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: config.json has no {', '.join(missing)}; "

@@ -83,7 +83,9 @@ def attention_options(cfg: RunConfig, hf_config, family, tconfig) -> AttentionOp
     inv_freq = None
     if family.position_embedding == "rope":
         inv_freq = rope_inv_freq(hf_config, tconfig.kv_channels).to(device.rank_device())
-    return AttentionOptions(mode=cfg.megatron.attention, inv_freq=inv_freq, windows=family.sliding_windows(hf_config))
+    softcap = family.attention_softcap(hf_config) if family.attention_softcap else None
+    return AttentionOptions(mode=cfg.megatron.attention, inv_freq=inv_freq, windows=family.sliding_windows(hf_config),
+                            softcap=softcap)
 
 
 def _recompute(mode: str) -> dict:
@@ -106,12 +108,24 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
     chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
-        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention), vocab_size=lay.padded_vocab,
+        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.post_norms), vocab_size=lay.padded_vocab,
                                vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
         if family.embedding_scale and chunks[-1].pre_process:
             _scale_embedding(chunks[-1].embedding, family.embedding_scale(hf_config))
+        cap = family.logit_softcap(hf_config) if family.logit_softcap else None
+        if cap and chunks[-1].post_process:
+            _softcap_logits(chunks[-1].output_layer, cap)
     return chunks
+
+
+def _softcap_logits(output_layer, cap: float) -> None:
+    """``cap * tanh(logits / cap)`` on the LM head's output, as HF's Gemma 2 head: elementwise, so
+    each TP rank caps its own vocabulary slice before the loss sees it."""
+    def hook(module, args, output):
+        logits, bias = output
+        return torch.tanh(logits / cap) * cap, bias
+    output_layer.register_forward_hook(hook)
 
 
 def _scale_embedding(embedding, scale: float) -> None:
@@ -121,7 +135,7 @@ def _scale_embedding(embedding, scale: float) -> None:
     embedding.register_forward_hook(lambda module, args, output: output * factor.to(output.dtype).to(output.device))
 
 
-def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None):
+def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None, post_norms: bool = False):
     """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
     ``attention``: the toolkit's core attention, else megatron's DotProductAttention); with sequence
     parallelism or zero-centered norm weights, a block spec whose norms are ``ToolkitNorm``
@@ -135,6 +149,9 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
             module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
+    if post_norms:  # Gemma 2: a norm on each output projection's result, before the residual add
+        spec.submodules.self_attention.submodules.linear_proj = post_normed_linear_class()
+        spec.submodules.mlp.submodules.linear_fc2 = post_normed_linear_class()
     if not (tconfig.sequence_parallel or tconfig.layernorm_zero_centered_gamma):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -180,6 +197,27 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+@lru_cache(maxsize=1)
+def post_normed_linear_class():
+    """megatron's ``RowParallelLinear`` followed by a ``ToolkitNorm`` of its (reduced) output: the
+    norm's weight is ``<linear>.post_norm.weight``, replicated in checkpoints; under sequence
+    parallelism each rank normalizes its slice and the gradients are summed over TP."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class PostNormedRowParallelLinear(RowParallelLinear):
+        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_norm = ToolkitNorm(config, output_size, eps=config.layernorm_epsilon)
+
+        def forward(self, input_):
+            output, bias = super().forward(input_)
+            if bias is not None:
+                raise ValueError("post norms with a bias on the output projection are not in the toolkit")
+            return self.post_norm(output), None
+
+    return PostNormedRowParallelLinear
 
 
 @lru_cache(maxsize=1)
