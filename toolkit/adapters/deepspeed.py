@@ -51,6 +51,7 @@ class DeepSpeedEngine:
         check_dtype_supported(cfg.model.dtype)
         self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
         self.ds_config = plan.ds_config(dist.get_world_size())
+        self.lora = plan.lora
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
@@ -135,7 +136,10 @@ class DeepSpeedEngine:
         return totals[0].item(), int(totals[1].item())
 
     def save(self, path: Path, step: int) -> None:
-        self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={})
+        """A LoRA run saves only what it trains (adapters, modules to save, their optimizer state): the
+        frozen base is the model it started from, identified in meta.json (``storage/meta.py``)."""
+        self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={},
+                                    exclude_frozen_parameters=self.lora is not None)
 
     def load(self, path: Path) -> None:
         load_path, _ = self._load_checkpoint(Path(path))
@@ -152,17 +156,25 @@ class DeepSpeedEngine:
         config.load_universal_checkpoint = saved or (path / "latest_universal").is_file()
         try:
             return self.engine.load_checkpoint(str(path), load_optimizer_states=True,
-                                               load_lr_scheduler_states=False, load_module_strict=True)
+                                               load_lr_scheduler_states=False, load_module_strict=True,
+                                               custom_load_fn=_load_trained_only if self.lora else None)
         finally:
             config.load_universal_checkpoint = saved
 
     def export_hf(self, path: Path, tokenizer) -> None:
         """Collective: ``path`` in fp32, written tensor by tensor (under ZeRO-3 each parameter is
-        gathered alone, so no rank holds more than one beyond its partition)."""
-        from toolkit.adapters.export import ModuleSource, write_streamed
-        module = self.engine.module
-        source = ModuleSource(module, module.config.model_type, gather=_gathered if self.lay.zero_stage == 3 else None)
+        gathered alone, so no rank holds more than one beyond its partition). A LoRA run writes the
+        merged model there, and its adapter as an HF-PEFT directory beside it (``adapter/``)."""
+        from toolkit.adapters.export import MergedLoraSource, ModuleSource, write_adapter, write_streamed
+        module, gather = self.engine.module, _gathered if self.lay.zero_stage == 3 else None
+        if self.lora:
+            source = MergedLoraSource(module, module.config.model_type, gather=gather)
+        else:
+            source = ModuleSource(module, module.config.model_type, gather=gather)
         write_streamed(source, path, tokenizer, getattr(module, "generation_config", None))
+        if self.lora:
+            base = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else None
+            write_adapter(module, Path(path).parent / "adapter", gather=gather, base_name=base)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -208,10 +220,10 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
 
 
 @contextlib.contextmanager
-def _gathered(param):
-    """One ZeRO-3 parameter whole on every rank (read only)."""
+def _gathered(*params):
+    """ZeRO-3 parameters (one, or a LoRA layer's base weight and adapters) whole on every rank (read only)."""
     import deepspeed
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
         yield
 
 
@@ -224,6 +236,29 @@ def _written_by_rank0(param):
 
 
 def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
+    """The HF model for this rank (``_build_hf``), wrapped by peft for a LoRA run (``adapters/lora.py``:
+    the adapters are created whole on every rank, alike, and ``deepspeed.initialize`` partitions them
+    at ZeRO-3)."""
+    model = _build_hf(plan, ds_config)
+    if plan.lora is None:
+        return model
+    from toolkit.adapters.lora import apply_lora
+    return apply_lora(model, plan.lora, plan.config.train.seed)
+
+
+def _load_trained_only(src: dict, dst: torch.nn.Module) -> None:
+    """DeepSpeed's module load for a LoRA checkpoint: it holds the trained parameters (and buffers)
+    only; exactly those must be there, and the frozen base stays as it was built."""
+    frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
+    expected = set(dst.state_dict()) - frozen
+    missing, unexpected = sorted(expected - set(src)), sorted(set(src) - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"LoRA checkpoint does not hold this run's trained parameters: missing {missing[:8]}, "
+                           f"unexpected {unexpected[:8]} (is it from a run with the same lora.* settings?)")
+    dst.load_state_dict(src, strict=False)
+
+
+def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     """The HF model for this rank: at ZeRO-3 built under DeepSpeed's ``zero.Init``, so each parameter
     is partitioned as it is created and filled partition by partition (the seeded init drawn piece
     by piece on rank 0 and scattered one parameter at a time, or this rank's element ranges of the

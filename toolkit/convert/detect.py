@@ -39,6 +39,7 @@ def locate(path, hf_config: str | None = None) -> Located:
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
     path = _resolve_run_dir(path)
+    _refuse_lora(path)
     check_manifest(path)
     config = _explicit_config(hf_config)
     if is_hf_dir(path):
@@ -101,6 +102,23 @@ def _resolve_run_dir(path: Path) -> Path:
             raise ConvertError(f"{path}: a run directory without a complete checkpoint")
         return found
     return path
+
+
+def _refuse_lora(path: Path) -> None:
+    """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
+    and ``adapter/`` (HF-PEFT); the converter reads neither form of adapters yet: say so, not
+    "unknown format" or missing tensors."""
+    if (path / "adapter_config.json").is_file():
+        raise ConvertError(f"{path}: an HF-PEFT adapter directory; toolkit convert/inspect do not read adapters yet. "
+                           "Load it with peft.PeftModel.from_pretrained(base, dir), or use the run's hf_final/ "
+                           "(the merged model)")
+    for cand in (path, path.parent, path.parent.parent):
+        meta = cand / "meta.json"
+        if meta.is_file() and "lora" in json.loads(meta.read_text()):
+            base = json.loads(meta.read_text()).get("base_model", {}).get("path")
+            raise ConvertError(f"{cand}: a LoRA checkpoint (adapters only, base {base}); toolkit convert/inspect do "
+                               "not read adapter-only checkpoints yet. Its run writes hf_final/ (the merged model) "
+                               "and adapter/ (HF-PEFT) when training ends; resume it with toolkit train")
 
 
 def _explicit_config(hf_config: str | None) -> dict | None:

@@ -1,0 +1,78 @@
+"""LoRA on the DeepSpeed path, through ``peft``: the plan's ``LoraSpec`` applied to the built HF model
+(before ``deepspeed.initialize``, as HF Trainer does), and what saves and exports need to know of it.
+
+At ZeRO-3 the base model is built under ``zero.Init`` (its weights already partitioned); peft's
+adapter layers are created afterwards as ordinary tensors and ``deepspeed.initialize`` partitions
+them, each rank keeping its slice of its own copy. Every rank therefore draws the same adapter init:
+from a CPU generator seeded with (train.seed, "lora"), whatever the rank, device or dtype.
+
+Names. peft nests the HF model as ``base_model.model.<hf name>``; an adapted layer ``q_proj`` holds
+``q_proj.base_layer.weight`` (frozen) and ``q_proj.lora_A.default.weight`` [r, in],
+``q_proj.lora_B.default.weight`` [out, r]; a module trained in full holds
+``lm_head.modules_to_save.default.weight`` beside its frozen ``lm_head.original_module.weight``.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.plan.lora import LoraSpec
+
+ADAPTER = "default"
+"""peft's adapter name (the one adapter a run trains)."""
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(spec: LoraSpec):
+    from peft import LoraConfig
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.targets,
+                      modules_to_save=spec.modules_to_save or None, fan_in_fan_out=spec.fan_in_fan_out,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.Module:
+    """``model`` wrapped by peft: base frozen, adapters (and modules to save) trainable, in the
+    model's dtype. The adapter init is drawn from (seed, "lora") alone, the same on every rank."""
+    from peft import get_peft_model
+
+    from toolkit.adapters.hf import unit_seed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(unit_seed(seed, "lora"))
+        wrapped = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in wrapped.parameters() if p.requires_grad)
+    if trainable != spec.trainable:  # the plan (estimate, dry-run, metrics) counted something else
+        raise RuntimeError(f"LoRA: peft made {trainable:,} trainable parameters where the plan counted "
+                           f"{spec.trainable:,} (targets {spec.targets}, modules_to_save {spec.modules_to_save})")
+    return wrapped
+
+
+def trainable_names(module: torch.nn.Module) -> list[str]:
+    """Names (as ``module.named_parameters`` gives them) of what a LoRA run trains and checkpoints."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def hf_name(peft_name: str) -> str | None:
+    """The HF checkpoint name a peft parameter stands for in the merged model: the base layer's
+    weight and a module to save's trained copy under the HF name; None for adapter matrices and
+    the frozen originals of modules to save (the merge consumes or replaces them)."""
+    name = peft_name.removeprefix(PEFT_PREFIX)
+    if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+def adapter_pair(module: torch.nn.Module, peft_name: str):
+    """For a base layer's ``weight`` (peft name), that layer's (lora_A, lora_B, scaling, fan_in_fan_out);
+    None for any other parameter."""
+    if not peft_name.endswith(".base_layer.weight"):
+        return None
+    layer = module.get_submodule(peft_name.removesuffix(".base_layer.weight"))
+    return (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER],
+            layer.fan_in_fan_out)
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  fan_in_fan_out: bool) -> torch.Tensor:
+    """W + scaling x B @ A in fp32 (peft's merge): base [out, in] ([in, out] for Conv1D), A [r, in],
+    B [out, r]."""
+    delta = (b.float() @ a.float()) * scaling
+    return base.float() + (delta.T if fan_in_fan_out else delta)
