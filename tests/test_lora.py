@@ -36,7 +36,8 @@ LOGIT_TOL = 1e-6  # measured 0.0 (bit-identical logits) for all three families a
 GRAD_RTOL = 1e-5  # per parameter, max |ours - peft| <= GRAD_RTOL x max |peft| of that gradient; measured
 #                   worst 2.5e-6 (qwen2 ZeRO-3, q_proj.lora_A), 5.5e-7 llama ZeRO-3, <= 2.3e-7 at ZeRO-2
 #                   (the DP reduction sums in another order)
-LOSS_RTOL = 1e-5  # measured: see test_losses_equal_a_single_process_peft_adamw_loop
+EXPORT_LOGIT_TOL = 5e-6  # peft's unmerged forward vs the merged hf_final: measured 6.0e-7 (ZeRO-2), 7.2e-7 (ZeRO-3)
+LOSS_RTOL = 1e-6  # measured 1.3e-7 (ZeRO-2): DeepSpeed's CPU Adam kernel vs torch's AdamW, DP sums
 
 
 def plan_for(family_or_dir, **lora):
@@ -245,7 +246,7 @@ def lr_at(step: int, steps=6, warmup=2, peak=3e-3, floor=3e-4) -> float:
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def reference_losses(demo_base, data_cache, steps: int = 6) -> list[float]:
+def reference_losses(demo_base, data_cache, steps: int = 6, lr_scale: float = 1.0) -> list[float]:
     """One process: HF + peft with the adapter init the toolkit documents (peft's own init, drawn from
     a CPU generator seeded with (train.seed, "lora")), torch AdamW (matrices decayed), the global
     batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip 1.0."""
@@ -273,7 +274,7 @@ def reference_losses(demo_base, data_cache, steps: int = 6) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step) * lr_scale
         opt.step()
         opt.zero_grad()
         out.append(loss.item())
@@ -285,8 +286,11 @@ def reference_losses(demo_base, data_cache, steps: int = 6) -> list[float]:
 def test_losses_equal_a_single_process_peft_adamw_loop(stage, lora_runs, demo_base, data_cache):
     got, want = losses(lora_runs(stage)), reference_losses(demo_base, data_cache)
     gap = max(abs(a - b) / b for a, b in zip(got, want))
-    print(f"\nZeRO-{stage} LoRA losses vs HF + peft + AdamW: max relative gap {gap:.2e}")
-    assert len(got) == 6 and got[-1] < got[0]
+    frozen = reference_losses(demo_base, data_cache, lr_scale=0.0)  # the adapters never updated
+    moved = max(abs(a - b) / b for a, b in zip(want, frozen))
+    print(f"\nZeRO-{stage} LoRA losses vs HF + peft + AdamW: max relative gap {gap:.2e} "
+          f"(training moved them {moved:.2e} from the untrained adapters')")
+    assert len(got) == 6 and moved > 100 * LOSS_RTOL  # the test can tell an update from none
     assert got == pytest.approx(want, rel=LOSS_RTOL)
 
 
@@ -353,7 +357,7 @@ def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, d
         gap = (peft_model(input_ids=ids).logits - hf_final(input_ids=ids).logits).abs().max().item()
         merged = peft_model.merge_and_unload().state_dict()
     print(f"\nZeRO-{stage}: adapter (peft) vs hf_final logits: max gap {gap:.2e}")
-    assert gap <= LOGIT_TOL
+    assert gap <= EXPORT_LOGIT_TOL
     assert sorted(merged_file) == sorted(merged)
     differs = [n for n, t in merged_file.items() if not torch.equal(t, merged[n])]
     assert not differs, differs[:5]
