@@ -392,3 +392,11 @@ def test_convert_and_inspect_refuse_adapter_checkpoints_by_name(lora_runs):
         locate(lora_runs(2))
     with pytest.raises(ConvertError, match="an HF-PEFT adapter directory"):
         locate(lora_runs(2) / "adapter")
+
+
+def test_the_worked_example_plans(demo_base, tmp_path):
+    """examples/lora/config.yaml validates and resolves (its base, the demo's hf_final, stands in)."""
+    from tests.conftest import REPO, run_in_process
+    proc = run_in_process(["train", str(REPO / "examples" / "lora" / "config.yaml"), "--run-dir", str(tmp_path / "r"),
+                           "--set", f"model.name_or_path={demo_base}", "--dry-run"])
+    assert '"rank": 8' in proc.stdout and '"targets": [\n    "down_proj",' in proc.stdout, proc.stdout[-2000:]

@@ -122,8 +122,11 @@ def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_n
     config = copy.deepcopy(module.peft_config[ADAPTER])
     config.base_model_name_or_path = base_name
     config.save_pretrained(str(stage))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(stage / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    weights = stage / "adapter_model.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600 (a temporary file); hf_final's files follow the umask
     if path.exists():
         shutil.rmtree(path)
     os.replace(stage, path)
