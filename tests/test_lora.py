@@ -389,14 +389,22 @@ def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_
 
 
 @pytest.mark.slow
-def test_convert_and_inspect_refuse_adapter_checkpoints_by_name(lora_runs):
-    from toolkit.convert import ConvertError
+def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
+    from toolkit.convert import ConvertError, inspect
     from toolkit.convert.detect import locate
-    with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); toolkit convert/inspect "
-                                           "do not read adapter-only checkpoints yet"):
-        locate(lora_runs("zero2"))
+    run = lora_runs("zero2")
+    ckpt, peft_dir = inspect(run), inspect(run / "adapter")
+    plan = json.loads((run / "plan.json").read_text())["lora"]
+    for info in (ckpt, peft_dir):
+        assert (info["rank"], info["alpha"], info["trainable_params"]) == (RANK, ALPHA, plan["trainable"])
+        assert sorted(info["targets"]) == plan["targets"]
+    assert ckpt["step"] == 6 and ckpt["complete"] and ckpt["format"] == "toolkit-deepspeed (LoRA adapters only)"
+    assert peft_dir["format"] == "peft" and peft_dir["dtypes"] == ["F32"]
+    with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); toolkit convert does "
+                                           "not read adapter-only checkpoints yet"):
+        locate(run)
     with pytest.raises(ConvertError, match="an HF-PEFT adapter directory"):
-        locate(lora_runs("zero2") / "adapter")
+        locate(run / "adapter")
 
 
 def test_the_worked_example_plans(demo_base, tmp_path):

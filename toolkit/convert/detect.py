@@ -107,18 +107,18 @@ def _resolve_run_dir(path: Path) -> Path:
 def _refuse_lora(path: Path) -> None:
     """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
     and ``adapter/`` (HF-PEFT); the converter reads neither form of adapters yet: say so, not
-    "unknown format" or missing tensors."""
-    if (path / "adapter_config.json").is_file():
-        raise ConvertError(f"{path}: an HF-PEFT adapter directory; toolkit convert/inspect do not read adapters yet. "
+    "unknown format" or missing tensors (``toolkit inspect`` describes both: ``convert/lora.py``)."""
+    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    if is_peft_dir(path):
+        raise ConvertError(f"{path}: an HF-PEFT adapter directory; toolkit convert does not read adapters yet. "
                            "Load it with peft.PeftModel.from_pretrained(base, dir), or use the run's hf_final/ "
                            "(the merged model)")
-    for cand in (path, path.parent, path.parent.parent):
-        meta = cand / "meta.json"
-        if meta.is_file() and "lora" in json.loads(meta.read_text()):
-            base = json.loads(meta.read_text()).get("base_model", {}).get("path")
-            raise ConvertError(f"{cand}: a LoRA checkpoint (adapters only, base {base}); toolkit convert/inspect do "
-                               "not read adapter-only checkpoints yet. Its run writes hf_final/ (the merged model) "
-                               "and adapter/ (HF-PEFT) when training ends; resume it with toolkit train")
+    found = lora_checkpoint_meta(path)
+    if found is not None:
+        ckpt, meta = found
+        raise ConvertError(f"{ckpt}: a LoRA checkpoint (adapters only, base {meta.get('base_model', {}).get('path')}); "
+                           "toolkit convert does not read adapter-only checkpoints yet. Its run writes hf_final/ "
+                           "(the merged model) and adapter/ (HF-PEFT) when training ends; resume it with toolkit train")
 
 
 def _explicit_config(hf_config: str | None) -> dict | None:
@@ -152,7 +152,13 @@ def _toolkit_extras(path: Path) -> dict:
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
+    from toolkit.convert.lora import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
     from toolkit.storage import MANIFEST
+    if Path(path).exists() and is_peft_dir(Path(path)):
+        return inspect_peft(Path(path))
+    lora = lora_checkpoint_meta(_resolve_run_dir(Path(path))) if Path(path).exists() else None
+    if lora is not None:
+        return inspect_lora_checkpoint(*lora)
     src = open_source(path, hf_config)
     try:
         root = Path(path)
