@@ -124,8 +124,7 @@ class Checkpointer:
         ckpt = Path(newest[0])
         check_same_model(ckpt, self.plan.model.hf)
         saved_meta = meta.read_meta(ckpt)
-        check_same_lora(ckpt, saved_meta, self.lora_meta.get("lora"), self.lora_meta.get("base_model"),
-                        self.engine.layout_record())
+        check_same_lora(ckpt, saved_meta, self.lora_meta.get("lora"), self.lora_meta.get("base_model"))
         saved_layout = saved_meta["layout"]
         engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.plan.config.backend,
                                               self.run_dir, self.rank, note=self.metrics.note)

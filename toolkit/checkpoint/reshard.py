@@ -28,10 +28,10 @@ def check_same_model(ckpt: Path, ours: dict) -> None:
                            "model's run, or start fresh with --resume never (nothing was deleted)")
 
 
-def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict | None, layout: dict) -> None:
+def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict | None) -> None:
     """A LoRA checkpoint holds the adapters only: it resumes on the same frozen base, with the same
-    adapter shapes, at the layout it was written at. Full and LoRA checkpoints never stand in for
-    each other. ``lora``/``base``: this run's (``LoraSpec`` dict, ``meta.base_model_record``)."""
+    adapter shapes (at any DP size and stage: the engine reshards it). Full and LoRA checkpoints
+    never stand in for each other. ``lora``/``base``: this run's (``LoraSpec`` dict, ``meta.base_model_record``)."""
     saved = saved_meta.get("lora")
     if saved is None and lora is None:
         return
@@ -53,10 +53,6 @@ def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict 
     if diff:
         raise RuntimeError(f"checkpoint {ckpt} holds other LoRA adapters ({'; '.join(diff)}); set lora.* as the "
                            f"checkpoint's, or {fix}")
-    if saved_meta["layout"] != layout:
-        raise RuntimeError(f"checkpoint {ckpt} (LoRA adapters) was written at {saved_meta['layout']} and this run is "
-                           f"{layout}: adapter-only checkpoints resume at the layout that wrote them for now; "
-                           "run with that layout (nproc, zero.stage) to continue")
 
 
 def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_dir: Path, rank: int,
