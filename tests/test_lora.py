@@ -418,11 +418,29 @@ def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
         assert sorted(info["targets"]) == plan["targets"]
     assert ckpt["step"] == 6 and ckpt["complete"] and ckpt["format"] == "toolkit-deepspeed (LoRA adapters only)"
     assert peft_dir["format"] == "peft" and peft_dir["dtypes"] == ["F32"]
-    with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); toolkit convert does "
-                                           "not read adapter-only checkpoints yet"):
+    with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); it converts only as a "
+                                           "whole: toolkit convert CKPT OUT --to peft"):
         locate(run)
     with pytest.raises(ConvertError, match="an HF-PEFT adapter directory"):
         locate(run / "adapter")
+
+
+@pytest.mark.slow
+def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(lora_runs, tmp_path):
+    """The last checkpoint (step 6, ZeRO-3, LM head trained in full) through the converter's ZeRO
+    reader: --to peft equals the run's adapter/, --to hf (merged onto the base named in meta.json)
+    equals its hf_final/, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from toolkit.convert import convert
+    run = lora_runs("zero3")
+    convert(run, tmp_path / "peft", to="peft")
+    convert(run, tmp_path / "hf", to="hf")
+    for got, want in ((tmp_path / "peft" / "adapter_model.safetensors", run / "adapter" / "adapter_model.safetensors"),
+                      (tmp_path / "hf" / "model.safetensors", run / "hf_final" / "model.safetensors")):
+        got, want = load_file(got), load_file(want)
+        assert sorted(got) == sorted(want)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
 
 
 def test_the_worked_example_plans(demo_base, tmp_path):
