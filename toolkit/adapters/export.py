@@ -82,7 +82,7 @@ class MergedLoraSource(ModuleSource):
         return params
 
     def _gathered_fp32(self, param_name: str) -> torch.Tensor | None:
-        from toolkit.adapters.lora import merged_weight
+        from toolkit.plan.lora import merged_weight
         pair = self.pairs[param_name]
         if pair is None:
             return super()._gathered_fp32(param_name)

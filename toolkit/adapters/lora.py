@@ -19,19 +19,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit.plan.lora import LoraSpec
+from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, LoraSpec, peft_config
 
-ADAPTER = "default"
-"""peft's adapter name (the one adapter a run trains)."""
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_config(spec: LoraSpec):
-    from peft import LoraConfig
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.targets,
-                      modules_to_save=spec.modules_to_save or None, fan_in_fan_out=spec.fan_in_fan_out,
-                      bias="none", task_type="CAUSAL_LM")
-
+__all__ = ["ADAPTER", "PEFT_PREFIX", "apply_lora", "peft_config", "hf_name", "adapter_pair", "trainable_names",
+           "saved_layout", "to_universal"]
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.Module:
     """``model`` wrapped by peft: base frozen, adapters (and modules to save) trainable, in the
@@ -72,14 +63,6 @@ def adapter_pair(module: torch.nn.Module, peft_name: str):
     layer = module.get_submodule(peft_name.removesuffix(".base_layer.weight"))
     return (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER],
             layer.fan_in_fan_out)
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                  fan_in_fan_out: bool) -> torch.Tensor:
-    """W + scaling x B @ A in fp32 (peft's merge): base [out, in] ([in, out] for Conv1D), A [r, in],
-    B [out, r]."""
-    delta = (b.float() @ a.float()) * scaling
-    return base.float() + (delta.T if fan_in_fan_out else delta)
 
 
 # --- resuming at another DP size or ZeRO stage ---------------------------------------------------

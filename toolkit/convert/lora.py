@@ -108,7 +108,7 @@ def write_peft(spec, hf_config: dict, trained: dict, out: Path, base_name: str |
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from toolkit.adapters.lora import ADAPTER, peft_config
+    from toolkit.plan.lora import ADAPTER, peft_config
     from toolkit.convert.canonical import hf_config_object
     with init_empty_weights():
         model = get_peft_model(AutoModelForCausalLM.from_config(hf_config_object(hf_config)), peft_config(spec))
@@ -154,7 +154,7 @@ def merged_source(base, spec, trained: dict):
     Read whole, one at a time (no memory-mapped pieces: the writer must call ``read``)."""
     import torch
 
-    from toolkit.adapters.lora import ADAPTER, PEFT_PREFIX, merged_weight
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, merged_weight
     from toolkit.convert.canonical import Source, TensorInfo
     pairs, saved = {}, {}
     for name, tensor in trained.items():

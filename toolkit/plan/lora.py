@@ -158,3 +158,26 @@ def _modules_to_save(names: list[str], modules: dict, model: torch.nn.Module) ->
             raise ConfigError(f"lora.modules_to_save: {name!r} is a tied embedding (input and output share one "
                               "matrix) and training one copy would untie them; not supported yet: leave it out")
     return list(names)
+
+
+# --- peft's names and math, shared by the engine (adapters/lora.py) and the converter ----------------
+
+ADAPTER = "default"
+"""peft's adapter name (the one adapter a run trains)."""
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(spec: LoraSpec):
+    """peft's ``LoraConfig`` of a resolved spec (peft is imported here only when called)."""
+    from peft import LoraConfig
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.targets,
+                      modules_to_save=spec.modules_to_save or None, fan_in_fan_out=spec.fan_in_fan_out,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  fan_in_fan_out: bool) -> torch.Tensor:
+    """W + scaling x B @ A in fp32 (peft's merge): base [out, in] ([in, out] for Conv1D), A [r, in],
+    B [out, r]."""
+    delta = (b.float() @ a.float()) * scaling
+    return base.float() + (delta.T if fan_in_fan_out else delta)
