@@ -102,7 +102,8 @@ def _add_convert_parsers(sub) -> None:
     c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
     c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, or a toolkit run/checkpoint")
     c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
-    c.add_argument("--to", choices=["hf", "zero", "megatron"], help="default: hf (zero for an HF source)")
+    c.add_argument("--to", choices=["hf", "zero", "megatron", "peft"],
+                   help="default: hf (zero for an HF source); a LoRA checkpoint: hf (merged) or peft (the adapter)")
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
     c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")

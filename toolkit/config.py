@@ -209,6 +209,32 @@ class MetricsConfig(_Section):
     WANDB_MODE=offline on machines without network). TensorBoard logs whenever it is installed."""
 
 
+class LoraConfig(_Section):
+    """LoRA fine-tuning (DeepSpeed path, through ``peft``): the base model frozen, low-rank adapters
+    on ``target_modules`` (and ``modules_to_save`` in full) trained. Checkpoints hold the adapters
+    only; ``hf_final/`` is the merged model and ``adapter/`` the HF-PEFT directory."""
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator: the adapter's update is (alpha / rank) x B @ A."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (the base path has none)."""
+    target_modules: list[str] = ["all-linear"]
+    """HF module names (``q_proj``, ``c_attn``, a dotted suffix such as ``shared_expert.down_proj``)
+    or ``all-linear``: every linear layer but the output layer and the MoE router."""
+    modules_to_save: list[str] = []
+    """Modules trained in full beside the adapters (``lm_head``, ``embed_tokens``)."""
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        return [v] if isinstance(v, str) else v  # --set lora.target_modules=all-linear
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class RunConfig(_Section):
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
     nproc: int = 2
@@ -223,6 +249,7 @@ class RunConfig(_Section):
     restart: RestartConfig = RestartConfig()
     profile: ProfileConfig = ProfileConfig()
     metrics: MetricsConfig = MetricsConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters import moe
 from toolkit.adapters.hf import param_groups
+from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats, token_loss_sum
 from toolkit.plan import Plan
@@ -51,6 +53,7 @@ class DeepSpeedEngine:
         check_dtype_supported(cfg.model.dtype)
         self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
         self.ds_config = plan.ds_config(dist.get_world_size())
+        self.lora = plan.lora
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
@@ -135,13 +138,40 @@ class DeepSpeedEngine:
         return totals[0].item(), int(totals[1].item())
 
     def save(self, path: Path, step: int) -> None:
-        self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={})
+        """A LoRA run saves only what it trains (adapters, modules to save, their optimizer state): the
+        frozen base is the model it started from, identified in meta.json (``storage/meta.py``)."""
+        self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={},
+                                    exclude_frozen_parameters=self.lora is not None)
 
     def load(self, path: Path) -> None:
-        load_path, _ = self._load_checkpoint(Path(path))
+        path, resharded = Path(path), None
+        if self.lora and saved_layout(path) not in (None, self.layout_record()):
+            path = resharded = self._lora_universal(path)
+        load_path, _ = self._load_checkpoint(path)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint to load under {path}")
         replay_cpu_adam_step_counter(self.engine.basic_optimizer)
+        if resharded is not None:
+            dist.barrier()  # every rank has read it
+            if dist.get_rank() == 0:
+                shutil.rmtree(resharded.parent, ignore_errors=True)
+
+    def _lora_universal(self, engine_dir: Path) -> Path:
+        """An adapter-only checkpoint written at another DP size or stage, in DeepSpeed's universal
+        layout (``ds_to_universal``: one folder per trained parameter, fp32 and Adam moments), which
+        DeepSpeed loads at any layout. Rank 0 converts (the adapters are small); collective."""
+        out = Path(self.cfg.run_dir) / "resharded" / f"{engine_dir.parent.name}-lora-universal" / "engine"
+        error = [None]
+        if dist.get_rank() == 0:
+            try:
+                to_universal(engine_dir, out)
+            except Exception as exc:  # every rank raises it, none waits on a barrier alone
+                error = [f"converting the LoRA checkpoint {engine_dir.parent} to DeepSpeed's universal layout "
+                         f"failed: {exc!r}"]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise RuntimeError(error[0])
+        return out
 
     def _load_checkpoint(self, path: Path):
         """DeepSpeed's load_checkpoint; a universal checkpoint (``toolkit convert --to zero`` writes
@@ -152,17 +182,25 @@ class DeepSpeedEngine:
         config.load_universal_checkpoint = saved or (path / "latest_universal").is_file()
         try:
             return self.engine.load_checkpoint(str(path), load_optimizer_states=True,
-                                               load_lr_scheduler_states=False, load_module_strict=True)
+                                               load_lr_scheduler_states=False, load_module_strict=True,
+                                               custom_load_fn=_load_trained_only if self.lora else None)
         finally:
             config.load_universal_checkpoint = saved
 
     def export_hf(self, path: Path, tokenizer) -> None:
         """Collective: ``path`` in fp32, written tensor by tensor (under ZeRO-3 each parameter is
-        gathered alone, so no rank holds more than one beyond its partition)."""
-        from toolkit.adapters.export import ModuleSource, write_streamed
-        module = self.engine.module
-        source = ModuleSource(module, module.config.model_type, gather=_gathered if self.lay.zero_stage == 3 else None)
+        gathered alone, so no rank holds more than one beyond its partition). A LoRA run writes the
+        merged model there, and its adapter as an HF-PEFT directory beside it (``adapter/``)."""
+        from toolkit.adapters.export import MergedLoraSource, ModuleSource, write_adapter, write_streamed
+        module, gather = self.engine.module, _gathered if self.lay.zero_stage == 3 else None
+        if self.lora:
+            source = MergedLoraSource(module, module.config.model_type, gather=gather)
+        else:
+            source = ModuleSource(module, module.config.model_type, gather=gather)
         write_streamed(source, path, tokenizer, getattr(module, "generation_config", None))
+        if self.lora:
+            base = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else None
+            write_adapter(module, Path(path).parent / "adapter", gather=gather, base_name=base)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -190,8 +228,9 @@ class DeepSpeedEngine:
     dp_group = None  # ZeRO's data parallelism spans the whole world
 
     def can_load_layout(self, saved: dict) -> bool:
-        """DeepSpeed loads its own layout only; another DP size or stage is converted first."""
-        return saved == self.layout_record()
+        """DeepSpeed loads its own layout only; another DP size or stage is converted first (a LoRA
+        checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``)."""
+        return saved == self.layout_record() or (self.lora is not None and saved.get("tp", 1) == 1)
 
     def layout_record(self) -> dict:
         return self.lay.record()
@@ -208,10 +247,10 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
 
 
 @contextlib.contextmanager
-def _gathered(param):
-    """One ZeRO-3 parameter whole on every rank (read only)."""
+def _gathered(*params):
+    """ZeRO-3 parameters (one, or a LoRA layer's base weight and adapters) whole on every rank (read only)."""
     import deepspeed
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
         yield
 
 
@@ -224,6 +263,29 @@ def _written_by_rank0(param):
 
 
 def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
+    """The HF model for this rank (``_build_hf``), wrapped by peft for a LoRA run (``adapters/lora.py``:
+    the adapters are created whole on every rank, alike, and ``deepspeed.initialize`` partitions them
+    at ZeRO-3)."""
+    model = _build_hf(plan, ds_config)
+    if plan.lora is None:
+        return model
+    from toolkit.adapters.lora import apply_lora
+    return apply_lora(model, plan.lora, plan.config.train.seed)
+
+
+def _load_trained_only(src: dict, dst: torch.nn.Module) -> None:
+    """DeepSpeed's module load for a LoRA checkpoint: it holds the trained parameters (and buffers)
+    only; exactly those must be there, and the frozen base stays as it was built."""
+    frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
+    expected = set(dst.state_dict()) - frozen
+    missing, unexpected = sorted(expected - set(src)), sorted(set(src) - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"LoRA checkpoint does not hold this run's trained parameters: missing {missing[:8]}, "
+                           f"unexpected {unexpected[:8]} (is it from a run with the same lora.* settings?)")
+    dst.load_state_dict(src, strict=False)
+
+
+def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     """The HF model for this rank: at ZeRO-3 built under DeepSpeed's ``zero.Init``, so each parameter
     is partitioned as it is created and filled partition by partition (the seeded init drawn piece
     by piece on rank 0 and scattered one parameter at a time, or this rank's element ranges of the

@@ -9,6 +9,7 @@ same names, sharding and index), so no rank holds more than one parameter beyond
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -30,13 +31,16 @@ class ModuleSource(Source):
         from toolkit.families import find_family, unpacked_layout
         config = module.config
         super().__init__(path=Path("."), format="engine", hf_config=fp32_config(config))
-        self.params = dict(module.named_parameters())
+        self.params = self._hf_params(module)
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.params.items()}
         self.unpacked = unpacked_layout(find_family(model_type), config, shapes)
         self.infos = {n: TensorInfo(piece.shape, torch.float32) for n, piece in self.unpacked.items()}
         self.gather = gather
         self.collective = gather is not None  # reads gather on every rank; else rank 0 reads alone
         self._cached: tuple[str, torch.Tensor] | None = None
+
+    def _hf_params(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return dict(module.named_parameters())
 
     def read(self, name: str, state: str = "param") -> torch.Tensor | None:
         piece = self.unpacked[name]
@@ -50,13 +54,82 @@ class ModuleSource(Source):
         if self._cached is None or self._cached[0] != param_name:
             self._cached = None
             trim_heap()  # the previous tensor's pages back to the OS (convert/pages.py: else RSS grows)
-            param = self.params[param_name]
-            with self.gather(param) if self.gather else contextlib.nullcontext():
-                if dist.get_rank() == 0:
-                    self._cached = (param_name, param.detach().to("cpu", torch.float32).clone())
-            if self._cached is None:
-                self._cached = (param_name, None)
+            whole = self._gathered_fp32(param_name)
+            self._cached = (param_name, whole)
         return self._cached[1]
+
+    def _gathered_fp32(self, param_name: str) -> torch.Tensor | None:
+        """The parameter whole, in fp32 on the CPU, on rank 0; None on the others."""
+        param = self.params[param_name]
+        with self.gather(param) if self.gather else contextlib.nullcontext():
+            return param.detach().to("cpu", torch.float32).clone() if dist.get_rank() == 0 else None
+
+
+class MergedLoraSource(ModuleSource):
+    """A peft-wrapped module (``adapters/lora.py``) as the merged HF model: each adapted layer's
+    weight is W + scaling x B @ A, computed in fp32 on rank 0 from the base weight and the two
+    adapter matrices, gathered together (one layer at a time under ZeRO-3); a module trained in
+    full (modules_to_save) is its trained copy; every other parameter is the frozen base's."""
+
+    def _hf_params(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        from toolkit.adapters.lora import adapter_pair, hf_name
+        self.pairs, params = {}, {}
+        for peft_name, param in module.named_parameters():
+            name = hf_name(peft_name)
+            if name is not None:
+                params[name] = param
+                self.pairs[name] = adapter_pair(module, peft_name)
+        return params
+
+    def _gathered_fp32(self, param_name: str) -> torch.Tensor | None:
+        from toolkit.plan.lora import merged_weight
+        pair = self.pairs[param_name]
+        if pair is None:
+            return super()._gathered_fp32(param_name)
+        a, b, scaling, fan_in_fan_out = pair
+        base = self.params[param_name]
+        with self.gather(base, a, b) if self.gather else contextlib.nullcontext():
+            if dist.get_rank() != 0:
+                return None
+            return merged_weight(base.detach().cpu(), a.detach().cpu(), b.detach().cpu(), scaling, fan_in_fan_out)
+
+
+def write_adapter(module: torch.nn.Module, path: Path, gather=None, base_name: str | None = None) -> None:
+    """Collective: the trained adapter of a peft-wrapped ``module`` as an HF-PEFT directory
+    (``adapter_config.json``, ``adapter_model.safetensors`` in fp32, peft's own key names), which
+    ``peft.PeftModel.from_pretrained(base, path)`` loads; rank 0 writes it, replaced whole."""
+    from toolkit.adapters.lora import trainable_names
+    params = dict(module.named_parameters())
+    trained = {}
+    for name in trainable_names(module):  # every rank, same order: the gathers are collective
+        with gather(params[name]) if gather else contextlib.nullcontext():
+            if dist.get_rank() == 0:
+                trained[name] = params[name].detach().to("cpu", torch.float32).clone()
+    if dist.get_rank() == 0:
+        _write_peft_dir(module, trained, Path(path), base_name)
+    dist.barrier()
+
+
+def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None) -> None:
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from toolkit.adapters.lora import ADAPTER
+    tensors = get_peft_model_state_dict(module, state_dict=trained, adapter_name=ADAPTER)
+    stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    config = copy.deepcopy(module.peft_config[ADAPTER])
+    config.base_model_name_or_path = base_name
+    config.save_pretrained(str(stage))
+    weights = stage / "adapter_model.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600 (a temporary file); hf_final's files follow the umask
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(stage, path)
 
 
 def fp32_config(config) -> dict:

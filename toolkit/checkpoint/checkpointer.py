@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
 from toolkit.checkpoint.manager import CheckpointManager, find_latest_complete
-from toolkit.checkpoint.reshard import check_same_model, drop_conversion, engine_state_dir
+from toolkit.checkpoint.reshard import check_same_lora, check_same_model, drop_conversion, engine_state_dir
 from toolkit.parallel import rng_state, seed_everything, set_rng_state
 from toolkit.plan import Plan
 from toolkit.storage import meta
@@ -28,6 +28,7 @@ class Checkpointer:
     def __init__(self, plan: Plan, engine, run_dir: Path, rank: int, metrics, hooks):
         self.plan, self.engine, self.run_dir, self.rank = plan, engine, Path(run_dir), rank
         self.metrics, self.hooks = metrics, hooks
+        self.lora_meta = _lora_meta(plan)
         c = plan.config.checkpoint
         self.manager = CheckpointManager(self.run_dir, c.keep_last)
         self.async_ckpt = None
@@ -102,7 +103,7 @@ class Checkpointer:
         if self.rank == 0:
             cfg, spec = self.plan.config, self.plan.model
             meta.write_descriptions(stage, cfg.backend, spec.model_type, spec.hf, self.engine.layout_record(),
-                                    cfg.model.dtype, progress)
+                                    cfg.model.dtype, progress, **self.lora_meta)
 
     def _log_save(self, step: int, tic: float, asynchronous: bool) -> None:
         """How long the loop was blocked by this save (for async saves: the local write only)."""
@@ -122,7 +123,9 @@ class Checkpointer:
             return None
         ckpt = Path(newest[0])
         check_same_model(ckpt, self.plan.model.hf)
-        saved_layout = meta.read_meta(ckpt)["layout"]
+        saved_meta = meta.read_meta(ckpt)
+        check_same_lora(ckpt, saved_meta, self.lora_meta.get("lora"), self.lora_meta.get("base_model"))
+        saved_layout = saved_meta["layout"]
         engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.plan.config.backend,
                                               self.run_dir, self.rank, note=self.metrics.note)
         self.engine.load(engine_dir)
@@ -143,3 +146,12 @@ class Checkpointer:
         from toolkit.launch.events import emit
         self.metrics.note(message)
         emit(self.run_dir, "checkpoint_skipped", reason=message)
+
+
+def _lora_meta(plan: Plan) -> dict:
+    """meta.json's LoRA fields ({} for full fine-tuning): the adapters' spec and the base they need."""
+    if plan.lora is None:
+        return {}
+    m = plan.config.model
+    return {"lora": plan.lora.model_dump(mode="json"),
+            "base_model": meta.base_model_record(m.name_or_path, m.init, plan.config.train.seed)}

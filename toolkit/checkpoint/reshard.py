@@ -28,6 +28,33 @@ def check_same_model(ckpt: Path, ours: dict) -> None:
                            "model's run, or start fresh with --resume never (nothing was deleted)")
 
 
+def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict | None) -> None:
+    """A LoRA checkpoint holds the adapters only: it resumes on the same frozen base, with the same
+    adapter shapes (at any DP size and stage: the engine reshards it). Full and LoRA checkpoints
+    never stand in for each other. ``lora``/``base``: this run's (``LoraSpec`` dict, ``meta.base_model_record``)."""
+    saved = saved_meta.get("lora")
+    if saved is None and lora is None:
+        return
+    fix = "point run_dir at a new directory, or start fresh with --resume never (nothing was deleted)"
+    if saved is None:
+        raise RuntimeError(f"checkpoint {ckpt} is a full fine-tuning checkpoint and this run trains LoRA adapters "
+                           f"(lora.rank={lora['rank']}); to fine-tune that model with LoRA, export it (toolkit convert "
+                           f"--to hf) and use it as model.name_or_path; or {fix}")
+    if lora is None:
+        raise RuntimeError(f"checkpoint {ckpt} holds LoRA adapters only (lora.rank={saved['rank']}) and this run "
+                           f"trains the whole model (lora.rank=0); resume with the checkpoint's lora.* settings, or {fix}")
+    ours, theirs = saved_meta.get("base_model", {}), base or {}
+    if theirs.get("fingerprint") != ours.get("fingerprint"):
+        raise RuntimeError(f"checkpoint {ckpt} holds LoRA adapters trained on another base model: checkpoint's base "
+                           f"{ours.get('path')} ({ours.get('fingerprint')}), this run's {theirs.get('path')} "
+                           f"({theirs.get('fingerprint')}); set model.name_or_path to the checkpoint's base, or {fix}")
+    shape = ("rank", "targets", "modules_to_save")
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {lora.get(k)!r}" for k in shape if saved.get(k) != lora.get(k)]
+    if diff:
+        raise RuntimeError(f"checkpoint {ckpt} holds other LoRA adapters ({'; '.join(diff)}); set lora.* as the "
+                           f"checkpoint's, or {fix}")
+
+
 def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_dir: Path, rank: int,
                      note=print) -> tuple[Path, str]:
     """Where this run's engine should load from, and how: the checkpoint itself when the layout

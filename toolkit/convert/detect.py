@@ -38,7 +38,8 @@ def locate(path, hf_config: str | None = None) -> Located:
     path = Path(path)
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
-    path = _resolve_run_dir(path)
+    path = resolve_run_dir(path)
+    _refuse_lora(path)
     check_manifest(path)
     config = _explicit_config(hf_config)
     if is_hf_dir(path):
@@ -93,7 +94,7 @@ def find_legacy_dir(path: Path) -> Path | None:
     return None
 
 
-def _resolve_run_dir(path: Path) -> Path:
+def resolve_run_dir(path: Path) -> Path:
     if (path / "checkpoints").is_dir() and not (path / "engine").exists():
         from toolkit.storage import newest_complete
         found = newest_complete(path / "checkpoints", log=lambda m: None)
@@ -101,6 +102,24 @@ def _resolve_run_dir(path: Path) -> Path:
             raise ConvertError(f"{path}: a run directory without a complete checkpoint")
         return found
     return path
+
+
+def _refuse_lora(path: Path) -> None:
+    """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
+    and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint whole (``convert/lora.py``), not as
+    a ZeRO or HF source, and reads no HF-PEFT directory yet: say so, not "unknown format" or missing
+    tensors (``toolkit inspect`` describes both)."""
+    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    if is_peft_dir(path):
+        raise ConvertError(f"{path}: an HF-PEFT adapter directory; toolkit convert does not read adapters yet. "
+                           "Load it with peft.PeftModel.from_pretrained(base, dir), or use the run's hf_final/ "
+                           "(the merged model)")
+    found = lora_checkpoint_meta(path)
+    if found is not None:
+        ckpt, meta = found
+        raise ConvertError(f"{ckpt}: a LoRA checkpoint (adapters only, base {meta.get('base_model', {}).get('path')}); "
+                           "it converts only as a whole: toolkit convert CKPT OUT --to peft (the adapter) or --to hf "
+                           "(merged onto its base)")
 
 
 def _explicit_config(hf_config: str | None) -> dict | None:
@@ -134,7 +153,13 @@ def _toolkit_extras(path: Path) -> dict:
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
+    from toolkit.convert.lora import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
     from toolkit.storage import MANIFEST
+    if Path(path).exists() and is_peft_dir(Path(path)):
+        return inspect_peft(Path(path))
+    lora = lora_checkpoint_meta(resolve_run_dir(Path(path))) if Path(path).exists() else None
+    if lora is not None:
+        return inspect_lora_checkpoint(*lora)
     src = open_source(path, hf_config)
     try:
         root = Path(path)

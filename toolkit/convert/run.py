@@ -23,6 +23,11 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
     tic = time.perf_counter()
+    lora = _lora_checkpoint(src)
+    if lora is not None:  # adapters only: --to peft, or --to hf merged onto its base (convert/lora.py)
+        from toolkit.convert.lora import convert_lora
+        summary = convert_lora(*lora, Path(dst), to or "hf", max_shard_bytes)
+        return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
     dp = dp or (ep if to == "megatron" else 1)
@@ -42,6 +47,13 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "tensors": len(source.infos), "step": source.step,
             "optimizer_state": to != "hf" and source.has_optimizer and not weights_only,
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
+
+
+def _lora_checkpoint(src):
+    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.convert.lora import lora_checkpoint_meta
+    path = Path(src)
+    return lora_checkpoint_meta(resolve_run_dir(path)) if path.exists() else None
 
 
 def _torch_dtype(name: str | None):

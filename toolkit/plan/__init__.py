@@ -11,6 +11,7 @@ estimate``, ``--dry-run`` and the converter build their plans the same way.
   plan.model      ``ModelSpec``: family, HF config, dimensions, parameter counts, MoE shape
   plan.layouts    ``Layout`` per world size (``plan.layout(world)``)
   plan.ds_configs the resolved DeepSpeed JSON per world size (``plan.ds_config(world)``)
+  plan.lora       ``LoraSpec`` (``plan/lora.py``): LoRA resolved against the model's modules; None: off
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
 from toolkit.plan.layout import Layout, check_layout
+from toolkit.plan.lora import LoraSpec, resolve_lora
 from toolkit.plan.model import ModelSpec, load_hf_config, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 
@@ -36,6 +38,7 @@ class Plan(BaseModel):
     model: ModelSpec
     layouts: dict[int, Layout]
     ds_configs: dict[int, dict] = {}
+    lora: LoraSpec | None = None
     toolkit_version: str = __version__
 
     def layout(self, world: int) -> Layout:
@@ -43,6 +46,13 @@ class Plan(BaseModel):
             raise ConfigError(f"this job has {world} ranks, but its plan was made for {sorted(self.layouts)}; "
                               "launch it with the node counts it was planned for (--nnodes)")
         return self.layouts[world]
+
+    def trainable_parameters(self) -> tuple[int, int]:
+        """(trained, all) parameters: a LoRA run trains its adapters (and modules to save, whose
+        trained copies sit beside the frozen originals); otherwise every parameter trains."""
+        if self.lora is None:
+            return self.model.total, self.model.total
+        return self.lora.trainable, self.model.total + self.lora.trainable
 
     def ds_config(self, world: int) -> dict:
         self.layout(world)
@@ -62,7 +72,22 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
     ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
         if cfg.backend == "deepspeed" else {}
-    return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds)
+    return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds, lora=_lora(cfg, hf_config))
+
+
+def _lora(cfg: RunConfig, hf_config) -> LoraSpec | None:
+    """LoRA checked against the model's module names (a meta-device model: no memory)."""
+    if not cfg.lora.enabled:
+        return None
+    if cfg.backend == "megatron":
+        raise ConfigError(f"lora.rank={cfg.lora.rank}: LoRA runs on the DeepSpeed path only for now; set "
+                          "backend=deepspeed (any zero.stage, offload included), or lora.rank=0 to fine-tune "
+                          "in full with megatron")
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return resolve_lora(cfg.lora, model)
 
 
 def _check_family(cfg: RunConfig, hf_config, written: dict | None) -> None:

@@ -20,15 +20,17 @@ def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
     lay = plan.layout(world)
     bucket = int(plan.ds_config(world).get("zero_optimization", {}).get("reduce_bucket_size", 0)) \
         if cfg.backend == "deepspeed" else None
-    mem = memory(cfg, spec, lay, bucket)
+    lora = plan.lora.trainable if plan.lora else None
+    mem = memory(cfg, spec, lay, bucket, lora)
+    trainable, _ = plan.trainable_parameters()
     return {
         "model": {"model_type": spec.model_type, "params": spec.total, "layers": spec.layers,
-                  "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied},
+                  "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied, "trainable_params": trainable},
         "layout": lay.model_dump(), "layout_text": lay.describe(), "cluster": cluster.model_dump(),
         "memory": {**asdict(mem), "model_state": mem.model_state, "total": mem.total},
         "device_gib": device_gib, "fits": fits(mem, device_gib),
         "suggestions": [{"layout": fit.describe(), "total_gib": m.total / GiB}
-                        for fit, m in suggestions(cfg, spec, world, device_gib, bucket)],
+                        for fit, m in suggestions(cfg, spec, world, device_gib, bucket, lora_trainable=lora)],
         "step": _step_dict(step_time(cfg, spec, lay, cluster)),
         "scaling": _scaling(cfg, spec, lay, cluster),
     }
@@ -63,6 +65,9 @@ def print_estimate(result: dict) -> None:
     mem, model = result["memory"], result["model"]
     console.print(f"model: {model['model_type']}, {model['params'] / 1e6:,.2f} M parameters, {model['layers']} layers, "
                   f"hidden {model['hidden']}, vocab {model['vocab']}{' (tied)' if model['tied'] else ''}")
+    if model["trainable_params"] != model["params"]:  # LoRA: the base frozen, adapters trained
+        console.print(f"trainable: {model['trainable_params']:,} parameters (LoRA adapters; the base is frozen: "
+                      "no gradients or optimizer state for it)")
     c = result["cluster"]
     console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
                   f"{result['layout']['world']} ranks")
@@ -163,6 +168,8 @@ def dry_run(plan: Plan, nnodes: int, device_gib: float | None = None) -> int:
     print(f"# layout at {world} rank(s)\n{plan.layout(world).model_dump_json(indent=2)}")
     if cfg.backend == "deepspeed":
         print(f"# DeepSpeed config (RUN_DIR/ds_config.json)\n{json.dumps(plan.ds_config(world), indent=2)}")
+    if plan.lora:
+        print(f"# LoRA, resolved against the model's modules\n{plan.lora.model_dump_json(indent=2)}")
     print(f"# estimate: {world} rank(s) = {nnodes} node(s) x {cfg.nproc}")
     run_estimate(plan, Cluster(nodes=nnodes, gpus_per_node=cfg.nproc), device_gib, as_json=False)
     print("toolkit: dry run - no process group was started and no data was read")

@@ -13,6 +13,9 @@ buffers         stage 1-3: reduce_bucket_size x w; stage 3:  -
                 + two layers gathered (current, prefetched)
 ==============  ==========================================  ==========================================
 
+LoRA (``plan.lora``): the frozen base keeps its weights (Φ) and adds the τ trained parameters
+(adapters, modules to save); gradients and optimizer rows count τ only, not Φ: the base has none.
+
 ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition) to host memory;
 ``zero.offload_params`` moves the stage-3 weight partition there too.
 
@@ -110,25 +113,30 @@ class Memory:
         return self.model_state + self.buffers + self.activations
 
 
-def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = None) -> Memory:
+def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = None,
+           lora_trainable: int | None = None) -> Memory:
     """Per-rank memory of the fullest rank; the formulas are in this module's docstring.
 
     ``bucket``: DeepSpeed's zero_optimization.reduce_bucket_size (elements) from the resolved JSON;
-    default hidden^2, what "auto" resolves to."""
+    default hidden^2, what "auto" resolves to. ``lora_trainable``: a LoRA run's trained parameters
+    (``plan.lora.trainable``; DeepSpeed only), None for full fine-tuning."""
     w = DTYPE_BYTES[cfg.model.dtype]
     if lay.backend == "deepspeed":
-        return _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2)
+        return _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2, lora_trainable)
     return max((_megatron_stage_memory(cfg, spec, lay, w, i) for i in range(lay.pp)), key=lambda m: m.total)
 
 
-def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int) -> Memory:
-    phi, d, stage = spec.total, lay.dp, lay.zero_stage
+def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
+                      lora_trainable: int | None = None) -> Memory:
+    d, stage = lay.dp, lay.zero_stage
+    tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
+    phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = phi * w / (d if stage == 3 else 1)
     # Measured (tests/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
     # rank's partition as backward goes, so after any backward only the partition is left.
-    grads = phi * w / (d if stage >= 1 else 1)
+    grads = tau * w / (d if stage >= 1 else 1)
     master = 4 if (w != 4 or stage >= 1) else 0  # ZeRO 1-3 keep an fp32 partition even of fp32 weights
-    optim = (8 + master) * phi / (d if stage >= 1 else 1)
+    optim = (8 + master) * tau / (d if stage >= 1 else 1)
     # ZeRO 1-3 reduce gradients through a reduce_bucket_size bucket (2 GB in fp32 at DeepSpeed's
     # 5e8 default: it matters); stage 3 also gathers the current and the prefetched layer.
     buffers = 0 if stage == 0 else bucket * w + (2 * max(spec.per_layer, default=0) * w if stage == 3 else 0)
@@ -257,10 +265,10 @@ def _variants(cfg: RunConfig, world: int):
 
 
 def suggestions(cfg: RunConfig, spec: ModelSpec, world: int, device_gib: float, bucket: int | None = None,
-                limit: int = 3) -> list[tuple[Layout, Memory]]:
+                limit: int = 3, lora_trainable: int | None = None) -> list[tuple[Layout, Memory]]:
     found = []
     for lay in candidate_layouts(cfg, spec, world):
-        mem = memory(cfg, spec, lay, bucket)
+        mem = memory(cfg, spec, lay, bucket, lora_trainable)
         if fits(mem, device_gib):
             found.append((lay, mem))
         if len(found) == limit:

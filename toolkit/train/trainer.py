@@ -51,6 +51,7 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
+        self._log_parameters()
         if self.cfg.resume == "auto":
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
@@ -68,6 +69,14 @@ class Trainer:
         if self.cfg.train.export_hf:
             self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
         self.checkpoints.poll(wait=True)  # the last checkpoint is committed before we report success
+
+    def _log_parameters(self) -> None:
+        """What trains, from the plan: the whole model, or a LoRA run's adapters (and modules to save)."""
+        trainable, total = self.plan.trainable_parameters()
+        self.metrics.note(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
+                          + (f"; LoRA rank {self.plan.lora.rank} on {self.plan.lora.adapted} layers" if self.plan.lora
+                             else ""))
+        self.metrics.log({"event": "parameters", "trainable_params": trainable, "total_params": total})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         self.hooks.before_step(self.step + 1)

@@ -1,0 +1,451 @@
+"""LoRA on the DeepSpeed path (``lora.*``, ``toolkit/plan/lora.py``, ``toolkit/adapters/lora.py``)
+against references we did not write: HF + ``peft`` on the same weights and adapters.
+
+- names: bad targets, the MoE router, packed experts and megatron are refused before anything starts;
+  the plan's trainable count is peft's;
+- parity: at ZeRO-2 and ZeRO-3 (2 gloo ranks), for llama, qwen2 and gpt2, the engine's logits and
+  adapter gradients equal a single-process HF + peft model's (fp32);
+- training: ``toolkit train`` losses equal a single-process HF + peft + torch AdamW loop written
+  here; kill -9 and ``--resume auto`` is bit-exact (the adapter Adam state is in the checkpoint);
+  a resume on another base is refused naming both;
+- exports: ``adapter/`` loads with ``PeftModel.from_pretrained`` and gives ``hf_final/``'s logits;
+  ``hf_final/`` is peft's ``merge_and_unload()``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import losses, resumes, train
+from tests.test_families import tiny_config, tiny_model
+from tests.test_megatron_compat import run_ranks
+from tests.test_megatron_parity import batches
+from toolkit.config import DEMO_DIR, ConfigError, load_config, validate
+from toolkit.engine import IGNORE_INDEX
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+CASES = {**{f: (f, []) for f in FAMILIES}, "llama+lm_head": ("llama", ["lm_head"])}
+"""Parity cases: (family, lora.modules_to_save); the last trains the (untied) LM head in full."""
+RANK, ALPHA = 4, 8.0
+LOGIT_TOL = 1e-6  # measured 0.0 (bit-identical logits) for all three families at ZeRO-2 and ZeRO-3
+GRAD_RTOL = 1e-5  # per parameter, max |ours - peft| <= GRAD_RTOL x max |peft| of that gradient; measured
+#                   worst 2.5e-6 (qwen2 ZeRO-3, q_proj.lora_A), 5.5e-7 llama ZeRO-3, <= 2.3e-7 at ZeRO-2
+#                   (the DP reduction sums in another order)
+EXPORT_LOGIT_TOL = 5e-6  # peft's unmerged forward vs the merged hf_final: measured 6.0e-7 (ZeRO-2), 7.2e-7 (ZeRO-3)
+LOSS_RTOL = 1e-6  # measured 1.3e-7 ZeRO-2, 9.4e-8 ZeRO-3, 7.8e-8 ZeRO-0, 1.3e-7 ZeRO-3 offload (CPU Adam kernels
+#                   vs torch's AdamW, DP sums)
+
+
+def plan_for(family_or_dir, **lora):
+    from toolkit.plan import build_plan
+    hf = tiny_config(family_or_dir)
+    cfg = validate({"lora": {"rank": RANK, **lora}, "train": {"global_batch_size": 4, "micro_batch_size": 1}})
+    return build_plan(cfg, [1], hf_config=hf)
+
+
+# --- names, checked in the plan (fast) -----------------------------------------------------------
+
+def test_bad_target_is_refused_naming_the_valid_modules():
+    with pytest.raises(ConfigError, match=r"no module of this model is named 'q_proj'; valid names: c_attn, c_fc, "
+                                          r"c_proj \(or all-linear\)"):
+        plan_for("gpt2", target_modules=["q_proj"])
+    with pytest.raises(ConfigError, match="'lm_head' matches lm_head, the output layer"):
+        plan_for("llama", target_modules=["lm_head"])
+    with pytest.raises(ConfigError, match="tied embedding"):
+        plan_for("qwen2", modules_to_save=["lm_head"])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
+    spec = plan_for(family).lora
+    assert not any("gate" == t or t.endswith("_gate") for t in spec.targets), spec.targets
+    with pytest.raises(ConfigError, match="an MoE gate \\(router\\), which LoRA never adapts"):
+        plan_for(family, target_modules=["gate"])
+    with pytest.raises(ConfigError, match="routed experts that transformers packs as 3-D parameters"):
+        plan_for(family, target_modules=["down_proj"])
+
+
+def test_megatron_with_lora_is_refused_naming_the_fix():
+    from toolkit.plan import build_plan
+    cfg = validate({"backend": "megatron", "lora": {"rank": 8}})
+    with pytest.raises(ConfigError, match="lora.rank=8: LoRA runs on the DeepSpeed path only for now; set "
+                                          "backend=deepspeed"):
+        build_plan(cfg, [1], hf_config=tiny_config("llama"))
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])
+def test_planned_trainable_count_is_peft_s(family):
+    """The plan's count (estimate, dry-run, metrics) against peft's own count on the wrapped model."""
+    from toolkit.adapters.lora import apply_lora
+    plan = plan_for(family)
+    model = apply_lora(tiny_model(family), plan.lora, seed=1)
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert trainable == plan.lora.trainable == plan.trainable_parameters()[0]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
+    """fp32, DP 2: the frozen base holds weights only; gradients and Adam state (m, v, fp32 master
+    at ZeRO 1-3) are the adapters'."""
+    from toolkit.plan import build_plan
+    from toolkit.plan.memory import memory
+    cfg = validate({"lora": {"rank": RANK}, "zero": {"stage": stage}})
+    plan = build_plan(cfg, [2], hf_config=tiny_config("llama"))
+    tau, phi, d = plan.lora.trainable, plan.model.total, 2
+    mem = memory(plan.config, plan.model, plan.layout(2), lora_trainable=tau)
+    sharded = d if stage >= 1 else 1
+    assert mem.weights == (phi + tau) * 4 / (d if stage == 3 else 1)
+    assert mem.gradients == tau * 4 / sharded
+    assert mem.optimizer == (8 + (4 if stage >= 1 else 0)) * tau / sharded
+
+
+# --- parity with HF + peft at ZeRO-2 and ZeRO-3 ----------------------------------------------------
+
+def adapter_values(model) -> dict[str, torch.Tensor]:
+    """Non-zero adapters (peft's init has B = 0, under which A gets no gradient), by name, alike on
+    every rank and in the reference."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            out[name] = torch.randn(tuple(getattr(p, "ds_shape", p.shape)), generator=g) * 0.05
+    return out
+
+
+def reference(base_dir, micro_batches, modules_to_save=()):
+    """HF + peft (peft's own all-linear), one process: logits per micro-batch and the gradients of
+    sum(token losses) / valid tokens of the global batch."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", task_type="CAUSAL_LM",
+                                      modules_to_save=list(modules_to_save) or None))
+    with torch.no_grad():
+        for name, value in adapter_values(model).items():
+            model.get_parameter(name).copy_(value)
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    logits = []
+    for mb in micro_batches:
+        out = model(input_ids=mb["input_ids"]).logits
+        F.cross_entropy(out.flatten(0, 1).float(), mb["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                        reduction="sum").div(tokens).backward()
+        logits.append(out.detach())
+    return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _engine_parity(rank, world, cases, stages):
+    """Per (stage, family): this rank's logits and every adapter's whole gradient, after the global
+    batch's micro-batches went through ``DeepSpeedEngine`` as ``train_step`` sends them."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+    from toolkit.plan import build_plan
+    results = {}
+    for stage in stages:
+        for case, (base_dir, modules_to_save) in cases.items():
+            cfg = validate({"model": {"name_or_path": base_dir, "init": "pretrained"}, "zero": {"stage": stage},
+                            "lora": {"rank": RANK, "alpha": ALPHA, "modules_to_save": modules_to_save},
+                            "train": {"global_batch_size": 4, "micro_batch_size": 1}})
+            plan = build_plan(cfg, [world])
+            model = build_model(plan, plan.ds_config(world))
+            with torch.no_grad():  # adapters are whole on every rank until deepspeed.initialize
+                for name, value in adapter_values(model).items():
+                    model.get_parameter(name).copy_(value)
+            engine = DeepSpeedEngine(plan, model)
+            micro = batches(model.config.vocab_size)
+            tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+            mine = micro[rank * 2:(rank + 1) * 2]
+            logits, grads = [], {}
+            for i, mb in enumerate(mine):
+                out = engine.engine(input_ids=mb["input_ids"])
+                loss = F.cross_entropy(out.logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+                engine.engine.backward(loss * world / tokens, scale_wrt_gas=False)
+                logits.append(out.logits.detach().clone())
+                if i == len(mine) - 1:  # reduced over DP at the accumulation boundary, before the step
+                    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+                             if p.requires_grad}
+                engine.engine.step()
+            results[(stage, case)] = {"logits": logits, "grads": grads}
+            engine.engine.destroy()
+            dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def base_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_bases")
+    dirs = {}
+    for family in FAMILIES:
+        tiny_model(family).save_pretrained(root / family)
+        dirs[family] = str(root / family)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def parity(base_dirs, tmp_path_factory):
+    cases = {case: (base_dirs[family], save) for case, (family, save) in CASES.items()}
+    return run_ranks(_engine_parity, 2, tmp_path_factory.mktemp("lora_parity"), cases, (2, 3), timeout=600)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
+    family, modules_to_save = CASES[case]
+    micro = batches(tiny_config(family).vocab_size)
+    ref_logits, ref_grads = reference(base_dirs[family], micro, modules_to_save)
+    logit_gap = max((a - b).abs().max().item() for r, res in enumerate(parity)
+                    for a, b in zip(res[(stage, case)]["logits"], ref_logits[r * 2:(r + 1) * 2]))
+    grads = parity[0][(stage, case)]["grads"]
+    assert sorted(grads) == sorted(ref_grads)  # our all-linear adapts exactly peft's modules
+    ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
+    worst = max(ratios, key=ratios.get)
+    print(f"\n{case} ZeRO-{stage}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} "
+          f"of its max ({worst})")
+    assert logit_gap <= LOGIT_TOL
+    assert ratios[worst] <= GRAD_RTOL, worst
+    assert all(g.abs().max() > 0 for g in ref_grads.values())  # B != 0: every adapter gets a gradient
+
+
+# --- training, checkpoints and exports through `toolkit train` -------------------------------------
+
+LORA_RUN = ["lora.rank=4", f"lora.alpha={ALPHA}", "model.init=pretrained", "checkpoint.every=3"]
+
+
+@pytest.fixture(scope="module")
+def demo_base(tmp_path_factory):
+    """The demo's tiny Llama with HF's init (seed 0), saved as a pretrained base."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = tmp_path_factory.mktemp("lora_demo_base") / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_DIR / "tiny-llama")).save_pretrained(path)
+    return path
+
+
+RUNS = {"zero2": ["zero.stage=2"],
+        "zero3": ["zero.stage=3", "lora.modules_to_save=[lm_head]"],  # the LM head trained in full too
+        "zero0": ["zero.stage=0"],
+        "zero3_offload": ["zero.ds_config=zero3_offload"]}  # DeepSpeedCPUAdam on the host
+"""LoRA runs of the demo base through ``toolkit train``, each trained once per module."""
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, data_cache, demo_base):
+    cache = {}
+    root = tmp_path_factory.mktemp("lora_runs")
+
+    def get(name: str):
+        if name not in cache:
+            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS[name])
+            cache[name] = root / name
+        return cache[name]
+    return get
+
+
+def lr_at(step: int, steps=6, warmup=2, peak=3e-3, floor=3e-4) -> float:
+    """TINY's schedule as the README states it: linear warmup, then cosine decay to min_lr."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_scale: float = 1.0) -> list[float]:
+    """One process: HF + peft with the adapter init the toolkit documents (peft's own init, drawn from
+    a CPU generator seeded with (train.seed, "lora")), torch AdamW (matrices decayed), the global
+    batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip 1.0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.adapters.hf import unit_seed
+    from toolkit.data import global_batch_indices, load_tokenizer, prepare_data
+    cfg = load_config(None, [f"model.name_or_path={demo_base}", "data.seq_len=32", f"data.cache_dir={data_cache}"])
+    ds = prepare_data(cfg, load_tokenizer(cfg)).train.with_format("torch", columns=["input_ids", "labels"])
+    base = AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(unit_seed(cfg.train.seed, "lora"))
+        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
+                                                task_type="CAUSAL_LM", modules_to_save=list(modules_to_save) or None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    out = []
+    for step in range(steps):
+        batch = ds[global_batch_indices(len(ds), 8, cfg.train.seed, step)]
+        labels = batch["labels"]
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / (labels != IGNORE_INDEX).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step) * lr_scale
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_losses_equal_a_single_process_peft_adamw_loop(run, lora_runs, demo_base, data_cache):
+    save = ["lm_head"] if "lora.modules_to_save=[lm_head]" in RUNS[run] else []
+    got, want = losses(lora_runs(run)), reference_losses(demo_base, data_cache, save)
+    gap = max(abs(a - b) / b for a, b in zip(got, want))
+    frozen = reference_losses(demo_base, data_cache, save, lr_scale=0.0)  # the adapters never updated
+    moved = max(abs(a - b) / b for a, b in zip(want, frozen))
+    print(f"\n{run} LoRA losses vs HF + peft + AdamW: max relative gap {gap:.2e} "
+          f"(training moved them {moved:.2e} from the untrained adapters')")
+    assert len(got) == 6 and moved > 100 * LOSS_RTOL  # the test can tell an update from none
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_trainable_count_is_printed_and_recorded(lora_runs):
+    rows = [json.loads(x) for x in (lora_runs("zero2") / "metrics.jsonl").read_text().splitlines()]
+    [record] = [r for r in rows if r.get("event") == "parameters"]
+    plan = json.loads((lora_runs("zero2") / "plan.json").read_text())
+    assert record["trainable_params"] == plan["lora"]["trainable"] > 0
+    assert record["total_params"] == plan["model"]["embedding"] + plan["model"]["output"] + sum(
+        plan["model"]["per_layer"]) + plan["model"]["other"] + record["trainable_params"]
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_adapters_only_and_names_its_base(lora_runs, demo_base):
+    ckpt = lora_runs("zero2") / "checkpoints" / "step_00000006"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["lora"]["rank"] == RANK and meta["base_model"]["path"] == str(demo_base)
+    assert meta["base_model"]["fingerprint"].startswith("sha256:")
+    states = torch.load(ckpt / "engine" / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
+    saved = set(states["module"])
+    assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved), sorted(saved)[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_kill_9_and_resume_auto_is_bitwise_exact(stage, lora_runs, tmp_path, data_cache, demo_base):
+    """Restored from an adapter-only checkpoint: adapters (and the LM head trained in full at
+    ZeRO-3), their Adam moments, trainer and RNG state. Loading without the optimizer state made
+    step 5 differ at ZeRO-2 (7.65600 vs 7.65734: mutated once, README)."""
+    run_dir = tmp_path / "crashed"
+    train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS[f"zero{stage}"],
+          "restart.max_restarts=1", "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
+    assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
+    assert losses(run_dir) == losses(lora_runs(f"zero{stage}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved,resumed", [((2, 2), (3, 1)), ((3, 2), (1, 1))], ids=["z2dp2-z3dp1", "z3dp2-z1dp1"])
+def test_resume_at_another_dp_size_and_stage_goes_on_the_loss_curve(saved, resumed, tmp_path, data_cache, demo_base):
+    """Saved after 2 steps at one (ZeRO stage, DP), resumed at another (the adapters resharded
+    through DeepSpeed's universal layout): steps 3-6 equal the single-process peft loop's. Adam's
+    moments and step go along (without them the losses move by ~1e-4: the kill -9 mutation)."""
+    run_dir = tmp_path / "run"
+    base = [*LORA_RUN, f"model.name_or_path={demo_base}", "checkpoint.every=2"]
+    train(run_dir, data_cache, *base, f"zero.stage={saved[0]}", "train.steps=2", nproc=saved[1])
+    train(run_dir, data_cache, *base, f"zero.stage={resumed[0]}", nproc=resumed[1])
+    assert resumes(run_dir) == [("step_00000002", 2, "resharded")]
+    got, want = losses(run_dir), reference_losses(demo_base, data_cache)
+    print(f"\nZeRO-{saved[0]} DP{saved[1]} -> ZeRO-{resumed[0]} DP{resumed[1]}: max relative gap "
+          f"{max(abs(a - b) / b for a, b in zip(got, want)):.2e}")
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    assert not any((run_dir / "resharded").iterdir())  # the universal copy is dropped once loaded
+
+
+@pytest.mark.slow
+def test_resume_on_another_base_is_refused_naming_both(lora_runs, tmp_path, data_cache, demo_base):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_runs("zero2") / "checkpoints", run_dir / "checkpoints")
+    other = tmp_path / "other-base"
+    AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.bfloat16).save_pretrained(other)
+    proc = train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={other}", "train.steps=7", check=False)
+    assert proc.returncode == 1
+    assert "LoRA adapters trained on another base model" in proc.stderr
+    assert str(demo_base) in proc.stderr and str(other) in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, demo_base):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    run_dir = lora_runs(f"zero{stage}")
+    merged_file = load_file(run_dir / "hf_final" / "model.safetensors")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32),
+                                           run_dir / "adapter").eval()
+    ids = torch.randint(1, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
+    hf_final = AutoModelForCausalLM.from_pretrained(run_dir / "hf_final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        gap = (peft_model(input_ids=ids).logits - hf_final(input_ids=ids).logits).abs().max().item()
+        merged = peft_model.merge_and_unload().state_dict()
+    print(f"\nZeRO-{stage}: adapter (peft) vs hf_final logits: max gap {gap:.2e}")
+    assert gap <= EXPORT_LOGIT_TOL
+    assert sorted(merged_file) == sorted(merged)
+    differs = [n for n, t in merged_file.items() if not torch.equal(t, merged[n])]
+    assert not differs, differs[:5]
+    assert any("lora" not in n and not torch.equal(merged_file[n], load_file(demo_base / "model.safetensors")[n])
+               for n in merged_file)  # the merge changed the adapted weights
+
+
+def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_cache):
+    from tests.conftest import run_in_process, train_args
+    proc = run_in_process([*train_args(tmp_path / "r", data_cache, "lora.rank=4"), "--dry-run"])
+    # the demo Llama (hidden 128, K/V 64, MLP 352, 4 layers): 4 x (256 + 192 + 192 + 256 + 3 x 480) per layer
+    assert '"targets": [\n    "down_proj",' in proc.stdout and '"trainable": 37376' in proc.stdout
+    assert "trainable: 37,376 parameters (LoRA adapters; the base is frozen" in proc.stdout
+
+
+@pytest.mark.slow
+def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
+    from toolkit.convert import ConvertError, inspect
+    from toolkit.convert.detect import locate
+    run = lora_runs("zero2")
+    ckpt, peft_dir = inspect(run), inspect(run / "adapter")
+    plan = json.loads((run / "plan.json").read_text())["lora"]
+    for info in (ckpt, peft_dir):
+        assert (info["rank"], info["alpha"], info["trainable_params"]) == (RANK, ALPHA, plan["trainable"])
+        assert sorted(info["targets"]) == plan["targets"]
+    assert ckpt["step"] == 6 and ckpt["complete"] and ckpt["format"] == "toolkit-deepspeed (LoRA adapters only)"
+    assert peft_dir["format"] == "peft" and peft_dir["dtypes"] == ["F32"]
+    with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); it converts only as a "
+                                           "whole: toolkit convert CKPT OUT --to peft"):
+        locate(run)
+    with pytest.raises(ConvertError, match="an HF-PEFT adapter directory"):
+        locate(run / "adapter")
+
+
+@pytest.mark.slow
+def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(lora_runs, tmp_path):
+    """The last checkpoint (step 6, ZeRO-3, LM head trained in full) through the converter's ZeRO
+    reader: --to peft equals the run's adapter/, --to hf (merged onto the base named in meta.json)
+    equals its hf_final/, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from toolkit.convert import convert
+    run = lora_runs("zero3")
+    convert(run, tmp_path / "peft", to="peft")
+    convert(run, tmp_path / "hf", to="hf")
+    for got, want in ((tmp_path / "peft" / "adapter_model.safetensors", run / "adapter" / "adapter_model.safetensors"),
+                      (tmp_path / "hf" / "model.safetensors", run / "hf_final" / "model.safetensors")):
+        got, want = load_file(got), load_file(want)
+        assert sorted(got) == sorted(want)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
+def test_the_worked_example_plans(demo_base, tmp_path):
+    """examples/lora/config.yaml validates and resolves (its base, the demo's hf_final, stands in)."""
+    from tests.conftest import REPO, run_in_process
+    proc = run_in_process(["train", str(REPO / "examples" / "lora" / "config.yaml"), "--run-dir", str(tmp_path / "r"),
+                           "--set", f"model.name_or_path={demo_base}", "--dry-run"])
+    assert '"rank": 8' in proc.stdout and '"targets": [\n    "down_proj",' in proc.stdout, proc.stdout[-2000:]
