@@ -28,6 +28,7 @@ end of optimizer step 1 on rank 0. Peak RSS per rank: VmHWM of each rank process
 
   python benchmarks/step_overhead.py              # ~9 min on 2 cores (3 rounds x 5 cases x 30 steps)
   python benchmarks/step_overhead.py --quick      # ~2 min smoke (1 round, 10 steps)
+  python benchmarks/step_overhead.py --cases lora --out benchmarks/results/lora_step.json   # LoRA vs full
 Writes benchmarks/results/step_overhead.json (or --out) and prints a table.
 """
 from __future__ import annotations
@@ -55,7 +56,12 @@ MODEL = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
 TRAIN = dict(seq_len=128, global_batch_size=16, micro_batch_size=4, lr=3e-3, min_lr=3e-4, warmup_steps=5,
              weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, grad_clip=1.0, seed=1234, log_every=10)
 CASES = ["toolkit_ds", "raw_ds", "hf_trainer", "toolkit_mcore", "raw_mcore"]
-RATIOS = [("toolkit_ds", "raw_ds", 1.03), ("toolkit_ds", "hf_trainer", 1.0), ("toolkit_mcore", "raw_mcore", 1.03)]
+LORA_CASES = ["toolkit_ds", "toolkit_lora", "hf_trainer", "hf_trainer_lora"]
+"""``--cases lora``: LoRA (rank 16, alpha 32, every linear layer but the LM head) vs full fine-tuning,
+the toolkit's and HF Trainer's + peft's, both on DeepSpeed ZeRO-2 (issue #20)."""
+LORA = dict(rank=16, alpha=32.0)
+RATIOS = [("toolkit_ds", "raw_ds", 1.03), ("toolkit_ds", "hf_trainer", 1.0), ("toolkit_mcore", "raw_mcore", 1.03),
+          ("toolkit_lora", "hf_trainer_lora", 1.0), ("toolkit_lora", "toolkit_ds", None)]
 DS_ZERO2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
 
 
@@ -101,6 +107,7 @@ def case_command(case: str, workdir: Path, run_dir: Path, steps: int) -> list[st
     if case.startswith("toolkit"):
         cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", "2", "--resume", "never"]
         sets = _toolkit_sets(workdir, steps) + (["backend=megatron", "megatron.tp=2"] if case == "toolkit_mcore" else [])
+        sets += [f"lora.rank={LORA['rank']}", f"lora.alpha={LORA['alpha']}"] if case == "toolkit_lora" else []
         for s in sets:
             cmd += ["--set", s]
         return cmd
@@ -205,17 +212,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, or 'lora' for {','.join(LORA_CASES)}")
     p.add_argument("--workdir", default="/tmp/toolkit_bench_step_overhead")
     p.add_argument("--out", default=str(RESULT))
-    p.add_argument("--worker", choices=["raw_ds", "hf_trainer", "raw_mcore"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["raw_ds", "hf_trainer", "hf_trainer_lora", "raw_mcore"], help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         return worker(a.worker, Path(a.workdir), Path(a.run_dir), a.steps)
     if a.quick:
         a.rounds, a.steps, a.warmup = 1, 10, 3
-    cases = a.cases.split(",")
+    cases = LORA_CASES if a.cases == "lora" else a.cases.split(",")
     workdir = Path(a.workdir)
     started = time.time()
     prepare(workdir, a.steps)
@@ -245,11 +252,11 @@ def main(argv=None) -> int:
               "runs": [{k: v for k, v in r.items()} for r in runs]}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
+    print_table(result, a.out)
     return 0
 
 
-def print_table(result: dict) -> None:
+def print_table(result: dict, out: str) -> None:
     f = result["figures"]
     print("\n| case | median step s | per-run medians | first step after launch s (ranks started) | peak RSS MB per rank |")
     print("|---|---|---|---|---|")
@@ -260,9 +267,10 @@ def print_table(result: dict) -> None:
     print("\n| ratio | step time | per round | target |")
     print("|---|---|---|---|")
     for name, r in result["ratios"].items():
-        ok = "met" if r["step_time_ratio"] <= r["target_max"] else "NOT met"
-        print(f"| {name} | {r['step_time_ratio']:.3f} | {', '.join(map(str, r['per_round']))} | <= {r['target_max']} ({ok}) |")
-    print(f"\ntotal {result['total_wall_s']:.0f} s; written to {RESULT.relative_to(REPO)}")
+        target = r["target_max"]
+        verdict = "-" if target is None else f"<= {target} ({'met' if r['step_time_ratio'] <= target else 'NOT met'})"
+        print(f"| {name} | {r['step_time_ratio']:.3f} | {', '.join(map(str, r['per_round']))} | {verdict} |")
+    print(f"\ntotal {result['total_wall_s']:.0f} s; written to {out}")
 
 
 def _machine() -> dict:
@@ -311,7 +319,8 @@ def worker(case: str, workdir: Path, run_dir: Path, steps: int) -> int:
     rank = int(os.environ["RANK"])
     data = torch.load(workdir / "data.pt")
     stamps = Stamps(run_dir, rank)
-    {"raw_ds": raw_deepspeed, "hf_trainer": hf_trainer, "raw_mcore": raw_megatron}[case](workdir, data, steps, stamps)
+    {"raw_ds": raw_deepspeed, "hf_trainer": hf_trainer, "raw_mcore": raw_megatron,
+     "hf_trainer_lora": lambda *a: hf_trainer(*a, lora=True)}[case](workdir, data, steps, stamps)
     stamps.save()
     if dist.is_initialized():
         dist.barrier()
@@ -364,8 +373,9 @@ def raw_deepspeed(workdir: Path, data: dict, steps: int, stamps: Stamps) -> None
         stamps.step_done(total / (per_rank // mbs))
 
 
-def hf_trainer(workdir: Path, data: dict, steps: int, stamps: Stamps) -> None:
-    """transformers.Trainer with its DeepSpeed integration, the ZeRO-2 JSON the toolkit ships."""
+def hf_trainer(workdir: Path, data: dict, steps: int, stamps: Stamps, lora: bool = False) -> None:
+    """transformers.Trainer with its DeepSpeed integration, the ZeRO-2 JSON the toolkit ships; with
+    ``lora``, the model wrapped by peft first (``get_peft_model``), as a Trainer + peft user does."""
     import torch
     import torch.nn.functional as F
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -403,7 +413,12 @@ def hf_trainer(workdir: Path, data: dict, steps: int, stamps: Stamps) -> None:
         adam_epsilon=t["eps"], max_grad_norm=t["grad_clip"], lr_scheduler_type="cosine", warmup_steps=t["warmup_steps"],
         logging_steps=t["log_every"], save_strategy="no", eval_strategy="no", report_to="none", seed=t["seed"],
         data_seed=t["seed"], dataloader_num_workers=0, accelerator_config={"use_configured_state": True}, deepspeed=json.loads(json.dumps(DS_ZERO2)))
-    trainer = Trainer(model=_hf_model(), args=args, train_dataset=Packed(), compute_loss_func=loss_func,
+    model = _hf_model()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                                 target_modules="all-linear"))
+    trainer = Trainer(model=model, args=args, train_dataset=Packed(), compute_loss_func=loss_func,
                       callbacks=[Stamp()])
     trainer.train()
 
