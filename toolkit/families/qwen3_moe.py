@@ -5,7 +5,8 @@ Router: softmax over all experts, then the top k, renormalized with ``norm_topk_
 published default; megatron: ``moe_router_pre_softmax`` = not ``norm_topk_prob``). Layers without
 experts (``decoder_sparse_step`` > 1, ``mlp_only_layers``) are refused on the megatron path.
 """
-from toolkit.families.base import REPLICATED, ROW, Check, FuseGLU, Packed, Rename
+from toolkit.families.base import REPLICATED, Check, Rename
+from toolkit.families.qwen2_moe import FAMILY as QWEN2_MOE
 from toolkit.families.qwen3 import FAMILY as QWEN3
 
 FAMILY = QWEN3.extend(
@@ -15,13 +16,9 @@ FAMILY = QWEN3.extend(
             "moe_intermediate_size": "moe_ffn_hidden_size"},
     derived={"moe_router_pre_softmax": lambda c: not c.norm_topk_prob},
     layer=(Rename("mlp.gate.weight", "mlp.router.weight", REPLICATED),),
-    experts=(FuseGLU(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-                     "mlp.experts.local_experts.{e}.linear_fc1.weight"),
-             Rename("mlp.experts.{e}.down_proj.weight", "mlp.experts.local_experts.{e}.linear_fc2.weight", ROW)),
+    experts=QWEN2_MOE.experts,  # the same checkpoint names per expert, packed alike by transformers 5
     num_experts_field="num_experts",
-    packed=(Packed("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-                   per_expert=True),
-            Packed("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",), per_expert=True)),
+    packed=QWEN2_MOE.packed,
     checks=(Check("decoder_sparse_step", lambda v: v not in (None, 1), "every layer must be a MoE layer "
                   "(decoder_sparse_step=1) on the megatron path; use backend=deepspeed"),
             Check("mlp_only_layers", bool, "every layer must be a MoE layer (mlp_only_layers=[]) on the megatron "
