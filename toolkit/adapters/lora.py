@@ -30,8 +30,8 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.Mo
     from peft import get_peft_model
 
     from toolkit.adapters.hf import unit_seed
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(unit_seed(seed, "lora"))
+    with torch.random.fork_rng(devices=[]):  # the CPU generator only: peft draws adapters on the CPU
+        torch.random.default_generator.manual_seed(unit_seed(seed, "lora"))  # GPU streams left alone
         wrapped = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in wrapped.parameters() if p.requires_grad)
     if trainable != spec.trainable:  # the plan (estimate, dry-run, metrics) counted something else

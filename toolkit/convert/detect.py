@@ -180,7 +180,7 @@ def runs_on(config: dict) -> dict:
     table and a config it honours exactly, then the TP/PP/EP sizes that split it evenly."""
     from toolkit.convert.canonical import hf_config_object
     from toolkit.families import FamilyError, find_family, supported
-    from toolkit.plan.layout import divisors
+    from toolkit.plan.layout import divisors, valid_tp
     family = find_family(config.get("model_type"))
     if family is None:
         return {"deepspeed": "ZeRO 0-3", "megatron": f"no family for model_type={config.get('model_type')!r} "
@@ -192,11 +192,16 @@ def runs_on(config: dict) -> dict:
         family.check(hf_config_object(config))
     except FamilyError as exc:
         return {"deepspeed": "ZeRO 0-3", "megatron": str(exc).replace("\n  ", "; ")}
-    heads = config.get("num_attention_heads", config.get("n_head"))
-    kv_heads = config.get("num_key_value_heads") or heads
-    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    heads, kv_heads, layers = split_dims(config)
     experts = family.num_experts(hf_config_object(config))
-    layout = (f"tp in {[t for t in divisors(kv_heads) if heads % t == 0]}, pp in {divisors(layers)} "
+    layout = (f"tp in {valid_tp(heads, kv_heads)}, pp in {divisors(layers)} "
               "(or uneven with first/last_stage_layers)")
     return {"deepspeed": "ZeRO 0-3", "megatron": layout + (f", ep in {divisors(experts)}" if experts else "")}
+
+
+def split_dims(config: dict) -> tuple[int, int, int]:
+    """(heads, KV heads, layers) of a config.json as written (GPT-2's names too; KV heads default to
+    the heads, as transformers reads a config without them)."""
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    return heads, config.get("num_key_value_heads") or heads, config.get("num_hidden_layers", config.get("n_layer"))
 

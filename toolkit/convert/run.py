@@ -85,6 +85,7 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
     """The run plan's megatron split rules (``toolkit.plan.layout``), named by the converter's flags."""
+    from toolkit.convert.detect import split_dims
     from toolkit.families import find_family
     from toolkit.plan.layout import megatron_split_problems
     family = find_family(config.get("model_type"))
@@ -93,9 +94,7 @@ def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
         raise ConvertError(f"config.json (model_type={config.get('model_type')!r}) has no {', '.join(missing)}: "
                            "the megatron layout needs each; add them as the model's published config.json "
                            "has them (transformers' class defaults are not this checkpoint's shapes)")
-    heads = config.get("num_attention_heads", config.get("n_head"))
-    kv_heads = config.get("num_key_value_heads") or heads
-    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    heads, kv_heads, layers = split_dims(config)
     problems = megatron_split_problems(heads, kv_heads, layers, _experts(config), tp, pp, ep,
                                        model=str(config.get("model_type")),
                                        names={"tp": "--tp", "pp": "--pp", "vpp": "vpp", "ep": "--ep"})

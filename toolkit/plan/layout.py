@@ -57,6 +57,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def valid_tp(heads: int, kv_heads: int) -> list[int]:
+    """TP sizes that split both the query heads and the KV heads (megatron's num_query_groups)."""
+    return [t for t in divisors(kv_heads) if heads % t == 0]
+
+
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: the next multiple of ``divisible_by * tp``."""
     multiple = divisible_by * tp
@@ -122,7 +127,7 @@ def megatron_split_problems(heads: int, kv_heads: int, layers: int, experts: int
     problems = []
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value % tp:
-            valid = [t for t in divisors(kv_heads) if heads % t == 0]
+            valid = valid_tp(heads, kv_heads)
             problems.append(f"{name}={value} is not divisible by {names['tp']}={tp}; choose tp in {valid}")
             break
     chunks = pp * (vpp or 1)

@@ -111,6 +111,9 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
         chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.post_norms), vocab_size=lay.padded_vocab,
                                vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
+        # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
+        # the toolkit's ToolkitNorm and post-norms) on the default device: all of it to the rank's
+        _on_rank_device(chunks[-1])
         if family.embedding_scale and chunks[-1].pre_process:
             _scale_embedding(chunks[-1].embedding, family.embedding_scale(hf_config))
         cap = family.logit_softcap(hf_config) if family.logit_softcap else None
@@ -126,6 +129,14 @@ def _softcap_logits(output_layer, cap: float) -> None:
         logits, bias = output
         return torch.tanh(logits / cap) * cap, bias
     output_layer.register_forward_hook(hook)
+
+
+def _on_rank_device(chunk) -> None:
+    """Moves only what is elsewhere (a no-op on CPU, where the strict device mode would mark every
+    weight a ``.to("cpu")`` touches as a host tensor)."""
+    rank_device = device.rank_device()
+    if any(t.device != rank_device for t in (*chunk.parameters(), *chunk.buffers())):
+        chunk.to(rank_device)
 
 
 def _scale_embedding(embedding, scale: float) -> None:
