@@ -429,18 +429,25 @@ def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
 def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(lora_runs, tmp_path):
     """The last checkpoint (step 6, ZeRO-3, LM head trained in full) through the converter's ZeRO
     reader: --to peft equals the run's adapter/, --to hf (merged onto the base named in meta.json)
-    equals its hf_final/, tensor for tensor."""
+    equals its hf_final/, tensor for tensor; so does the run's adapter/ (an HF-PEFT directory) --to
+    hf, merged onto the base its adapter_config.json names; --verify passes against peft."""
     from safetensors.torch import load_file
 
     from toolkit.convert import convert
+    from toolkit.convert.peft import verify_adapter
     run = lora_runs("zero3")
     convert(run, tmp_path / "peft", to="peft")
     convert(run, tmp_path / "hf", to="hf")
+    convert(run / "adapter", tmp_path / "hf_from_peft", to="hf")
     for got, want in ((tmp_path / "peft" / "adapter_model.safetensors", run / "adapter" / "adapter_model.safetensors"),
-                      (tmp_path / "hf" / "model.safetensors", run / "hf_final" / "model.safetensors")):
+                      (tmp_path / "hf" / "model.safetensors", run / "hf_final" / "model.safetensors"),
+                      (tmp_path / "hf_from_peft" / "model.safetensors", run / "hf_final" / "model.safetensors")):
         got, want = load_file(got), load_file(want)
         assert sorted(got) == sorted(want)
         assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    for src, dst in ((run, tmp_path / "hf"), (run, tmp_path / "peft"), (run / "adapter", tmp_path / "hf_from_peft")):
+        report = verify_adapter(src, dst, None)
+        assert report.ok and report.tensors and report.logits_max_diff is not None, report.lines()
 
 
 def test_the_worked_example_plans(demo_base, tmp_path):

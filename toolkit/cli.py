@@ -100,10 +100,12 @@ def _parser() -> argparse.ArgumentParser:
 def _add_convert_parsers(sub) -> None:
     """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py)."""
     c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
-    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, or a toolkit run/checkpoint")
+    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, a toolkit run/checkpoint, "
+                                  "or an HF-PEFT adapter dir")
     c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
     c.add_argument("--to", choices=["hf", "zero", "megatron", "peft"],
-                   help="default: hf (zero for an HF source); a LoRA checkpoint: hf (merged) or peft (the adapter)")
+                   help="default: hf (zero for an HF source); a LoRA checkpoint or HF-PEFT directory: hf (merged "
+                        "onto its base) or peft (the adapter)")
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
     c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")
@@ -114,6 +116,8 @@ def _add_convert_parsers(sub) -> None:
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state (Adam restarts)")
     c.add_argument("--verify", action="store_true", help="check tensors and logits of SRC vs DST; exit 1 on mismatch")
     c.add_argument("--hf-config", help="config.json (or its dir) when none lies beside SRC")
+    c.add_argument("--base", help="LoRA sources: the HF model directory the adapter was trained on (default: "
+                                  "adapter_config.json's base_model_name_or_path, or the checkpoint's meta.json)")
     c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
     i = sub.add_parser("inspect", help="format, family, layout, step, size and completeness of a checkpoint")

@@ -9,7 +9,6 @@ same names, sharding and index), so no rank holds more than one parameter beyond
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -111,26 +110,18 @@ def write_adapter(module: torch.nn.Module, path: Path, gather=None, base_name: s
 
 
 def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None) -> None:
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    from toolkit.adapters.lora import ADAPTER
-    tensors = get_peft_model_state_dict(module, state_dict=trained, adapter_name=ADAPTER)
+    """The HF-PEFT directory staged beside ``path``, then put in its place whole."""
+    from toolkit.convert.peft import save_peft
     stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    config = copy.deepcopy(module.peft_config[ADAPTER])
-    config.base_model_name_or_path = base_name
-    config.save_pretrained(str(stage))
-    weights = stage / "adapter_model.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    save_peft(module, trained, stage, base_name)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600 (a temporary file); hf_final's files follow the umask
+    os.chmod(stage / "adapter_model.safetensors", 0o666 & ~umask)  # safetensors writes 0600 (a temporary file)
     if path.exists():
         shutil.rmtree(path)
     os.replace(stage, path)
-
 
 def fp32_config(config) -> dict:
     """config.json as written next to fp32 tensors (mixed precision changed the module's dtype)."""

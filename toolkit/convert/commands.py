@@ -12,7 +12,8 @@ def cmd_convert(args) -> int:
     try:
         summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                           zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,
-                          hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress)
+                          hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress,
+                          base=args.base)
     except ConvertError as exc:
         print(f"toolkit convert: error: {exc}", file=sys.stderr)
         return 2
@@ -20,11 +21,21 @@ def cmd_convert(args) -> int:
           f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['reader']} reader, "
           f"{summary['seconds']} s -> {args.dst}")
     if args.verify:
-        from toolkit.convert.verify import verify
-        report = verify(args.src, args.dst, args.hf_config)
+        report = _verify(args)
         print("\n".join(report.lines()))
         return 0 if report.ok else 1
     return 0
+
+
+def _verify(args):
+    from pathlib import Path
+
+    from toolkit.convert.detect import is_lora_source
+    if is_lora_source(Path(args.src)):
+        from toolkit.convert.peft import verify_adapter
+        return verify_adapter(Path(args.src), Path(args.dst), args.base)
+    from toolkit.convert.verify import verify
+    return verify(args.src, args.dst, args.hf_config)
 
 
 def cmd_inspect(args) -> int:

@@ -104,16 +104,22 @@ def resolve_run_dir(path: Path) -> Path:
     return path
 
 
+def is_lora_source(src) -> bool:
+    """An HF-PEFT directory, or a toolkit LoRA checkpoint (or the run directory holding one)."""
+    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    src = Path(src)
+    return src.exists() and (is_peft_dir(src) or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
+
+
 def _refuse_lora(path: Path) -> None:
     """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
-    and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint whole (``convert/lora.py``), not as
-    a ZeRO or HF source, and reads no HF-PEFT directory yet: say so, not "unknown format" or missing
-    tensors (``toolkit inspect`` describes both)."""
+    and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint or an HF-PEFT directory whole
+    (``convert/peft.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
+    or missing tensors (``toolkit inspect`` describes both)."""
     from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(path):
-        raise ConvertError(f"{path}: an HF-PEFT adapter directory; toolkit convert does not read adapters yet. "
-                           "Load it with peft.PeftModel.from_pretrained(base, dir), or use the run's hf_final/ "
-                           "(the merged model)")
+        raise ConvertError(f"{path}: an HF-PEFT adapter directory (LoRA); it converts only as a whole: toolkit "
+                           "convert DIR OUT --to hf [--base BASE_DIR] (merged onto its base) or --to peft")
     found = lora_checkpoint_meta(path)
     if found is not None:
         ckpt, meta = found

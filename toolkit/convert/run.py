@@ -14,20 +14,24 @@ TARGETS = ("hf", "zero", "megatron")
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
             zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
-            max_shard_bytes: int = 5 << 30, show_progress: bool = False) -> dict:
+            max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
-    the torch one), seconds."""
+    the torch one), seconds. A LoRA source (a toolkit LoRA checkpoint or an HF-PEFT directory)
+    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``convert/peft.py``)."""
     from toolkit.convert.detect import locate, open_located
     from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
     tic = time.perf_counter()
-    lora = _lora_checkpoint(src)
-    if lora is not None:  # adapters only: --to peft, or --to hf merged onto its base (convert/lora.py)
-        from toolkit.convert.lora import convert_lora
-        summary = convert_lora(*lora, Path(dst), to or "hf", max_shard_bytes)
-        return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
+    if _is_lora(src):  # adapters only: --to peft, or --to hf merged onto its base
+        from toolkit.convert.peft import convert_adapter, open_adapter
+        adapter, described = open_adapter(Path(src), base)
+        summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
+        return {**summary, "from": described["format"], "seconds": round(time.perf_counter() - tic, 3)}
+    if base is not None:
+        raise ConvertError(f"--base {base}: applies to LoRA sources only (an HF-PEFT directory or a toolkit LoRA "
+                           f"checkpoint); {src} is neither")
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
     dp = dp or (ep if to == "megatron" else 1)
@@ -49,11 +53,9 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _lora_checkpoint(src):
-    from toolkit.convert.detect import resolve_run_dir
-    from toolkit.convert.lora import lora_checkpoint_meta
-    path = Path(src)
-    return lora_checkpoint_meta(resolve_run_dir(path)) if path.exists() else None
+def _is_lora(src) -> bool:
+    from toolkit.convert.detect import is_lora_source
+    return is_lora_source(Path(src))
 
 
 def _torch_dtype(name: str | None):

@@ -1,0 +1,353 @@
+"""``toolkit convert`` of LoRA adapters: a toolkit LoRA checkpoint (adapters only) or an HF-PEFT
+directory, ``--to peft`` (an HF-PEFT directory in fp32) or ``--to hf`` (merged onto its base in fp32,
+peft's ``merge_and_unload``), and ``--verify`` of either against peft itself.
+
+Both sources become one ``Adapter``: peft's own model built on the meta device from the base's
+config (no weight is made), with the trained tensors assigned to its adapter parameters. peft
+decides everything a hand-written reader could get wrong: which saved key is which parameter
+(``set_peft_model_state_dict``), each layer's scaling (``rank_pattern``, ``alpha_pattern``,
+``use_rslora``), Conv1D's transposed layout, and the saved keys (``get_peft_model_state_dict``).
+Adapters whose merge is not ``W + scaling x B @ A`` on a linear layer (DoRA, trained biases,
+embedding or parameter LoRA, ...) are refused naming the reason; peft's ``merge_and_unload``
+merges those.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.convert.errors import ConvertError
+from toolkit.convert.lora import PEFT_CONFIG, PEFT_WEIGHTS
+
+UNMERGEABLE = {
+    "use_dora": "DoRA rescales each merged column by a trained magnitude",
+    "lora_bias": "it trains a bias for the adapted layers",
+    "target_parameters": "it adapts raw parameters (target_parameters), not linear layers",
+    "trainable_token_indices": "it trains embedding rows (trainable_token_indices)",
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
+    "layer_replication": "it replicates layers of the base",
+    "use_qalora": "QA-LoRA pools the inputs of quantized layers",
+    "use_bdlora": "its adapters are block-diagonal",
+}
+"""adapter_config.json fields (when set) that make an adapter something other than W + s x B @ A."""
+ADAPTER_LOGIT_RTOL = 1e-5
+"""``--verify``: max |logit difference| between peft's unmerged forward of SRC and DST, relative to
+SRC's largest |logit|. The merge is exact in fp32 (the tensors are compared bit for bit); the
+forwards differ by summation order only: measured <= 6e-7 x the largest logit on the tests' models."""
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter as the converter holds it: peft's model of the base on the meta device with the
+    trained tensors (fp32) in its adapter parameters (and modules to save), and the base's path."""
+    model: torch.nn.Module
+    hf_config: dict
+    base: str | None
+
+    def trained(self) -> dict[str, torch.Tensor]:
+        """The trained tensors by peft parameter name (``base_model.model.<hf>.lora_A.default.weight``)."""
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+def adapter_from_checkpoint(ckpt: Path, meta: dict) -> Adapter:
+    """A toolkit LoRA checkpoint's adapters (the ZeRO reader, stages 1-3, any DP)."""
+    from toolkit.convert.zero import ZeroSource
+    from toolkit.convert.zero_index import find_tag_dir
+    from toolkit.plan.lora import LoraSpec, peft_config
+    from toolkit.storage import meta as meta_io
+    tag = find_tag_dir(ckpt / "engine")
+    if tag is None or meta["layout"].get("zero_stage", 0) == 0:
+        raise ConvertError(f"{ckpt}: the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
+                           f"{meta['layout']}; use its run's adapter/ and hf_final/")
+    hf_config = meta_io.read_hf_config(ckpt)
+    trained = ZeroSource(tag, hf_config)
+    try:
+        tensors = {n: trained.read(n).float() for n in trained.infos}
+    finally:
+        trained.close()
+    base = meta.get("base_model", {})
+    model = _meta_model(hf_config, peft_config(LoraSpec(**meta["lora"])))
+    _assign(model, tensors, f"{ckpt}")
+    return Adapter(model, hf_config, base.get("path") if base.get("init") == "pretrained" else None)
+
+
+def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None = None) -> Adapter:
+    """An HF-PEFT directory's adapter, on the base's config: ``hf_config``, else the config.json of
+    ``base`` or of the adapter's own ``base_model_name_or_path`` (a local HF directory)."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+    config = PeftConfig.from_pretrained(str(path))
+    config.inference_mode = False  # the adapter's tensors are what a conversion carries: mark them trainable
+    _check_mergeable(config, path)
+    if hf_config is None:
+        base = str(_base_dir(path, base or config.base_model_name_or_path, given=base is not None))
+        hf_config = json.loads((Path(base) / "config.json").read_text())
+    model = _meta_model(hf_config, config)
+    saved = {k: v.float() for k, v in load_peft_weights(str(path), device="cpu").items()}
+    _load_saved(model, saved, path)
+    return Adapter(model, hf_config, base)
+
+
+def _meta_model(hf_config: dict, config) -> torch.nn.Module:
+    """peft's model of the base on the meta device; LoRA layers other than linear ones are refused."""
+    import copy
+
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.canonical import hf_config_object
+    config = copy.deepcopy(config)
+    config.base_model_name_or_path = None  # the Adapter keeps the base; peft warns when it differs from the model's
+    try:
+        with init_empty_weights():
+            model = get_peft_model(AutoModelForCausalLM.from_config(hf_config_object(hf_config)), config)
+    except ValueError as exc:  # peft's "no module matched" and the like
+        raise ConvertError(f"the adapter does not fit this base ({hf_config.get('model_type')}): {exc}") from None
+    for name, module in _lora_layers(model):
+        if type(module).__name__ != "Linear":
+            raise ConvertError(f"{name} is a LoRA {type(module).__name__} layer; toolkit convert merges LoRA on linear "
+                               "layers only: merge this adapter with peft's merge_and_unload()")
+    return model
+
+
+def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """The trained tensors into the meta model's trainable parameters, by name, all of them."""
+    expected = {n for n, p in model.named_parameters() if p.requires_grad}
+    if expected != set(tensors):
+        raise ConvertError(f"{where}: the trained tensors are not this LoRA spec's: missing "
+                           f"{sorted(expected - set(tensors))[:5]}, unexpected {sorted(set(tensors) - expected)[:5]}")
+    params = dict(model.named_parameters())
+    wrong = [f"{n} {tuple(t.shape)} (this base needs {tuple(params[n].shape)})" for n, t in tensors.items()
+             if t.shape != params[n].shape]
+    if wrong:
+        raise ConvertError(f"{where}: the adapter does not fit this base: {'; '.join(wrong[:3])}; is it the right base?")
+    model.load_state_dict(tensors, strict=False, assign=True)
+
+
+def _load_saved(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """An HF-PEFT state dict into the meta model: which saved key is which parameter is asked of
+    peft's own saving (``get_peft_model_state_dict`` over a marker per parameter); every adapter
+    parameter must come from the file and every tensor of the file must land somewhere."""
+    from peft import get_peft_model_state_dict
+
+    from toolkit.plan.lora import ADAPTER
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    keyed = get_peft_model_state_dict(model, state_dict={n: torch.tensor([i]) for i, n in enumerate(names)},
+                                      adapter_name=ADAPTER)
+    param_of = {key: names[int(marker)] for key, marker in keyed.items()}
+    missing, unexpected = sorted(set(param_of) - set(saved)), sorted(set(saved) - set(param_of))
+    if missing or unexpected:
+        raise ConvertError(f"{path / PEFT_WEIGHTS} does not fit its adapter_config.json on this base: missing "
+                           f"{missing[:5]}, unexpected {unexpected[:5]}; is it the right base?")
+    _assign(model, {param_of[k]: v for k, v in saved.items()}, str(path))
+
+
+def _check_mergeable(config, path: Path) -> None:
+    if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
+        raise ConvertError(f"{path}: a {config.peft_type} adapter; toolkit convert reads LoRA adapters only")
+    reasons = [f"{field} ({why})" for field, why in UNMERGEABLE.items() if getattr(config, field, None)]
+    if getattr(config, "bias", "none") != "none":
+        reasons.append(f"bias={config.bias!r} (it trains biases of the base)")
+    if reasons:
+        raise ConvertError(f"{path}: this adapter is not a plain LoRA (W + scaling x B @ A): {'; '.join(reasons)}. "
+                           "Merge it with peft's merge_and_unload()")
+
+
+def _base_dir(adapter: Path, base: str | None, given: bool) -> Path:
+    flag = "--base" if given else f"{adapter / PEFT_CONFIG}'s base_model_name_or_path"
+    if not base:
+        raise ConvertError(f"{adapter}: the adapter names no base model; pass --base DIR (the HF model it was "
+                           "trained on)")
+    path = Path(base)
+    if not (path / "config.json").is_file():
+        raise ConvertError(f"{flag} = {base!r} is not a local HF model directory (no config.json); pass --base DIR "
+                           "(a save_pretrained directory of the model the adapter was trained on)")
+    return path
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+def save_peft(model: torch.nn.Module, trained: dict[str, torch.Tensor], out: Path, base_name: str | None) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` (fp32, peft's saved key names) of a
+    peft-wrapped model whose trained tensors are ``trained`` (by parameter name), into ``out``."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from toolkit.plan.lora import ADAPTER
+    tensors = get_peft_model_state_dict(model, state_dict=trained, adapter_name=ADAPTER)
+    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config.base_model_name_or_path = base_name
+    config.save_pretrained(str(out))
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+
+
+def merged_source(base, adapter: Adapter):
+    """The base's HF reader with each adapted weight merged, W + scaling x B @ A in fp32 with each
+    layer's own scaling, and each module to save replaced by its trained copy; every tensor fp32.
+    Read whole, one at a time (no memory-mapped pieces: the writer must call ``read``)."""
+    from toolkit.convert.canonical import Source, TensorInfo
+    from toolkit.plan.lora import merged_weight
+    pairs, saved = _merge_table(adapter.model)
+
+    class Merged(Source):
+        def read(self, name: str, state: str = "param"):
+            if name in saved:
+                return saved[name].float()
+            tensor = base.read(name, state)
+            if name not in pairs:
+                return tensor.float()
+            return merged_weight(tensor, *pairs[name])
+
+    absent = sorted(set(pairs) - set(base.infos)) + sorted(set(saved) - set(base.infos))
+    if absent:
+        raise ConvertError(f"the base checkpoint {base.path} lacks the adapted tensors {absent[:5]}")
+    wrong = [f"{n}: base {tuple(base.infos[n].shape)}, adapter {tuple(_delta_shape(*pairs[n]))}" for n in pairs
+             if tuple(base.infos[n].shape) != tuple(_delta_shape(*pairs[n]))]
+    if wrong:
+        raise ConvertError(f"the adapter does not fit the base {base.path}: {'; '.join(wrong[:3])}")
+    return Merged(path=base.path, format="hf-merged", hf_config={**base.hf_config, "dtype": "float32"},
+                  infos={n: TensorInfo(tuple(i.shape), torch.float32) for n, i in base.infos.items()},
+                  carry_files=list(base.carry_files))
+
+
+def _merge_table(model: torch.nn.Module) -> tuple[dict, dict]:
+    """({HF weight name: (lora_A, lora_B, scaling, fan_in_fan_out)}, {HF name: trained copy}) of a
+    peft model, read from peft's own layers (so patterns and rsLoRA scale as peft scales them)."""
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
+    pairs = {f"{name.removeprefix(PEFT_PREFIX)}.weight": (m.lora_A[ADAPTER].weight.detach(), m.lora_B[ADAPTER].weight.detach(),
+                                                          m.scaling[ADAPTER], m.fan_in_fan_out)
+             for name, m in _lora_layers(model)}
+    saved = {}
+    for name, p in model.named_parameters():
+        if f".modules_to_save.{ADAPTER}." in name:
+            saved[name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")] = p.detach()
+    return pairs, saved
+
+
+def _lora_layers(model: torch.nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    from toolkit.plan.lora import ADAPTER
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.scaling]
+
+
+def _delta_shape(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple[int, int]:
+    return (a.shape[1], b.shape[0]) if fan_in_fan_out else (b.shape[0], a.shape[1])
+
+
+# --- convert -----------------------------------------------------------------------------------
+
+def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_bytes: int, step=None) -> dict:
+    """``adapter`` written staged as an HF-PEFT directory (``--to peft``) or merged onto its base
+    (``--to hf``, fp32)."""
+    from toolkit.convert.hf import HFSource, write_hf
+    from toolkit.convert.staging import staged
+    if to not in ("hf", "peft"):
+        raise ConvertError(f"{src}: a LoRA adapter converts --to peft (the adapter) or --to hf (merged onto its "
+                           f"base), not --to {to}")
+    if to == "hf" and adapter.base is None:
+        raise ConvertError(f"{src}: the LoRA base was a random init (seed); --to hf needs a pretrained base: use the "
+                           "run's hf_final/, or --to peft")
+    trained = adapter.trained()
+    with staged(Path(dst)) as stage:
+        if to == "peft":
+            save_peft(adapter.model, trained, stage, adapter.base)
+        else:
+            base = HFSource(Path(adapter.base))
+            try:
+                write_hf(merged_source(base, adapter), stage, max_shard_bytes=max_shard_bytes)
+            finally:
+                base.close()
+    return {"src": str(src), "dst": str(dst), "from": "LoRA adapter", "to": to,
+            "family": adapter.hf_config.get("model_type"), "tensors": len(trained), "step": step,
+            "optimizer_state": False, "reader": "torch", "seconds": 0.0}
+
+
+def open_adapter(src: Path, base: str | None) -> tuple[Adapter, dict]:
+    """(the adapter, a description) of a LoRA source: an HF-PEFT directory or a toolkit LoRA
+    checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
+    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    if is_peft_dir(src):
+        return adapter_from_peft_dir(src, base), {"format": "peft"}
+    ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
+    adapter = adapter_from_checkpoint(ckpt, meta)
+    if base is not None:
+        adapter.base = base
+    if adapter.base is not None:
+        _check_fingerprint(ckpt, meta, adapter.base)
+    return adapter, {"format": f"{meta['format']} (LoRA)", "step": meta.get("step")}
+
+
+def _check_fingerprint(ckpt: Path, meta: dict, base: str) -> None:
+    from toolkit.storage.meta import base_model_record
+    want = meta.get("base_model", {}).get("fingerprint")
+    now = base_model_record(base, "pretrained", 0)["fingerprint"]
+    if want != now:
+        raise ConvertError(f"{ckpt}: the base {base} has fingerprint {now}, the adapters were trained on {want} "
+                           f"({meta.get('base_model', {}).get('path')}); merging onto another base would be wrong")
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def verify_adapter(src: Path, dst: Path, base: str | None):
+    """DST against SRC through peft: an HF-PEFT DST's tensors equal SRC's adapter; a merged DST's
+    tensors equal peft's ``merge_and_unload()`` of SRC on its base, bit for bit; and DST's logits on a
+    fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``). Without a pretrained base
+    (a random-init run) only the adapter tensors are compared."""
+    from toolkit.convert.lora import is_peft_dir
+    from toolkit.convert.verify import Report
+    adapter, _ = open_adapter(src, base)
+    report = Report()
+    want = adapter.trained()
+    if is_peft_dir(dst):
+        got = adapter_from_peft_dir(dst, adapter.base, adapter.hf_config).trained()
+        report.mismatched += [n for n in want if n not in got or not torch.equal(want[n], got[n])]
+        report.tensors = len(want)
+    if adapter.base is None:
+        return report
+    reference = _peft_model(adapter)
+    ids = torch.randint(0, adapter.hf_config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = reference(input_ids=ids).logits
+    if is_peft_dir(dst):
+        from peft import PeftModel
+        target = PeftModel.from_pretrained(_base_model(adapter.base), str(dst)).eval()
+    else:
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+        merged, stored = reference.merge_and_unload().state_dict(), target.state_dict()
+        report.mismatched += [n for n in merged if n not in stored or not torch.equal(merged[n], stored[n])]
+        report.tensors = len(merged)
+    report.logits_max_diff = float((target(input_ids=ids).logits - expected).abs().max())
+    report.logits_tol = ADAPTER_LOGIT_RTOL * float(expected.abs().max())
+    return report
+
+
+def _base_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _peft_model(adapter: Adapter) -> torch.nn.Module:
+    """peft's model of the base with the adapter's tensors: the reference for ``--verify``."""
+    from peft import get_peft_model
+
+    from toolkit.plan.lora import ADAPTER
+    model = get_peft_model(_base_model(adapter.base), adapter.model.peft_config[ADAPTER])
+    trained = adapter.trained()
+    missing = set(trained) - {n for n, p in model.named_parameters() if p.requires_grad}
+    if missing:
+        raise ConvertError(f"peft's model of {adapter.base} has no {sorted(missing)[:5]}")
+    for name, tensor in trained.items():
+        model.get_parameter(name).copy_(tensor)
+    return model.eval()
+
