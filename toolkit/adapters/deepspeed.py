@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import moe
-from toolkit.adapters.hf import param_groups
+from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats, token_loss_sum
@@ -190,17 +190,20 @@ class DeepSpeedEngine:
     def export_hf(self, path: Path, tokenizer) -> None:
         """Collective: ``path`` in fp32, written tensor by tensor (under ZeRO-3 each parameter is
         gathered alone, so no rank holds more than one beyond its partition). A LoRA run writes the
-        merged model there, and its adapter as an HF-PEFT directory beside it (``adapter/``)."""
-        from toolkit.adapters.export import MergedLoraSource, ModuleSource, write_adapter, write_streamed
+        merged model there, and its adapter as an HF-PEFT directory beside it (``adapter/``), both
+        from the optimizer's fp32 masters (``trained_fp32``), merged onto the base as stored."""
+        from toolkit.adapters.export import ModuleSource, trained_fp32, write_adapter, write_merged, write_streamed
         module, gather = self.engine.module, _gathered if self.lay.zero_stage == 3 else None
-        if self.lora:
-            source = MergedLoraSource(module, module.config.model_type, gather=gather)
-        else:
-            source = ModuleSource(module, module.config.model_type, gather=gather)
-        write_streamed(source, path, tokenizer, getattr(module, "generation_config", None))
-        if self.lora:
-            base = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else None
-            write_adapter(module, Path(path).parent / "adapter", gather=gather, base_name=base)
+        generation_config = getattr(module, "generation_config", None)
+        if not self.lora:
+            write_streamed(ModuleSource(module, module.config.model_type, gather=gather), path, tokenizer,
+                           generation_config)
+            return
+        trained = trained_fp32(module, gather)
+        base = model_dir(self.cfg.model.name_or_path) if self.cfg.model.init == "pretrained" else None
+        write_merged(module, trained, path, tokenizer, generation_config, gather, base)
+        write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
+                      if base else None)
 
     @property
     def module(self) -> torch.nn.Module:

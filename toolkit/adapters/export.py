@@ -65,45 +65,76 @@ class ModuleSource(Source):
 
 
 class MergedLoraSource(ModuleSource):
-    """A peft-wrapped module (``adapters/lora.py``) as the merged HF model: each adapted layer's
-    weight is W + scaling x B @ A, computed in fp32 on rank 0 from the base weight and the two
-    adapter matrices, gathered together (one layer at a time under ZeRO-3); a module trained in
-    full (modules_to_save) is its trained copy; every other parameter is the frozen base's."""
+    """A peft-wrapped module (``adapters/lora.py``) as the merged HF model, for a base that exists
+    only in the module (a random init): each adapted layer's weight is W + scaling x B @ A in fp32
+    on rank 0, W gathered from the module (one layer at a time under ZeRO-3), A and B from
+    ``trained``; a module trained in full (modules_to_save) is its trained copy. ``trained``: the
+    fp32 trained tensors by peft name (``trained_fp32``) on rank 0, None on the others."""
+
+    def __init__(self, module: torch.nn.Module, model_type: str, trained: dict | None, gather=None):
+        from toolkit.convert.peft import merge_table
+        super().__init__(module, model_type, gather=gather)
+        self.pairs, self.saved = merge_table(module, trained) if trained is not None else ({}, {})
 
     def _hf_params(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        from toolkit.adapters.lora import adapter_pair, hf_name
-        self.pairs, params = {}, {}
-        for peft_name, param in module.named_parameters():
-            name = hf_name(peft_name)
-            if name is not None:
-                params[name] = param
-                self.pairs[name] = adapter_pair(module, peft_name)
-        return params
+        from toolkit.adapters.lora import hf_name
+        return {hf: param for name, param in module.named_parameters() if (hf := hf_name(name)) is not None}
 
     def _gathered_fp32(self, param_name: str) -> torch.Tensor | None:
         from toolkit.plan.lora import merged_weight
-        pair = self.pairs[param_name]
-        if pair is None:
-            return super()._gathered_fp32(param_name)
-        a, b, scaling, fan_in_fan_out = pair
-        base = self.params[param_name]
-        with self.gather(base, a, b) if self.gather else contextlib.nullcontext():
-            if dist.get_rank() != 0:
-                return None
-            return merged_weight(base.detach().cpu(), a.detach().cpu(), b.detach().cpu(), scaling, fan_in_fan_out)
+        whole = super()._gathered_fp32(param_name)  # collective under ZeRO-3: every rank asks
+        if whole is None:
+            return None
+        if param_name in self.saved:
+            return self.saved[param_name]
+        return merged_weight(whole, *self.pairs[param_name]) if param_name in self.pairs else whole
 
 
-def write_adapter(module: torch.nn.Module, path: Path, gather=None, base_name: str | None = None) -> None:
+def trained_fp32(module: torch.nn.Module, gather=None) -> dict[str, torch.Tensor] | None:
+    """Collective: what a LoRA run trains, by peft name, whole in fp32 on the CPU of rank 0 (None on
+    the others): DeepSpeed's fp32 master copies where its optimizer keeps them (bf16/fp16 runs hold
+    rounded copies in the module; ``safe_get_full_fp32_param`` gathers the masters at any stage),
+    else the parameter itself."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from toolkit.adapters.lora import trainable_names
+    params, out = dict(module.named_parameters()), {}
+    for name in trainable_names(module):  # every rank, same order: the gathers are collective
+        master = safe_get_full_fp32_param(params[name])
+        if master is None:
+            with gather(params[name]) if gather else contextlib.nullcontext():
+                master = params[name].detach()
+        if dist.get_rank() == 0:
+            out[name] = master.detach().to("cpu", torch.float32).clone()
+    return out if dist.get_rank() == 0 else None
+
+
+def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, tokenizer, generation_config,
+                 gather=None, base: str | None = None) -> None:
+    """Collective: ``hf_final/`` of a LoRA run, merged in fp32. A pretrained ``base`` is read from
+    its files by rank 0 (the converter's HF reader), so a bf16 or fp16 run does not round the frozen
+    weights it never changed; a random-init base exists only in the module (``MergedLoraSource``)."""
+    if base is None:
+        write_streamed(MergedLoraSource(module, module.config.model_type, trained, gather), path, tokenizer,
+                       generation_config)
+        return
+    if dist.get_rank() != 0:
+        write_streamed(None, path)
+        return
+    from toolkit.convert.hf import HFSource
+    from toolkit.convert.peft import merged_source
+    reader = HFSource(Path(base))
+    try:
+        write_streamed(merged_source(reader, module, trained), path, tokenizer, generation_config)
+    finally:
+        reader.close()
+
+
+def write_adapter(module: torch.nn.Module, path: Path, trained: dict | None, base_name: str | None = None) -> None:
     """Collective: the trained adapter of a peft-wrapped ``module`` as an HF-PEFT directory
     (``adapter_config.json``, ``adapter_model.safetensors`` in fp32, peft's own key names), which
-    ``peft.PeftModel.from_pretrained(base, path)`` loads; rank 0 writes it, replaced whole."""
-    from toolkit.adapters.lora import trainable_names
-    params = dict(module.named_parameters())
-    trained = {}
-    for name in trainable_names(module):  # every rank, same order: the gathers are collective
-        with gather(params[name]) if gather else contextlib.nullcontext():
-            if dist.get_rank() == 0:
-                trained[name] = params[name].detach().to("cpu", torch.float32).clone()
+    ``peft.PeftModel.from_pretrained(base, path)`` loads; rank 0 writes ``trained`` (``trained_fp32``),
+    replaced whole."""
     if dist.get_rank() == 0:
         _write_peft_dir(module, trained, Path(path), base_name)
     dist.barrier()
@@ -153,12 +184,13 @@ def _drained_on_failure(source: Source):
         source.read = read
 
 
-def write_streamed(source: Source, path: Path, tokenizer=None, generation_config=None) -> None:
-    """Collective: every rank reads every tensor in the writer's order; rank 0 writes ``path``
-    (replaced whole: built beside it, then renamed)."""
+def write_streamed(source: Source | None, path: Path, tokenizer=None, generation_config=None) -> None:
+    """Collective: every rank reads every tensor in the writer's order (a source rank 0 reads alone,
+    ``collective`` False, may be None on the others); rank 0 writes ``path`` (replaced whole: built
+    beside it, then renamed)."""
     path = Path(path)
     if dist.get_rank() != 0:
-        for name in source.infos if source.collective else ():  # rank 0's writer reads in this order
+        for name in source.infos if source is not None and source.collective else ():  # the writer's order
             source.read(name)
         dist.barrier()
         return

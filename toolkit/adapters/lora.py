@@ -21,7 +21,7 @@ import torch
 
 from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, LoraSpec, peft_config
 
-__all__ = ["ADAPTER", "PEFT_PREFIX", "apply_lora", "peft_config", "hf_name", "adapter_pair", "trainable_names",
+__all__ = ["ADAPTER", "PEFT_PREFIX", "apply_lora", "peft_config", "hf_name", "trainable_names",
            "saved_layout", "to_universal"]
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.Module:
@@ -53,16 +53,6 @@ def hf_name(peft_name: str) -> str | None:
     if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name or ".original_module." in name:
         return None
     return name.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
-
-
-def adapter_pair(module: torch.nn.Module, peft_name: str):
-    """For a base layer's ``weight`` (peft name), that layer's (lora_A, lora_B, scaling, fan_in_fan_out);
-    None for any other parameter."""
-    if not peft_name.endswith(".base_layer.weight"):
-        return None
-    layer = module.get_submodule(peft_name.removesuffix(".base_layer.weight"))
-    return (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER],
-            layer.fan_in_fan_out)
 
 
 # --- resuming at another DP size or ZeRO stage ---------------------------------------------------

@@ -189,15 +189,18 @@ def save_peft(model: torch.nn.Module, trained: dict[str, torch.Tensor], out: Pat
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
 
 
-def merged_source(base, adapter: Adapter):
+def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]):
     """The base's HF reader with each adapted weight merged, W + scaling x B @ A in fp32 with each
     layer's own scaling, and each module to save replaced by its trained copy; every tensor fp32.
-    Read whole, one at a time (no memory-mapped pieces: the writer must call ``read``)."""
+    ``model``: a peft-wrapped model (its layers give names and scalings), ``trained``: its trained
+    tensors by parameter name. Read whole, one at a time by rank 0 alone (``collective`` False)."""
     from toolkit.convert.canonical import Source, TensorInfo
     from toolkit.plan.lora import merged_weight
-    pairs, saved = _merge_table(adapter.model)
+    pairs, saved = merge_table(model, trained)
 
     class Merged(Source):
+        collective = False
+
         def read(self, name: str, state: str = "param"):
             if name in saved:
                 return saved[name].float()
@@ -218,17 +221,17 @@ def merged_source(base, adapter: Adapter):
                   carry_files=list(base.carry_files))
 
 
-def _merge_table(model: torch.nn.Module) -> tuple[dict, dict]:
-    """({HF weight name: (lora_A, lora_B, scaling, fan_in_fan_out)}, {HF name: trained copy}) of a
-    peft model, read from peft's own layers (so patterns and rsLoRA scale as peft scales them)."""
+def merge_table(model: torch.nn.Module, trained: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """({HF weight name: (lora_A, lora_B, scaling, fan_in_fan_out)}, {HF name: trained copy}): the
+    tensors from ``trained`` (by peft parameter name), each layer's scaling and layout from peft's
+    own layers of ``model`` (so rank/alpha patterns and rsLoRA scale as peft scales them)."""
     from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
-    pairs = {f"{name.removeprefix(PEFT_PREFIX)}.weight": (m.lora_A[ADAPTER].weight.detach(), m.lora_B[ADAPTER].weight.detach(),
+    pairs = {f"{name.removeprefix(PEFT_PREFIX)}.weight": (trained[f"{name}.lora_A.{ADAPTER}.weight"],
+                                                          trained[f"{name}.lora_B.{ADAPTER}.weight"],
                                                           m.scaling[ADAPTER], m.fan_in_fan_out)
              for name, m in _lora_layers(model)}
-    saved = {}
-    for name, p in model.named_parameters():
-        if f".modules_to_save.{ADAPTER}." in name:
-            saved[name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")] = p.detach()
+    saved = {n.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", "."): t
+             for n, t in trained.items() if f".modules_to_save.{ADAPTER}." in n}
     return pairs, saved
 
 
@@ -263,7 +266,7 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
         else:
             base = HFSource(Path(adapter.base))
             try:
-                write_hf(merged_source(base, adapter), stage, max_shard_bytes=max_shard_bytes)
+                write_hf(merged_source(base, adapter.model, trained), stage, max_shard_bytes=max_shard_bytes)
             finally:
                 base.close()
     return {"src": str(src), "dst": str(dst), "from": "LoRA adapter", "to": to,
