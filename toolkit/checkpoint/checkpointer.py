@@ -51,7 +51,8 @@ class Checkpointer:
         if self.async_ckpt is None:
             return self._save_sync(step, progress)
         self.poll(wait=True)  # one save in flight at most
-        if not self.async_ckpt.has_room(self.plan.model.total * BYTES_PER_PARAM):
+        trained, _ = self.plan.trainable_parameters()  # a LoRA checkpoint holds its adapters only
+        if not self.async_ckpt.has_room(trained * BYTES_PER_PARAM):
             self.metrics.note(f"{self.async_ckpt.root.parent} lacks room for a checkpoint: saving synchronously")
             return self._save_sync(step, progress)
         tic = time.perf_counter()
