@@ -84,7 +84,7 @@ def test_text_packing_matches_eos_separated_stream(tmp_path, tok):
 
 def test_instruction_masks_prompt_and_labels_response_and_eos(tmp_path, tok):
     examples = [{"prompt": "Reverse: a b c", "response": "c b a"}, {"prompt": "Say hi", "response": "hi there"}]
-    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "i.jsonl", examples * 4), template="instruction", seq_len=64)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "i.jsonl", examples * 4), template="instruction", packing="concat", seq_len=64)
     r = rows(data.prepare_data(cfg, tok).train)
     ids = r["input_ids"][0]
     labelled = r["labels"][0][r["labels"][0] != -100].tolist()
@@ -103,7 +103,7 @@ def test_chat_fixed_format_labels_only_assistant_turns(tmp_path, tok):
     conv = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
                          {"role": "assistant", "content": "Ciao"}]}
-    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "c.jsonl", [conv] * 6), template="chat", seq_len=32)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "c.jsonl", [conv] * 6), template="chat", packing="concat", seq_len=32)
     labels = rows(data.prepare_data(cfg, tok).train)["labels"].flatten()  # rows are consecutive windows
     labelled = labels[labels != -100].tolist()
     eos = tok.eos_token_id
@@ -118,7 +118,7 @@ def test_chat_template_labels_only_assistant_turns(tmp_path, tok):
     templated.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     conv = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
-    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "c.jsonl", [conv] * 8), template="chat", seq_len=16)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "c.jsonl", [conv] * 8), template="chat", packing="concat", seq_len=16)
     r = rows(data.prepare_data(cfg, templated).train)
     labelled = r["labels"][0][r["labels"][0] != -100].tolist()
     answer = templated("Hello\n", add_special_tokens=False)["input_ids"] + [templated.eos_token_id]

@@ -59,6 +59,16 @@ class DataConfig(_Section):
     response_column: str = "response"
     messages_column: str = "messages"
     seq_len: int = 128
+    packing: Literal["concat", "documents", "pad"] | None = None
+    """How documents become rows of ``seq_len`` tokens (``toolkit/data/pack.py``). ``concat``: one token
+    stream cut into rows, attention and positions run across documents (pretraining style).
+    ``documents``: whole documents packed into rows, each attending only to itself with positions
+    restarting at 0 (every document's result equals running it alone). ``pad``: one document per
+    row, padded (the reference ``documents`` must match). Default (None): ``documents`` for
+    ``template`` instruction/chat, ``concat`` for ``none``; read it as ``packing_mode``."""
+    overflow: Literal["split", "drop"] = "split"
+    """``documents``/``pad``: a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each
+    its own document) or dropped; the count is logged and kept in the run's data summary."""
     eval_fraction: float = 0.05
     num_proc: int = 1
     cache_dir: str | None = None
@@ -70,6 +80,11 @@ class DataConfig(_Section):
         if v < 2:
             raise ValueError(f"data.seq_len={v} must be at least 2")
         return v
+
+    @property
+    def packing_mode(self) -> str:
+        """``packing``, or its default for ``template``."""
+        return self.packing or ("concat" if self.template == "none" else "documents")
 
     @field_validator("eval_fraction")
     @classmethod

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters import moe
+from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
@@ -72,12 +72,13 @@ class DeepSpeedEngine:
         for i, mb in enumerate(micro_batches):
             mb = device.to_device(mb)
             forward_time.start()
-            out = self._forward(mb["input_ids"])
+            out = self._forward(mb)
             forward_time.stop()
             loss_sum, _ = token_loss_sum(out.logits, mb["labels"])
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
-                objective = objective + self.router.loss(out.router_logits) / len(micro_batches)
+                real = hf_attention.real_tokens(mb)
+                objective = objective + self.router.loss(out.router_logits, real) / len(micro_batches)
             self.engine.backward(objective, scale_wrt_gas=False)
             del out, objective  # else this micro-batch's logits [b, s, V] live through the next forward
             if i == len(micro_batches) - 1 and self._norm_not_recorded:
@@ -104,10 +105,13 @@ class DeepSpeedEngine:
                 return float(scale)
         return None
 
-    def _forward(self, input_ids):
-        if self.router:
-            return self.engine(input_ids=input_ids, output_router_logits=True)
-        return self.engine(input_ids=input_ids)
+    def _forward(self, mb: dict, router: bool = True):
+        """The HF forward of a micro-batch; rows packed by documents bring their positions and
+        layout (``adapters/hf_attention.py``), and a forward that ignored them raises."""
+        inputs = hf_attention.forward_inputs(mb)
+        out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
+        hf_attention.check_applied(inputs)
+        return out
 
     @property
     def _norm_not_recorded(self) -> bool:
@@ -129,7 +133,7 @@ class DeepSpeedEngine:
         self.engine.eval()
         totals = device.zeros(2, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
-            logits = self.engine(input_ids=mb["input_ids"]).logits
+            logits = self._forward(mb, router=False).logits
             loss_sum, count = token_loss_sum(logits, mb["labels"])
             del logits  # not alive while the next micro-batch's are computed
             totals += torch.stack([loss_sum.double(), count.double()])
@@ -244,9 +248,16 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     ds_config = plan.ds_config(dist.get_world_size())
     if rank == 0:
         (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        if plan.config.data.packing_mode != "concat":
+            print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(plan)), flush=True)
     _install_op_caches()
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     return DeepSpeedEngine(plan, build_model(plan, ds_config))
+
+
+def _attention_dropout(plan: Plan) -> bool:
+    hf = plan.model.hf_config()
+    return bool(getattr(hf, "attention_dropout", 0.0) or getattr(hf, "attn_pdrop", 0.0))
 
 
 @contextlib.contextmanager
@@ -354,9 +365,10 @@ class _RouterLoss:
                               "the load-balancing loss needs the router's top-k (set it in config.json)")
         self.stats: moe.RouterStats | None = None
 
-    def loss(self, router_logits) -> torch.Tensor | float:
+    def loss(self, router_logits, real: torch.Tensor | None = None) -> torch.Tensor | float:
         """``coeff`` x the mean over MoE layers of this micro-batch's aux loss (recorded in ``stats``);
-        ``router_logits``: one ``[tokens, E]`` (or ``[batch, seq, E]``) tensor per MoE layer."""
+        ``router_logits``: one ``[tokens, E]`` (or ``[batch, seq, E]``) tensor per MoE layer; ``real``
+        ``[tokens]`` bool: the tokens that count (padding of rows packed by documents does not)."""
         if not router_logits:
             return 0.0  # a model without MoE layers in this configuration
         experts = router_logits[0].shape[-1]
@@ -365,6 +377,8 @@ class _RouterLoss:
         total = 0.0
         for layer, logits in enumerate(router_logits):
             logits = logits.reshape(-1, experts)
+            if real is not None:
+                logits = logits[real]
             counts = moe.routed_counts(logits.detach(), int(self.top_k))
             aux = moe.load_balancing_loss(logits, counts, logits.shape[0])
             self.stats.add(layer, counts, aux)

@@ -179,6 +179,9 @@ def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     if plan.config.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if plan.config.data.packing_mode != "concat":  # rows carry document_ids: attention must honour them
+        from toolkit.adapters.hf_attention import use_document_attention
+        use_document_attention(model)
     return model
 
 

@@ -11,23 +11,28 @@ its EOS carry loss. Template ``chat``: a list of ``{"role", "content"}`` message
 ``messages_column``, rendered with the tokenizer's chat template when it has one (else
 ``CHAT_HEADERS``); only assistant turns carry loss. Every document ends with EOS.
 
-Packing (Megatron / HF ``group_texts`` style). Within one ``datasets.map`` batch of documents
-(``PACK_BATCH_DOCS``), the token stream is concatenated and cut into windows of ``seq_len + 1``
-tokens with stride ``seq_len``; window ``w`` gives ``input_ids = w[:-1]`` and ``labels = w[1:]``,
-with labels set to -100 where the target token carries no loss. The batch's tail that does not fill
-a window is dropped, and windows with no loss token at all (inside a long prompt) are dropped too,
-so a global batch never has zero loss tokens.
+Packing (``data.packing``; default ``documents`` for templates instruction/chat, ``concat`` for none):
+
+- ``concat`` (Megatron / HF ``group_texts`` style). Within one ``datasets.map`` batch of documents
+  (``PACK_BATCH_DOCS``), the token stream is concatenated and cut into windows of ``seq_len + 1``
+  tokens with stride ``seq_len``; window ``w`` gives ``input_ids = w[:-1]`` and ``labels = w[1:]``,
+  with labels set to -100 where the target token carries no loss. The batch's tail that does not
+  fill a window is dropped. Attention and positions run across documents (only the EOS between
+  them says a new one starts): the pretraining convention, free of padding.
+- ``documents``: each document gives ``inputs = doc[:-1]``, ``labels = doc[1:]`` (no token predicts
+  across a boundary); whole documents are packed into rows, best fit in decreasing length inside
+  the map batch (``fit_rows``; a document that fits a row is never split), with a ``document_ids``
+  column (1, 2, ... per document, 0 on the padded tail). The engines restart positions at each
+  document and confine attention to it (``toolkit/adapters/attention.py``), so each document's
+  logits equal those of the document run alone. A document longer than ``seq_len`` is cut into
+  ``seq_len`` pieces or dropped (``data.overflow``; the count is ``PackedData.num_overflow``).
+- ``pad``: the same rows with one document each (the reference ``documents`` must equal).
+
+Rows with no loss token at all (inside a long prompt) are dropped in every mode, so a global batch
+never has zero loss tokens. The cache key holds the mode and the overflow rule.
 
 Modules: ``sources`` (rows), ``templates`` (documents), ``tokenizer``, ``pack`` (samples and the
 cached pipeline), ``batches`` (global batches and this rank's micro-batches).
-
-Attention crosses document boundaries: a sample is one causal sequence, so tokens of a document
-attend to the end of the previous one; only the EOS between them tells the model that a new
-document starts. This is what GPT-2/Megatron pretraining does and it costs nothing. Preventing it
-would need per-sample document boundaries kept through packing (e.g. a ``position_ids`` column
-restarting at 0 after each EOS, or ``cu_seqlens``) *and* a model path that honours them: a
-block-diagonal causal mask (memory ``[mbs, seq_len, seq_len]``) or a varlen flash-attention kernel
-fed with ``position_ids``/``cu_seqlens``; the adapters would then pass that column to the model.
 
 Batches. ``global_batch_indices`` defines the sample order for every step from (seed, step) alone,
 independent of the DP size and micro-batch size, so a run resumes exactly at any layout and any
@@ -49,6 +54,7 @@ from toolkit.data.base import (
            cache_root,
 )
 from toolkit.data.batches import (
+           batch_counts,
            count_loss_tokens,
            eval_micro_batches,
            global_batch_indices,
@@ -58,6 +64,6 @@ from toolkit.data.pack import pack_tokens, prepare_data
 from toolkit.data.sources import load_source
 from toolkit.data.tokenizer import load_tokenizer
 
-__all__ = ["CHAT_HEADERS", "EOS_TOKEN", "INSTRUCTION_TEMPLATE", "DataError", "PackedData", "cache_root",
+__all__ = ["batch_counts", "CHAT_HEADERS", "EOS_TOKEN", "INSTRUCTION_TEMPLATE", "DataError", "PackedData", "cache_root",
            "count_loss_tokens", "eval_micro_batches", "global_batch_indices", "rank_micro_batches", "pack_tokens",
            "prepare_data", "load_source", "load_tokenizer"]

@@ -41,13 +41,19 @@ class DataError(ConfigError):
 @dataclass
 class PackedData:
     """Packed samples. Columns of both sets: ``input_ids`` [seq_len] int, ``labels`` [seq_len]
-    int (-100 = no loss), ``num_loss_tokens`` int (labels != -100 in the row)."""
+    int (-100 = no loss), ``num_loss_tokens`` int (labels != -100 in the row); packing ``documents``
+    and ``pad`` add ``document_ids`` [seq_len] int (1, 2, ... per document in the row, 0 = padding),
+    ``num_tokens`` (not padding) and ``num_documents`` per row."""
 
     train: datasets.Dataset
     eval: datasets.Dataset | None
     num_tokens: int = 0
     """Tokens of all documents (EOS included) before packing."""
     num_documents: int = 0
+    packing: str = "concat"
+    """``data.packing_mode`` the rows were made with."""
+    num_overflow: int = 0
+    """Documents longer than ``data.seq_len`` (split or dropped as ``data.overflow`` says)."""
 
 
 def cache_root() -> Path:

@@ -58,23 +58,35 @@ def rank_micro_batches(ds: datasets.Dataset, indices: list[int], dp_rank: int, d
 
 
 def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """One Arrow ``take`` for all of this rank's rows, then views per micro-batch."""
+    """One Arrow ``take`` for all of this rank's rows, then views per micro-batch; rows packed by
+    documents carry ``document_ids`` too (the engines derive positions and masks from them)."""
     if not len(indices):
         return []
-    rows = ds.with_format("numpy", columns=["input_ids", "labels"])[[int(i) for i in indices]]
-    input_ids = torch.from_numpy(np.ascontiguousarray(rows["input_ids"], dtype=np.int64))
-    labels = torch.from_numpy(np.ascontiguousarray(rows["labels"], dtype=np.int64))
-    return [host_batch({"input_ids": input_ids[i:i + micro_batch_size], "labels": labels[i:i + micro_batch_size]})
+    columns = [c for c in ("input_ids", "labels", "document_ids") if c in ds.column_names]
+    rows = ds.with_format("numpy", columns=columns)[[int(i) for i in indices]]
+    tensors = {c: torch.from_numpy(np.ascontiguousarray(rows[c], dtype=np.int64)) for c in columns}
+    return [host_batch({c: t[i:i + micro_batch_size] for c, t in tensors.items()})
             for i in range(0, len(indices), micro_batch_size)]
 
 
 def count_loss_tokens(ds: datasets.Dataset, indices: list[int]) -> int:
     """Labels != -100 over these samples, from the ``num_loss_tokens`` column (no token reads);
     the trainer divides the summed loss of a global batch by this on every rank."""
+    return batch_counts(ds, indices)["loss_tokens"]
+
+
+def batch_counts(ds: datasets.Dataset, indices: list[int]) -> dict[str, int]:
+    """``loss_tokens``, ``tokens`` (not padding) and ``documents`` (pieces; rows of ``concat``
+    packing count as one) over these samples, from the per-row count columns (no token reads)."""
     if not len(indices):
-        return 0
-    column = ds.with_format("numpy", columns=["num_loss_tokens"])[[int(i) for i in indices]]
-    return int(column["num_loss_tokens"].sum())
+        return {"loss_tokens": 0, "tokens": 0, "documents": 0}
+    has_docs = "num_documents" in ds.column_names
+    columns = ["num_loss_tokens"] + (["num_tokens", "num_documents"] if has_docs else [])
+    rows = ds.with_format("numpy", columns=columns)[[int(i) for i in indices]]
+    seq_len = ds.features["input_ids"].length
+    return {"loss_tokens": int(rows["num_loss_tokens"].sum()),
+            "tokens": int(rows["num_tokens"].sum()) if has_docs else len(indices) * seq_len,
+            "documents": int(rows["num_documents"].sum()) if has_docs else len(indices)}
 
 
 def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, micro_batch_size: int,

@@ -1,6 +1,7 @@
 """Packing tokenized documents into samples, the cached pipeline (``prepare_data``), the eval split."""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -46,20 +47,105 @@ def pack_tokens(ids: np.ndarray, loss: np.ndarray, seq_len: int) -> dict[str, np
     return {"input_ids": inputs[keep].astype(np.int32), "labels": labels[keep], "num_loss_tokens": num_loss[keep]}
 
 
-def _pack_fn(seq_len: int) -> Callable[[pa.Table], dict]:
+def document_pieces(lengths: np.ndarray, seq_len: int, overflow: str) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) ``[n]`` of the pieces documents of ``lengths`` [D] tokens become, in the flat
+    stream of their inputs (a document of T tokens has T - 1 input/target pairs): a document of at
+    most ``seq_len`` pairs is one piece; a longer one is cut into ``seq_len`` pieces (``split``) or
+    left out (``drop``). Documents without pairs (a lone EOS) give nothing."""
+    pairs = np.maximum(lengths.astype(np.int64) - 1, 0)
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]])
+    keep = (pairs > 0) & ((pairs <= seq_len) | (overflow == "split"))
+    pairs, starts = pairs[keep], starts[keep]
+    count = -(-pairs // seq_len)  # pieces per document
+    first = np.repeat(np.cumsum(count) - count, count)
+    k = np.arange(count.sum()) - first  # piece number inside its document
+    piece_start = np.repeat(starts, count) + k * seq_len
+    piece_len = np.minimum(np.repeat(pairs, count) - k * seq_len, seq_len)
+    return piece_start, piece_len
+
+
+def fit_rows(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """Pieces of ``lengths`` (each <= seq_len) grouped into rows of at most ``seq_len`` tokens, best
+    fit in decreasing length (a piece goes to the fullest row it fits in; ties by index, so the
+    result is deterministic). Rows are listed by creation, pieces inside a row in placement order."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, row), sorted
+    for piece in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        need = int(lengths[piece])
+        at = bisect.bisect_left(free, (need, -1))
+        if at == len(free):
+            rows.append([piece])
+            space, row = seq_len - need, len(rows) - 1
+        else:
+            space, row = free.pop(at)
+            rows[row].append(piece)
+            space -= need
+        if space > 0:
+            bisect.insort(free, (space, row))
+    return rows
+
+
+def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: int, mode: str,
+                   overflow: str) -> dict[str, np.ndarray]:
+    """Whole documents into rows (``documents``: several per row, ``fit_rows``; ``pad``: one per row).
+
+    ``ids``/``loss`` [T]: the documents' tokens back to back, ``lengths`` [D] their lengths. Each
+    document (or ``split`` piece) gives inputs ``doc[:-1]`` and targets ``doc[1:]`` (-100 where the
+    target carries no loss), so no token predicts across a boundary. Returns ``input_ids``,
+    ``labels``, ``document_ids`` (1, 2, ... per piece in the row, 0 on the padded tail; input 0
+    there) ``[n, seq_len]`` and per row ``num_loss_tokens``, ``num_tokens`` (not padding) and
+    ``num_documents``. Pieces and rows without a loss token are left out."""
+    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
+    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    start, length = document_pieces(lengths, seq_len, overflow)
+    has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
+    useful = has_loss[start + length] - has_loss[start] > 0
+    start, length = start[useful], length[useful]
+    rows = fit_rows(length, seq_len) if mode == "documents" else [[i] for i in range(len(length))]
+    order = np.array([p for row in rows for p in row], dtype=np.int64)  # pieces row after row
+    per_row = np.array([len(r) for r in rows], dtype=np.int64)
+    row_of = np.repeat(np.arange(len(rows)), per_row)
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    plen = length[order]
+    before = np.cumsum(plen) - plen  # start of each piece in all pieces back to back
+    row_tokens = np.bincount(row_of, weights=plen, minlength=len(rows)).astype(np.int64)
+    in_row = before - np.repeat(np.cumsum(row_tokens) - row_tokens, per_row)
+    t = np.arange(int(plen.sum())) - np.repeat(before, plen)  # token index inside its piece
+    src = np.repeat(start[order], plen) + t
+    dst = np.repeat(row_of * seq_len + in_row, plen) + t
+    out = {"input_ids": np.zeros(len(rows) * seq_len, np.int32),
+           "labels": np.full(len(rows) * seq_len, IGNORE_INDEX, np.int32),
+           "document_ids": np.zeros(len(rows) * seq_len, np.int32)}
+    out["input_ids"][dst] = ids[src]
+    out["labels"][dst] = targets[src]
+    out["document_ids"][dst] = np.repeat(slot + 1, plen)
+    out = {k: v.reshape(len(rows), seq_len) for k, v in out.items()}
+    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
+    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
+    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
+    return out
+
+
+def _pack_fn(seq_len: int, mode: str, overflow: str) -> Callable[[pa.Table], dict]:
     """Batched map function over Arrow batches of tokenized documents (flattened without copies)."""
     def pack(batch: pa.Table) -> dict:
-        ids = batch.column("ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        column = batch.column("ids").combine_chunks()
+        ids = column.flatten().to_numpy(zero_copy_only=False)
         loss = batch.column("loss").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        return pack_tokens(ids, loss, seq_len)
+        if mode == "concat":
+            return pack_tokens(ids, loss, seq_len)
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        return pack_documents(ids, loss, lengths, seq_len, mode, overflow)
     return pack
 
 
-def _packed_features(seq_len: int) -> datasets.Features:
-    return datasets.Features({
-        "input_ids": datasets.List(datasets.Value("int32"), length=seq_len),
-        "labels": datasets.List(datasets.Value("int32"), length=seq_len),
-        "num_loss_tokens": datasets.Value("int32")})
+def _packed_features(seq_len: int, mode: str) -> datasets.Features:
+    row = datasets.List(datasets.Value("int32"), length=seq_len)
+    features = {"input_ids": row, "labels": row, "num_loss_tokens": datasets.Value("int32")}
+    if mode != "concat":
+        features |= {"document_ids": row, "num_tokens": datasets.Value("int32"),
+                     "num_documents": datasets.Value("int32")}
+    return datasets.Features(features)
 
 
 # --- prepare -------------------------------------------------------------------------------------
@@ -74,10 +160,14 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     source = source.select_columns(list(required_columns(cfg).values()))
     docs = _tokenize(source, cfg, tokenizer)
     packed = _pack(docs, cfg)
-    num_tokens = int(pc.sum(pc.list_value_length(docs.data.column("ids"))).as_py() or 0)
+    lengths = pc.list_value_length(docs.data.column("ids"))
+    num_tokens = int(pc.sum(lengths).as_py() or 0)
     train, evals = _split_eval(packed, cfg)
     _check_enough(train, evals, num_tokens, len(docs), cfg)
-    return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs))
+    overflow = 0 if cfg.data.packing_mode == "concat" else \
+        int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
+    return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs),
+                      packing=cfg.data.packing_mode, num_overflow=overflow)
 
 
 def _key(*parts: Any) -> str:
@@ -103,10 +193,12 @@ def _tokenize(source: datasets.Dataset, cfg: RunConfig, tok: "PreTrainedTokenize
 
 
 def _pack(docs: datasets.Dataset, cfg: RunConfig) -> datasets.Dataset:
-    key = _key("pack", docs._fingerprint, cfg.data.seq_len, PACK_BATCH_DOCS)
+    d = cfg.data
+    mode = d.packing_mode
+    key = _key("pack", docs._fingerprint, d.seq_len, PACK_BATCH_DOCS, mode, d.overflow if mode != "concat" else None)
     return docs.with_format("arrow").map(
-        _pack_fn(cfg.data.seq_len), batched=True, batch_size=PACK_BATCH_DOCS,
-        remove_columns=docs.column_names, features=_packed_features(cfg.data.seq_len), desc="pack",
+        _pack_fn(d.seq_len, mode, d.overflow), batched=True, batch_size=PACK_BATCH_DOCS,
+        remove_columns=docs.column_names, features=_packed_features(d.seq_len, mode), desc=f"pack ({mode})",
         cache_file_name=str(data_cache_dir(cfg) / "packed" / f"{key}.arrow"),
         new_fingerprint=key).with_format(None)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from toolkit.checkpoint.checkpointer import Checkpointer
-from toolkit.data import PackedData, count_loss_tokens, eval_micro_batches, global_batch_indices, rank_micro_batches
+from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
 from toolkit.launch.agent import PREEMPTED_EXIT
 from toolkit.launch.events import emit, read_events
@@ -60,11 +60,11 @@ class Trainer:
             upcoming = prefetch.submit(self._batch, self.step)
             while self.step < self.cfg.train.steps:
                 tic = time.perf_counter()
-                micro_batches, loss_tokens = upcoming.result()
+                micro_batches, counts = upcoming.result()
                 if self.step + 1 < self.cfg.train.steps:  # load the next global batch while this one computes
                     upcoming = prefetch.submit(self._batch, self.step + 1)
-                stats = self._train_step(micro_batches, loss_tokens, tic)
-                self._log_step(stats, time.perf_counter() - tic, time.perf_counter() - start)
+                stats = self._train_step(micro_batches, counts["loss_tokens"], tic)
+                self._log_step(stats, counts, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
         if self.cfg.train.export_hf:
             self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
@@ -77,6 +77,18 @@ class Trainer:
                           + (f"; LoRA rank {self.plan.lora.rank} on {self.plan.lora.adapted} layers" if self.plan.lora
                              else ""))
         self.metrics.log({"event": "parameters", "trainable_params": trainable, "total_params": total})
+        self._log_packing()
+
+    def _log_packing(self) -> None:
+        """How rows were made (``toolkit/data``) and what it cost: long documents split or dropped."""
+        d, data = self.cfg.data, self.data
+        line = f"data.packing={data.packing}: {data.num_documents:,} documents -> {len(data.train):,} train rows"
+        if data.packing != "concat":
+            line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({'split' if d.overflow == 'split' else 'dropped'})"
+        self.metrics.note(line)
+        self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
+                          "train_rows": len(data.train), "overflow_documents": data.num_overflow,
+                          "overflow": d.overflow})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         self.hooks.before_step(self.step + 1)
@@ -132,13 +144,17 @@ class Trainer:
         ds, t = self.data.train, self.cfg.train
         indices = global_batch_indices(len(ds), t.global_batch_size, t.seed, step)
         micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
-        return micro, count_loss_tokens(ds, indices)
+        return micro, batch_counts(ds, indices)
 
-    def _log_step(self, stats: StepStats, step_s: float, elapsed_s: float) -> None:
+    def _log_step(self, stats: StepStats, counts: dict, step_s: float, elapsed_s: float) -> None:
+        """``tokens``: row tokens (global batch x seq_len, padding included); ``packing_efficiency``:
+        the share that is document tokens; ``documents_per_row``: documents (or split pieces) per row."""
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.data.seq_len
         record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
                   "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
+                  "packing_efficiency": counts["tokens"] / tokens,
+                  "documents_per_row": counts["documents"] / t.global_batch_size,
                   "step_s": step_s, "elapsed_s": elapsed_s}
         if stats.loss_scale is not None:  # fp16: dynamic loss scaling
             self.skipped_steps += stats.skipped
