@@ -269,9 +269,12 @@ def test_megatron_submodule_drops_out_in_training_only():
 
 # --- packed rows through the megatron engine vs HF's own forward (2 gloo ranks) --------------------------
 
-PACKED_LAYOUTS = {"tp2_sp": (2, 1, {"sequence_parallel": True}), "pp2": (1, 2, {})}
-PACKED_FAMILIES = ("llama", "gpt2")  # RoPE with llama3 scaling; learned positions
-PACKED_DOCS = [[0] * 5 + [1] * 8 + [2] * 3, [7] * 16, [3] * 11 + [4] * 5, [1] * 2 + [2] * 14]
+PACKED_LAYOUTS = {"tp2": (2, 1, {}), "tp2_sp": (2, 1, {"sequence_parallel": True}), "pp2": (1, 2, {})}
+PACKED_FAMILIES = ("llama", "gpt2", "qwen2", "qwen2_moe")  # RoPE with llama3 scaling; learned positions; biases; MoE
+PACKED_CASES = [(f, lay) for f in PACKED_FAMILIES for lay in PACKED_LAYOUTS
+                if not (f == "qwen2_moe" and lay == "tp2")]  # megatron trains MoE at TP only with SP
+PACKED_DOCS = [[1] * 5 + [2] * 8 + [0] * 3, [7] * 16, [3] * 11 + [4] * 5, [1] * 2 + [2] * 11 + [0] * 3]
+"""Document ids as ``toolkit/data`` writes them: 0 is the padded tail (no loss; MoE routers skip it)."""
 
 
 def packed_micro_batches(vocab: int) -> list[dict]:
@@ -279,9 +282,10 @@ def packed_micro_batches(vocab: int) -> list[dict]:
     only (the engine derives the positions), and the positions HF is given, written out here."""
     from tests.test_megatron_parity import batches
     rows = batches(vocab, n_micro=4, mbs=1, seq=16)
+    docs = torch.tensor(PACKED_DOCS)
     return [{"input_ids": torch.cat([rows[i]["input_ids"], rows[i + 1]["input_ids"]]),
-             "labels": torch.cat([rows[i]["labels"], rows[i + 1]["labels"]]),
-             "document_ids": torch.tensor(PACKED_DOCS[i:i + 2]),
+             "labels": torch.cat([rows[i]["labels"], rows[i + 1]["labels"]]).masked_fill(docs[i:i + 2] == 0, -100),
+             "document_ids": docs[i:i + 2],
              "hf_positions": torch.tensor([restarting_positions(r) for r in PACKED_DOCS[i:i + 2]])} for i in (0, 2)]
 
 
@@ -300,32 +304,54 @@ def _packed_rank(rank, world):
     from toolkit.config import validate
     from toolkit.engine import IGNORE_INDEX, token_loss_sum
     results = {}
-    for name, (tp, pp, extra) in PACKED_LAYOUTS.items():
-        for family in PACKED_FAMILIES:
-            model = tiny_model(family)
-            micro = packed_micro_batches(model.config.vocab_size)
-            tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
-            ref_logits = []
-            for mb in micro:  # HF confines attention to a document when position_ids restart
-                out = model(input_ids=mb["input_ids"], position_ids=mb["hf_positions"], use_cache=False).logits
-                (token_loss_sum(out, mb["labels"])[0] / tokens).backward()
-                ref_logits.append(out.detach())
-            cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **extra},
-                            "train": {"global_batch_size": 4, "micro_batch_size": 2}})
-            engine = megatron_engine(cfg, model)
-            mine = [{k: v for k, v in mb.items() if k != "hf_positions"} for mb in micro]
-            got = engine.logits(mine)
-            engine.forward_backward(mine, tokens, complete_grads=True)
-            grads = engine.hf_state(attr="main_grad")
-            result = {}
-            if got is not None:
-                result["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits))
-            if grads is not None:
-                result["grads"] = {n: ((grads[n] - p.grad).abs().max().item(), p.grad.abs().max().item())
-                                   for n, p in model.named_parameters()}
-            results[(name, family)] = result
-            parallel_state.destroy_model_parallel()
+    for family, name in PACKED_CASES:
+        tp, pp, extra = PACKED_LAYOUTS[name]
+        results[(name, family)] = _packed_case(family, tp, pp, extra)
+        parallel_state.destroy_model_parallel()
     return results
+
+
+def _packed_case(family, tp, pp, extra) -> dict:
+    """HF's own forward of the packed rows (positions restarting per document) against the engine's:
+    logits, gradients of the mean token loss, and for MoE the tokens per expert of real tokens."""
+    from tests.conftest import megatron_engine
+    from tests.test_families import tiny_model
+    from toolkit.adapters import moe
+    from toolkit.config import validate
+    from toolkit.engine import IGNORE_INDEX, token_loss_sum
+    from toolkit.families import get_family, unpack
+    model = tiny_model(family)
+    micro = packed_micro_batches(model.config.vocab_size)
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+    ref_logits, ref_counts = [], 0
+    is_moe = moe.is_router_model(model.config)
+    for mb in micro:  # HF confines attention to a document when position_ids restart
+        out = model(input_ids=mb["input_ids"], position_ids=mb["hf_positions"], use_cache=False,
+                    output_router_logits=is_moe)
+        (token_loss_sum(out.logits, mb["labels"])[0] / tokens).backward()
+        ref_logits.append(out.logits.detach())
+        if is_moe:
+            real = (mb["document_ids"] > 0).reshape(-1)
+            ref_counts = ref_counts + torch.stack([moe.routed_counts(z.detach()[real], model.config.num_experts_per_tok)
+                                                   for z in out.router_logits]).double()
+    cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **extra},
+                    "train": {"global_batch_size": 4, "micro_batch_size": 2, "moe_aux_loss_coeff": 0.0}})
+    engine = megatron_engine(cfg, model)
+    mine = [{k: v for k, v in mb.items() if k != "hf_positions"} for mb in micro]
+    got = engine.logits(mine)
+    engine.forward_backward(mine, tokens, complete_grads=True)
+    grads = engine.hf_state(attr="main_grad")
+    result = {}
+    if got is not None:
+        result["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits))
+    if grads is not None:
+        ref = unpack(get_family(family), model.config, {n: p.grad for n, p in model.named_parameters()})
+        ref.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
+        result["grads"] = {n: ((grads[n] - g).abs().max().item(), g.abs().max().item()) for n, g in ref.items()}
+    if is_moe:
+        result["counts"] = [engine.router_stats.counts.clone()]  # this rank's share, summed below
+        result["ref_counts"] = ref_counts
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +362,10 @@ def packed(tmp_path_factory):
     merged = {}
     for r in run_ranks(_packed_rank, 2, tmp_path_factory.mktemp("packed"), timeout=600):
         for key, d in r.items():
+            counts = merged.get(key, {}).get("counts", []) + d.pop("counts", [])
             merged.setdefault(key, {}).update(d)
+            if counts:
+                merged[key]["counts"] = counts
     print("\nmax |diff| HF vs megatron, packed rows:")
     for (name, family), d in merged.items():
         print(f"  {name} {family}: logits {d['logits']:.2e} grads {max(x[0] for x in d['grads'].values()):.2e}")
@@ -344,12 +373,14 @@ def packed(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(PACKED_LAYOUTS))
-@pytest.mark.parametrize("family", PACKED_FAMILIES)
+@pytest.mark.parametrize("family,layout", PACKED_CASES)
 def test_packed_rows_match_hf_logits_and_gradients(packed, family, layout):
     """Document masks and restarting positions reach every TP rank and pipeline stage: each packed
-    document's logits, and every parameter's gradient, equal HF's own forward of the packed rows."""
+    document's logits, and every parameter's gradient, equal HF's own forward of the packed rows;
+    MoE routers count the real tokens only (the padded tails left out), as HF routes them."""
     d = packed[(layout, family)]
     assert d["logits"] < 2e-5
     bad = {n: x for n, x in d["grads"].items() if x[0] > 2e-5 * max(x[1], 1.0)}
     assert not bad, bad
+    if "ref_counts" in d:
+        assert torch.equal(sum(d["counts"]), d["ref_counts"])

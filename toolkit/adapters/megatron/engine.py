@@ -145,6 +145,8 @@ class MegatronEngine:
         ids = mb["input_ids"]
         layout = TokenLayout.of(ids, mb.get("position_ids"), mb.get("document_ids"))
         inputs = {"input_ids": ids, "position_ids": layout.position_ids, "attention_mask": None}
+        if self.router_stats is not None and mb.get("document_ids") is not None:
+            inputs["padding_mask"] = mb["document_ids"] == 0  # the routers leave the padded tail out
         if self.attention is not None:
             return inputs | {"packed_seq_params": layout}
         if "position_ids" in mb or "document_ids" in mb:

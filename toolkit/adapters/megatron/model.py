@@ -251,21 +251,39 @@ def load_balanced_router_class():
         stats: "moe.RouterStats | None" = None
 
         def routing(self, logits, padding_mask=None):
+            """``padding_mask``: megatron's ``[s or s / tp, b]`` (True = padding; GPTModel's
+            ``padding_mask`` from the engine, rows packed by documents), left out of the statistics."""
+            flat = logits.reshape(-1, self.config.num_moe_experts)
+            padding_mask = _local_rows(padding_mask, flat.shape[0])
             probs, routing_map = super().routing(logits, padding_mask)
             if not (self.training and torch.is_grad_enabled()):
                 return probs, routing_map
-            flat = logits.reshape(-1, self.config.num_moe_experts)
-            counts = routing_map.sum(dim=0)
-            tokens = flat.shape[0]
+            routed = routing_map
+            if padding_mask is not None:
+                flat, routed = flat[~padding_mask], routing_map[~padding_mask]
+            counts = routed.sum(dim=0)
+            tokens = torch.tensor(float(flat.shape[0]), dtype=torch.float64, device=counts.device)
             if self.config.sequence_parallel:
                 dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
-                tokens *= ps.get_tensor_model_parallel_world_size()
-            aux = moe.load_balancing_loss(flat, counts, tokens)
+                dist.all_reduce(tokens, group=ps.get_tensor_model_parallel_group())
+            aux = moe.load_balancing_loss(flat, counts, tokens.clamp(min=1))
             if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
                 self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
                                aux.detach())
             if self.aux_scale:
                 probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
             return probs, routing_map
+
+    def _local_rows(padding_mask, rows: int):
+        """The mask flattened over this rank's ``rows`` tokens (s-major, as the logits). GPTModel scatters
+        it under sequence parallelism on the first pipeline stage only: a later stage gets the
+        whole ``[s, b]``, of which this TP rank routes the r-th contiguous share."""
+        if padding_mask is None:
+            return None
+        flat = padding_mask.reshape(-1).bool()
+        if flat.numel() == rows:
+            return flat
+        rank = ps.get_tensor_model_parallel_rank()
+        return flat[rank * rows:(rank + 1) * rows]
 
     return LoadBalancedRouter
