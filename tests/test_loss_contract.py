@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.uneven_data import MODES, REFERENCE, check_uneven, loss_token_counts
+from tests.uneven_data import MODES, PACKED_BY_DOCUMENTS, check_uneven, loss_token_counts, reference_of
 from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -23,11 +23,14 @@ def _series(run_dir, key: str) -> list[float]:
 def test_the_data_is_uneven(uneven_runs, data_cache):
     """Guard on the fixture: equal counts would let the wrong means through."""
     check_uneven(loss_token_counts(uneven_runs.data, data_cache))
+    check_uneven(loss_token_counts(uneven_runs.data, data_cache, *PACKED_BY_DOCUMENTS), spread=2.5, halves=1.2,
+                 every_step=False)
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != REFERENCE.name])
+@pytest.mark.parametrize("mode", [m for m in MODES if MODES[m] is not reference_of(m)])
 def test_loss_and_grad_norm_match_one_micro_batch_in_one_process(mode, uneven_runs):
-    ref, got = uneven_runs.get(REFERENCE), uneven_runs.get(mode)
+    """Every mode against the one-process run on the same rows (``documents_*``: packed by documents)."""
+    ref, got = uneven_runs.get(reference_of(mode)), uneven_runs.get(mode)
     for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)):
         want, have = _series(ref, key), _series(got, key)
         gap = max(abs(a - b) / abs(b) for a, b in zip(have, want))
