@@ -102,3 +102,18 @@ def test_mixture_of_experts_runs_get_expert_plot_and_summary(tmp_path):
     assert "tp=1 pp=1 ep=2" in text
     assert "- experts: load-balancing loss 2.1900 -> 2.1000; busiest expert at 1.59x an even load" in text
     assert "busiest/idlest per layer at step 10: 1.48x/0.78x, 1.00x/1.00x" in text  # 190 / 128, 100 / 128
+
+
+def test_packed_runs_report_efficiency_documents_per_row_and_overflow(tmp_path):
+    from toolkit.observe.report import read_run, summary
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"event": "packing", "packing": "documents", "documents": 100, "train_rows": 30,
+              "overflow_documents": 3, "overflow": "split"}]
+    lines += [{"step": s, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 512, "tokens_per_s": 1000.0,
+               "step_s": 0.5, "elapsed_s": s * 0.5, "time": T0 + s, "packing_efficiency": e, "documents_per_row": d}
+              for s, e, d in [(1, 0.9, 3.0), (2, 0.8, 4.0)]]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    text = summary(read_run(run_dir), run_dir, [])
+    assert ("- packing documents: 85.0% of row tokens are document tokens (packing efficiency), 3.50 documents "
+            "per row; 3 documents longer than data.seq_len (split)") in text

@@ -3,7 +3,8 @@
 Reads ``metrics.jsonl`` (one record per optimizer step, eval records, resume events) and
 ``events.jsonl`` (failures, restarts, preemptions) and writes into ``RUN_DIR/report/``:
 ``loss.png`` (train and eval loss by step, resumes marked), ``lr.png``, ``grad_norm.png``,
-``throughput.png`` (tokens/s over wall-clock time, failures and restarts marked), for mixture-of-
+``throughput.png`` (tokens/s over wall-clock time, failures and restarts marked), packing
+efficiency and documents per row in the summary, for mixture-of-
 experts runs ``experts.png`` (load-balancing loss, and per layer the busiest and idlest expert's
 tokens relative to an even share, by step), and ``report.md``.
 """
@@ -33,6 +34,7 @@ class Run:
     resumes: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    packing: dict = field(default_factory=dict)  # the trainer's "packing" record: how rows were made
 
     @property
     def start(self) -> float:
@@ -59,6 +61,8 @@ def read_run(run_dir: Path) -> Run:
             run.evals[r["step"]] = r["eval_loss"]
         elif r.get("event") == "resume":
             run.resumes.append(r)
+        elif r.get("event") == "packing":
+            run.packing = r
     if not run.steps:
         raise ConfigError(f"{path} holds no training step yet; run toolkit report once the first step is logged")
     if (run_dir / "config.yaml").is_file():
@@ -249,10 +253,26 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
     if skipped:
         lines.append(f"- fp16: {len(skipped)} step(s) skipped by the loss scaler (inf/nan gradients), first at step "
                      f"{skipped[0]}; loss scale at the end {last.get('loss_scale')}")
+    lines += _packing_lines(run, steps)
     lines += _expert_lines(run)
     lines += _event_lines(run)
     lines += ["", *[f"![{Path(name).stem}]({name})" for name in images], ""]
     return "\n".join(lines)
+
+
+def _packing_lines(run: Run, steps: list[int]) -> list[str]:
+    """data.packing, the share of row tokens that are document tokens, documents per row, overflow."""
+    logged = [run.steps[s] for s in steps if "packing_efficiency" in run.steps[s]]
+    if not logged:
+        return []
+    p = run.packing
+    efficiency = statistics.mean(r["packing_efficiency"] for r in logged)
+    per_row = statistics.mean(r["documents_per_row"] for r in logged)
+    line = (f"- packing {p.get('packing', '?')}: {100 * efficiency:.1f}% of row tokens are document tokens "
+            f"(packing efficiency), {per_row:.2f} documents per row")
+    if p.get("overflow_documents"):
+        line += f"; {p['overflow_documents']} documents longer than data.seq_len ({p['overflow']})"
+    return [line]
 
 
 def _event_lines(run: Run) -> list[str]:
