@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_data import tok  # noqa: F401 - the demo tokenizer fixture
 from tests.test_families import tiny_model
 from toolkit import data
 from toolkit.adapters import hf_attention
@@ -106,7 +107,7 @@ def data_config(tmp_path, path, **data_kw):
                      "train": {"global_batch_size": 2, "micro_batch_size": 1}})
 
 
-def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):
+def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):  # noqa: F811 - the fixture
     path = write_instructions(tmp_path / "i.jsonl")
     assert data_config(tmp_path, path).data.packing_mode == "documents"  # instruction's default
     assert validate({}).data.packing_mode == "concat"  # plain text keeps concat
@@ -119,7 +120,9 @@ def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):
     docs, pad, drop = made["documents", "split"], made["pad", "split"], made["documents", "drop"]
     assert docs.num_overflow == pad.num_overflow == drop.num_overflow == 4 and made["concat", "split"].num_overflow == 0
     assert len(docs.train) < len(pad.train)
-    total = lambda d, c: int(np.asarray(d.train.with_format("numpy")[c]).sum())  # noqa: E731
+
+    def total(made_data, column: str) -> int:
+        return int(np.asarray(made_data.train.with_format("numpy")[column]).sum())
     for column in ("num_loss_tokens", "num_tokens", "num_documents"):
         assert total(docs, column) == total(pad, column)  # the same documents, grouped differently
     assert total(drop, "num_documents") < total(docs, "num_documents")
@@ -130,14 +133,6 @@ def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):
     counts = data.batch_counts(docs.train, [0, 1])
     assert counts["tokens"] == int((torch.cat([m["document_ids"] for m in micro]) > 0).sum())
     assert data.batch_counts(made["concat", "split"].train, [0])["tokens"] == 32
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TOOLKIT_CACHE_DIR", str(tmp_path_factory.mktemp("toolkit-cache")))
-    yield data.load_tokenizer(validate({}))
-    mp.undo()
 
 
 # --- the HF path -----------------------------------------------------------------------------------

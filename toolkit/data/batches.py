@@ -76,8 +76,9 @@ def count_loss_tokens(ds: datasets.Dataset, indices: list[int]) -> int:
 
 
 def batch_counts(ds: datasets.Dataset, indices: list[int]) -> dict[str, int]:
-    """``loss_tokens``, ``tokens`` (not padding) and ``documents`` (pieces; rows of ``concat``
-    packing count as one) over these samples, from the per-row count columns (no token reads)."""
+    """``loss_tokens``, ``tokens`` (not padding) and ``documents`` (pieces; None for ``concat``
+    rows, which do not record where documents start) over these samples, from the per-row count
+    columns (no token reads)."""
     if not len(indices):
         return {"loss_tokens": 0, "tokens": 0, "documents": 0}
     has_docs = "num_documents" in ds.column_names
@@ -86,7 +87,7 @@ def batch_counts(ds: datasets.Dataset, indices: list[int]) -> dict[str, int]:
     seq_len = ds.features["input_ids"].length
     return {"loss_tokens": int(rows["num_loss_tokens"].sum()),
             "tokens": int(rows["num_tokens"].sum()) if has_docs else len(indices) * seq_len,
-            "documents": int(rows["num_documents"].sum()) if has_docs else len(indices)}
+            "documents": int(rows["num_documents"].sum()) if has_docs else None}
 
 
 def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, micro_batch_size: int,

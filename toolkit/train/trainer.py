@@ -148,14 +148,15 @@ class Trainer:
 
     def _log_step(self, stats: StepStats, counts: dict, step_s: float, elapsed_s: float) -> None:
         """``tokens``: row tokens (global batch x seq_len, padding included); ``packing_efficiency``:
-        the share that is document tokens; ``documents_per_row``: documents (or split pieces) per row."""
+        the share that is document tokens; ``documents_per_row`` (packing documents/pad): documents
+        (or split pieces) per row."""
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.data.seq_len
         record = {"step": self.step, "loss": stats.loss, "lr": lr_at(self.step - 1, t),
                   "grad_norm": stats.grad_norm, "tokens": tokens, "tokens_per_s": tokens / step_s,
-                  "packing_efficiency": counts["tokens"] / tokens,
-                  "documents_per_row": counts["documents"] / t.global_batch_size,
-                  "step_s": step_s, "elapsed_s": elapsed_s}
+                  "packing_efficiency": counts["tokens"] / tokens, "step_s": step_s, "elapsed_s": elapsed_s}
+        if counts["documents"] is not None:  # rows packed by documents count them
+            record["documents_per_row"] = counts["documents"] / t.global_batch_size
         if stats.loss_scale is not None:  # fp16: dynamic loss scaling
             self.skipped_steps += stats.skipped
             record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
