@@ -269,10 +269,12 @@ def test_megatron_submodule_drops_out_in_training_only():
 
 # --- packed rows through the megatron engine vs HF's own forward (2 gloo ranks) --------------------------
 
-PACKED_LAYOUTS = {"tp2": (2, 1, {}), "tp2_sp": (2, 1, {"sequence_parallel": True}), "pp2": (1, 2, {})}
+PACKED_LAYOUTS = {"tp2": (2, 1, {}), "tp2_sp": (2, 1, {"sequence_parallel": True}), "pp2": (1, 2, {}),
+                  "pp2_vpp2": (1, 2, {"vpp": 2})}
 PACKED_FAMILIES = ("llama", "gpt2", "qwen2", "qwen2_moe")  # RoPE with llama3 scaling; learned positions; biases; MoE
 PACKED_CASES = [(f, lay) for f in PACKED_FAMILIES for lay in PACKED_LAYOUTS
-                if not (f == "qwen2_moe" and lay == "tp2")]  # megatron trains MoE at TP only with SP
+                if not (f == "qwen2_moe" and lay in ("tp2", "pp2_vpp2"))  # MoE at TP only with SP; 2 layers
+                and not (f == "qwen2" and lay == "pp2_vpp2")]
 PACKED_DOCS = [[1] * 5 + [2] * 8 + [0] * 3, [7] * 16, [3] * 11 + [4] * 5, [1] * 2 + [2] * 11 + [0] * 3]
 """Document ids as ``toolkit/data`` writes them: 0 is the padded tail (no loss; MoE routers skip it)."""
 
