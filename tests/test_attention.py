@@ -270,11 +270,11 @@ def test_megatron_submodule_drops_out_in_training_only():
 # --- packed rows through the megatron engine vs HF's own forward (2 gloo ranks) --------------------------
 
 PACKED_LAYOUTS = {"tp2": (2, 1, {}), "tp2_sp": (2, 1, {"sequence_parallel": True}), "pp2": (1, 2, {}),
-                  "pp2_vpp2": (1, 2, {"vpp": 2})}
+                  "pp2_vpp2": (1, 2, {"vpp": 2}), "ep2": (1, 1, {"ep": 2})}
 PACKED_FAMILIES = ("llama", "gpt2", "qwen2", "qwen2_moe")  # RoPE with llama3 scaling; learned positions; biases; MoE
 PACKED_CASES = [(f, lay) for f in PACKED_FAMILIES for lay in PACKED_LAYOUTS
                 if not (f == "qwen2_moe" and lay in ("tp2", "pp2_vpp2"))  # MoE at TP only with SP; 2 layers
-                and not (f == "qwen2" and lay == "pp2_vpp2")]
+                and not (f == "qwen2" and lay == "pp2_vpp2") and (f == "qwen2_moe" or lay != "ep2")]
 PACKED_DOCS = [[1] * 5 + [2] * 8 + [0] * 3, [7] * 16, [3] * 11 + [4] * 5, [1] * 2 + [2] * 11 + [0] * 3]
 """Document ids as ``toolkit/data`` writes them: 0 is the padded tail (no loss; MoE routers skip it)."""
 
@@ -339,13 +339,14 @@ def _packed_case(family, tp, pp, extra) -> dict:
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **extra},
                     "train": {"global_batch_size": 4, "micro_batch_size": 2, "moe_aux_loss_coeff": 0.0}})
     engine = megatron_engine(cfg, model)
-    mine = [{k: v for k, v in mb.items() if k != "hf_positions"} for mb in micro]
+    dp = engine.dp_size  # ep2 on 2 ranks: DP 2, one micro-batch each
+    mine = [{k: v for k, v in mb.items() if k != "hf_positions"} for mb in micro][engine.dp_rank::dp]
     got = engine.logits(mine)
     engine.forward_backward(mine, tokens, complete_grads=True)
     grads = engine.hf_state(attr="main_grad")
     result = {}
     if got is not None:
-        result["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits))
+        result["logits"] = max((a - b).abs().max().item() for a, b in zip(got, ref_logits[engine.dp_rank::dp]))
     if grads is not None:
         ref = unpack(get_family(family), model.config, {n: p.grad for n, p in model.named_parameters()})
         ref.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
@@ -365,7 +366,8 @@ def packed(tmp_path_factory):
     for r in run_ranks(_packed_rank, 2, tmp_path_factory.mktemp("packed"), timeout=600):
         for key, d in r.items():
             counts = merged.get(key, {}).get("counts", []) + d.pop("counts", [])
-            merged.setdefault(key, {}).update(d)
+            logits = max(merged.get(key, {}).get("logits", 0.0), d.pop("logits", 0.0))  # DP ranks: each its own
+            merged.setdefault(key, {}).update(d, logits=logits)
             if counts:
                 merged[key]["counts"] = counts
     print("\nmax |diff| HF vs megatron, packed rows:")
