@@ -219,3 +219,11 @@ def test_moe_routing_statistics_count_real_tokens_only():
     (c_docs, a_docs), (c_pad, a_pad) = results["documents", True], results["pad", True]
     assert torch.equal(c_docs, c_pad) and a_docs == pytest.approx(a_pad, rel=1e-5)
     assert not torch.equal(results["documents", False][0], results["pad", False][0])
+
+
+def test_too_few_rows_names_the_packing(tmp_path, tok):  # noqa: F811 - the fixture
+    cfg = validate({"data": {"path": str(write_instructions(tmp_path / "few.jsonl", n=3)), "seq_len": 32,
+                             "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.0, "template": "instruction"},
+                    "train": {"global_batch_size": 8, "micro_batch_size": 1}})
+    with pytest.raises(data.DataError, match="data.packing=documents makes at most one row per document"):
+        data.prepare_data(cfg, tok)

@@ -231,6 +231,9 @@ def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_t
     fit = (num_tokens - 1) // (need + math.ceil(num_docs / PACK_BATCH_DOCS))
     hint = (f"lower data.seq_len (about {fit} or less would fit) or add data" if fit >= 2 else
             "add data (even data.seq_len=2 would not be enough)")
+    if d.packing_mode != "concat":  # rows of whole documents: seq_len helps only by splitting them
+        hint = (f"add data (data.packing={d.packing_mode} makes at most one row per document"
+                + (", fewer when several share a row)" if d.packing_mode == "documents" else ")"))
     raise DataError(
         f"data.path={d.path!r} gives {num_docs} documents, {num_tokens} tokens -> {len(train)} packed "
         f"train samples of data.seq_len={d.seq_len} (+ {n_eval} eval samples, data.eval_fraction="
