@@ -85,6 +85,7 @@ def test_overflow_splits_or_drops_long_documents():
     assert sorted(split) == sorted([([1, 2, 3, 4], [2, 3, 4, 5]), ([5, 6, 7, 8], [6, 7, 8, 9]),
                                     ([9, 10], [10, 11]), ([20, 21], [21, 22])])
     assert pieces_of(packed([long, short], 4, "documents", "drop")) == [([20, 21], [21, 22])]
+    assert packed([np.array([0], dtype=np.int32)], 4, "documents")["input_ids"].shape == (0, 4)  # nothing to train
 
 
 def test_pieces_without_loss_are_left_out():

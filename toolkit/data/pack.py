@@ -102,6 +102,18 @@ def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_l
     useful = has_loss[start + length] - has_loss[start] > 0
     start, length = start[useful], length[useful]
     rows = fit_rows(length, seq_len) if mode == "documents" else [[i] for i in range(len(length))]
+    out = _gather_rows(ids, targets, start, length, rows, seq_len)
+    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
+    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
+    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
+    return out
+
+
+def _gather_rows(ids: np.ndarray, targets: np.ndarray, start: np.ndarray, length: np.ndarray,
+                 rows: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
+    """``input_ids``, ``labels``, ``document_ids`` ``[len(rows), seq_len]``: piece ``p`` (tokens
+    ``start[p] : start[p] + length[p]`` of ``ids``/``targets``) placed after its row's earlier
+    pieces, in one vectorized gather (no per-token Python)."""
     order = np.array([p for row in rows for p in row], dtype=np.int64)  # pieces row after row
     per_row = np.array([len(r) for r in rows], dtype=np.int64)
     row_of = np.repeat(np.arange(len(rows)), per_row)
@@ -119,11 +131,7 @@ def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_l
     out["input_ids"][dst] = ids[src]
     out["labels"][dst] = targets[src]
     out["document_ids"][dst] = np.repeat(slot + 1, plen)
-    out = {k: v.reshape(len(rows), seq_len) for k, v in out.items()}
-    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
-    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
-    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
-    return out
+    return {k: v.reshape(len(rows), seq_len) for k, v in out.items()}
 
 
 def _pack_fn(seq_len: int, mode: str, overflow: str) -> Callable[[pa.Table], dict]:
