@@ -5,29 +5,15 @@ a packed batch gives the gradients of the same documents padded. fp32 with TF32 
 ``TOOLKIT_GPU_TESTS_ON_CPU=1`` rehearses both on the CPU (sdpa with a boolean mask there)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.gpu.test_attention_gpu import DEVICE, pytestmark, strict_fp32  # noqa: F401 - gpu mark, fp32 fixture
 from tests.test_families import tiny_model
 from tests.test_packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
 from toolkit.adapters.attention import choose_kernel
 from toolkit.engine import token_loss_sum
-
-REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
-                                 reason="needs a GPU (or TOOLKIT_GPU_TESTS_ON_CPU=1 to rehearse on the CPU)")]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def strict_fp32():
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 def on_device(mb: dict) -> dict:
