@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from toolkit.adapters.attention import KERNEL_NOTES, TokenLayout, attend, choose_kernel
+from toolkit.adapters.attention import KERNEL_NOTES, TokenLayout, attend, choose_kernel, softcap_score_mod
 
 ATTENTION = "toolkit_documents"
 """The name under which the toolkit's attention is registered with transformers."""
@@ -50,8 +50,15 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     layout._memo[_CALLS] = layout._memo.get(_CALLS, 0) + 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, layout, window=sliding_window or None, scale=scale, softcap=softcap,
-                 dropout=dropout)
+                 dropout=dropout, score_mod=_score_mod(softcap))
     return out.transpose(1, 2).contiguous(), None
+
+
+@lru_cache(maxsize=8)
+def _score_mod(softcap: float | None):
+    """One flex_attention ``score_mod`` per softcap value: a new closure per call would make the
+    compiled kernel recompile at every layer and step."""
+    return softcap_score_mod(softcap)
 
 
 @lru_cache(maxsize=1)
