@@ -228,3 +228,12 @@ def test_too_few_rows_names_the_packing(tmp_path, tok):  # noqa: F811 - the fixt
                     "train": {"global_batch_size": 8, "micro_batch_size": 1}})
     with pytest.raises(data.DataError, match="data.packing=documents makes at most one row per document"):
         data.prepare_data(cfg, tok)
+
+
+def test_the_logged_attention_path_names_the_kernel():
+    assert "documents -> sdpa" in hf_attention.describe("cpu", dropout=False) and "boolean" in \
+        hf_attention.describe("cpu", dropout=False)
+    assert "documents -> math" in hf_attention.describe("cpu", dropout=False, softcap=True)
+    assert "documents -> flex" in hf_attention.describe("cuda", dropout=False) and "block mask" in \
+        hf_attention.describe("cuda", dropout=False)
+    assert "documents -> sdpa" in hf_attention.describe("cuda", dropout=True)  # flex has no dropout

@@ -249,15 +249,16 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     if rank == 0:
         (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
         if plan.config.data.packing_mode != "concat":
-            print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(plan)), flush=True)
+            hf_config = plan.model.hf_config()
+            print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(hf_config),
+                                        softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     _install_op_caches()
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     return DeepSpeedEngine(plan, build_model(plan, ds_config))
 
 
-def _attention_dropout(plan: Plan) -> bool:
-    hf = plan.model.hf_config()
-    return bool(getattr(hf, "attention_dropout", 0.0) or getattr(hf, "attn_pdrop", 0.0))
+def _attention_dropout(hf_config) -> bool:
+    return bool(getattr(hf_config, "attention_dropout", 0.0) or getattr(hf_config, "attn_pdrop", 0.0))
 
 
 @contextlib.contextmanager

@@ -105,9 +105,10 @@ def real_tokens(mb: dict) -> torch.Tensor | None:
     return None if docs is None else (docs > 0).reshape(-1)
 
 
-def describe(device_type: str, dropout: bool) -> str:
+def describe(device_type: str, dropout: bool, softcap: bool = False) -> str:
     """The line the DeepSpeed path logs for rows packed by documents on this device."""
-    kernel = choose_kernel("auto", device_type, masked=True, softcap=False, dropout=dropout)
-    how = "with a boolean [b, 1, s, s] document mask" if kernel == "sdpa" else "with a document block mask"
+    kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout)
+    how = {"sdpa": "with a boolean [b, 1, s, s] document mask", "flex": "with a document block mask",
+           "math": "with the document mask and the logit softcap"}[kernel]
     return (f"HF attention: attn_implementation={ATTENTION} on {device_type}: documents -> {kernel} "
             f"({KERNEL_NOTES[kernel]}) {how}; positions restart per document (position_ids)")
