@@ -28,10 +28,12 @@ def load_examples(path: Path, limit: int | None) -> list[dict[str, str]]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 64) -> list[str]:
-    """Greedy completions of ``prompts``, left-padded in batches (input_ids [batch, prompt_len])."""
-    # Training saw every example after the previous document's EOS, so a prompt starts with one.
-    start = [tokenizer.eos_token_id]
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 64,
+             after_eos: bool = False) -> list[str]:
+    """Greedy completions of ``prompts``, left-padded in batches (input_ids [batch, prompt_len]).
+    ``after_eos``: each prompt follows an EOS, as training saw it under ``data.packing: concat``
+    (``documents`` and ``pad`` start every example on its own)."""
+    start = [tokenizer.eos_token_id] if after_eos else []
     tokenizer.padding_side = "left"
     out = []
     for i in range(0, len(prompts), batch_size):
@@ -45,13 +47,25 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     return out
 
 
+def trained_packing(model_dir: str) -> str | None:
+    """``data.packing`` of the run that exported ``model_dir`` (its ``plan.json`` beside it), if known."""
+    plan = Path(model_dir).parent / "plan.json"
+    if not plan.is_file():
+        return None
+    data = json.loads(plan.read_text())["config"]["data"]
+    if "packing" not in data:  # a run from before packing modes: concat
+        return "concat"
+    return data["packing"] or ("concat" if data["template"] == "none" else "documents")
+
+
 def evaluate(model_dir: str, data: Path, limit: int | None = None, show: int = 5) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     examples = load_examples(data, limit)
-    answers = generate(model, tokenizer, [e["prompt"] for e in examples], max_new_tokens=16)
+    answers = generate(model, tokenizer, [e["prompt"] for e in examples], max_new_tokens=16,
+                       after_eos=trained_packing(model_dir) == "concat")
     hits = [a == e["response"].strip() for a, e in zip(answers, examples)]
     for e, a, ok in list(zip(examples, answers, hits))[:show]:
         print(f"{'OK  ' if ok else 'MISS'} {e['prompt']!r} -> {a!r} (expected {e['response']!r})")
