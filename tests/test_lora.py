@@ -111,21 +111,23 @@ def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
 def adapter_values(model) -> dict[str, torch.Tensor]:
     """Non-zero adapters (peft's init has B = 0, under which A gets no gradient), by name, alike on
     every rank and in the reference."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            out[name] = torch.randn(tuple(getattr(p, "ds_shape", p.shape)), generator=g) * 0.05
-    return out
+    return {name: seeded_adapter(name, tuple(getattr(p, "ds_shape", p.shape)))
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
-def reference(base_dir, micro_batches, modules_to_save=()):
-    """HF + peft (peft's own all-linear), one process: logits per micro-batch and the gradients of
-    sum(token losses) / valid tokens of the global batch."""
+def seeded_adapter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """An adapter's test value, from its peft name alone."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * 0.05
+
+
+def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear"):
+    """HF + peft (peft's own all-linear by default), one process: logits per micro-batch and the
+    gradients of sum(token losses) / valid tokens of the global batch."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", task_type="CAUSAL_LM",
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM",
                                       modules_to_save=list(modules_to_save) or None))
     with torch.no_grad():
         for name, value in adapter_values(model).items():

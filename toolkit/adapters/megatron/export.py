@@ -39,12 +39,30 @@ def engine_embedding(state: dict) -> torch.Tensor:
 
 
 def export_hf(engine, path: Path, tokenizer) -> None:
-    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names)."""
+    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names). A LoRA
+    run writes the merged model there, and its adapter as an HF-PEFT directory beside it
+    (``adapter/``), every TP shard of every adapter joined."""
     from transformers import GenerationConfig
 
     from toolkit.adapters.export import write_streamed
     generation = GenerationConfig.from_model_config(engine.hf_config)
-    write_streamed(MegatronSource(engine), path, tokenizer, generation)
+    source = MegatronSource(engine) if engine.lora is None else MergedLoraSource(engine)
+    write_streamed(source, path, tokenizer, generation)
+    if engine.lora is not None:
+        write_adapter(engine, source.trained, Path(path).parent / "adapter")
+
+
+def write_adapter(engine, trained: dict[str, torch.Tensor] | None, path: Path) -> None:
+    """Collective: ``trained`` (the adapters in HF-PEFT names, on rank 0) as an HF-PEFT directory
+    that ``peft.PeftModel.from_pretrained(base, path)`` loads, written by rank 0."""
+    from toolkit.adapters.export import fp32_config, peft_dir_replaced
+    from toolkit.convert.lora import write_peft
+    if dist.get_rank() == 0:
+        m = engine.cfg.model
+        with peft_dir_replaced(path) as stage:
+            write_peft(engine.lora, fp32_config(engine.hf_config), trained, stage,
+                       m.name_or_path if m.init == "pretrained" else None)
+    dist.barrier()
 
 
 class MegatronSource(Source):
@@ -154,3 +172,25 @@ def _recv(src: int) -> torch.Tensor:
     full = torch.empty([int(d) for d in shape if d >= 0], dtype=WIRE_DTYPES[dtype], device=device.rank_device())
     dist.recv(full, src=src)
     return full
+
+
+class MergedLoraSource(MegatronSource):
+    """A LoRA run's merged model: each adapted HF weight is W + scaling x B @ A (peft's merge, fp32,
+    on rank 0), from the base's gathered tensor and the adapters, which are gathered whole once
+    (``lora.gather_adapters``; ``trained``, on rank 0)."""
+
+    def __init__(self, engine):
+        from toolkit.adapters.megatron.lora import gather_adapters
+        from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
+        super().__init__(engine)
+        self.trained = gather_adapters(engine)
+        a_suffix = f".lora_A.{ADAPTER}.weight"
+        self.pairs = {n.removeprefix(PEFT_PREFIX).removesuffix(a_suffix) + ".weight":
+                      (t, self.trained[n.replace(".lora_A.", ".lora_B.")])
+                      for n, t in (self.trained or {}).items() if n.endswith(a_suffix)}
+
+    def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
+        from toolkit.plan.lora import merged_weight
+        spec = self.engine.lora
+        return {n: merged_weight(t, *self.pairs[n], spec.scaling, spec.fan_in_fan_out) if n in self.pairs else t
+                for n, t in super()._hf_tensors(mcore, entry, name).items()}
