@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron.weights import expert_offset, global_name, is_expert, layer_offset, local_params
+from toolkit.adapters.megatron.weights import (
+    expert_offset,
+    global_name,
+    is_expert,
+    layer_offset,
+    local_params,
+)
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.pages import trim_heap
 

@@ -179,8 +179,10 @@ class LoraSite(torch.nn.Module):
             return self.dropout(x)
 
     def _row(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import (reduce_from_tensor_model_parallel_region,
-                                                   reduce_scatter_to_sequence_parallel_region)
+        from megatron.core.tensor_parallel import (
+            reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
+        )
         [adapter] = self.adapters.values()
         h = self._dropped(x) @ adapter.A.t()
         h = reduce_scatter_to_sequence_parallel_region(h, group=self.group) if self.sequence_parallel else \
@@ -188,7 +190,10 @@ class LoraSite(torch.nn.Module):
         return (h @ adapter.B[0].t()) * self.scaling
 
     def _column(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
         adapters = list(self.adapters.values())
         a = torch.cat([ad.A for ad in adapters]) if len(adapters) > 1 else adapters[0].A
         h = self._dropped(x) @ a.t()  # [.., n x r]: one matmul and one collective for every projection
@@ -252,7 +257,7 @@ def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.
                 base.register_forward_hook(_add_delta, with_kwargs=True)
 
 
-def chunk_sites(chunk) -> list[tuple[str, "LoraSite"]]:
+def chunk_sites(chunk) -> list[tuple[str, LoraSite]]:
     """(global module name, LoraSite) of every adapted linear in a model chunk."""
     out = []
     for layer in chunk.decoder.layers:
@@ -318,7 +323,10 @@ def sharded_adapters(engine) -> dict:
     ones along their split dim (megatron reshards them to any TP), the others replicated. With the
     distributed optimizer's ``fully_reshardable`` state over them, an adapter-only checkpoint that
     loads at any TP/PP/DP."""
-    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+    from megatron.core.utils import (
+        make_sharded_tensor_for_checkpoint,
+        make_tp_sharded_tensor_for_checkpoint,
+    )
     out = {}
     for key, param in _named_adapter_params(engine).items():
         if getattr(param, "tensor_model_parallel", False):
