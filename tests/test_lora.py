@@ -1,7 +1,8 @@
 """LoRA on the DeepSpeed path (``lora.*``, ``toolkit/plan/lora.py``, ``toolkit/adapters/lora.py``)
 against references we did not write: HF + ``peft`` on the same weights and adapters.
 
-- names: bad targets, the MoE router, packed experts and megatron are refused before anything starts;
+- names: bad targets, the MoE router and packed experts are refused before anything starts (megatron
+  LoRA: tests/test_megatron_lora.py);
   the plan's trainable count is peft's;
 - parity: at ZeRO-2 and ZeRO-3 (2 gloo ranks), for llama, qwen2 and gpt2, the engine's logits and
   adapter gradients equal a single-process HF + peft model's (fp32);
@@ -70,14 +71,6 @@ def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
         plan_for(family, target_modules=["gate"])
     with pytest.raises(ConfigError, match="routed experts that transformers packs as 3-D parameters"):
         plan_for(family, target_modules=["down_proj"])
-
-
-def test_megatron_with_lora_is_refused_naming_the_fix():
-    from toolkit.plan import build_plan
-    cfg = validate({"backend": "megatron", "lora": {"rank": 8}})
-    with pytest.raises(ConfigError, match="lora.rank=8: LoRA runs on the DeepSpeed path only for now; set "
-                                          "backend=deepspeed"):
-        build_plan(cfg, [1], hf_config=tiny_config("llama"))
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])

@@ -249,3 +249,18 @@ def test_resume_at_another_tp_pp_goes_on_the_loss_curve(tmp_path, data_cache, de
     got, want = losses(run_dir), losses(lora_runs("zero2"))
     print(f"\nTP2 -> PP2 resume vs ZeRO-2: max relative gap {relative_gap(got, want):.2e}")
     assert step == 3 and got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only():
+    """bf16, PP=2, DP=2: each stage holds its base share plus its layers' adapters; fp32 gradients
+    and Adam (m, v, fp32 master) cover the adapters only, Adam sharded over DP."""
+    from toolkit.plan import build_plan
+    from toolkit.plan.memory import memory
+    cfg = validate({"backend": "megatron", "model": {"dtype": "bf16"}, "megatron": {"pp": 2},
+                    "lora": {"rank": RANK}})
+    plan = build_plan(cfg, [4], hf_config=tiny_config("llama"))
+    full = memory(plan.config, plan.model, plan.layout(4))
+    mem = memory(plan.config, plan.model, plan.layout(4), lora_trainable=plan.lora.trainable)
+    tau = plan.lora.trainable / 2  # 2 of the 4 layers per stage
+    assert mem.weights == full.weights + tau * 2
+    assert mem.gradients == tau * 4 and mem.optimizer == 12 * tau / 2
