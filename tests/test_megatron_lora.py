@@ -140,7 +140,8 @@ def test_logits_and_adapter_grads_equal_hf_peft(family, layout, parity, base_dir
 
 # --- training, checkpoints and exports through `toolkit train` -------------------------------------
 
-MEGATRON_RUNS = {"tp2": ["megatron.tp=2"], "pp2": ["megatron.pp=2"], "tp2_sp": ["megatron.preset=tp2_sp"]}
+MEGATRON_RUNS = {"tp2": ["megatron.tp=2"], "pp2": ["megatron.pp=2"], "tp2_sp": ["megatron.preset=tp2_sp"],
+                 "pp2_vpp2": ["megatron.pp=2", "megatron.vpp=2"], "dp2": []}
 """Megatron LoRA runs of the demo base (test_lora's), each trained once per module."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -171,7 +172,7 @@ def relative_gap(got: list[float], want: list[float]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", MEGATRON_RUNS)
+@pytest.mark.parametrize("run", ["tp2", "pp2", "tp2_sp", "pp2_vpp2"])
 def test_losses_equal_zero2_lora(run, megatron_runs, lora_runs):
     from tests.conftest import losses
     got, want = losses(megatron_runs(run)), losses(lora_runs("zero2"))
@@ -185,14 +186,16 @@ def tensor_gaps(got: dict, want: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_tp2_adapter_export_holds_every_shard_and_equals_zero2_s(megatron_runs, lora_runs, demo_base):
-    """adapter/ of a TP=2 run: every adapter in HF shapes (a dropped TP shard halves a shape and
-    moves the values), loadable by peft, whose unmerged forward gives hf_final/'s logits; both
-    equal the ZeRO-2 run's exports."""
+@pytest.mark.parametrize("layout", ["tp2", "pp2_vpp2"])
+def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, megatron_runs, lora_runs, demo_base):
+    """adapter/ of a TP=2 run (and of a run whose layers lie on two stages in two virtual chunks
+    each): every adapter in HF shapes (a dropped TP shard halves a shape; the merge then fails),
+    loadable by peft, whose unmerged forward gives hf_final/'s logits; both equal the ZeRO-2 run's
+    exports."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    run, zero2 = megatron_runs("tp2"), lora_runs("zero2")
+    run, zero2 = megatron_runs(layout), lora_runs("zero2")
     got, want = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (run, zero2))
     assert sorted(got) == sorted(want)
     assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in want.items()}
@@ -204,7 +207,7 @@ def test_tp2_adapter_export_holds_every_shard_and_equals_zero2_s(megatron_runs, 
     ids = torch.randint(1, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         gap = (peft_model(input_ids=ids).logits - hf_final(input_ids=ids).logits).abs().max().item()
-    print(f"\nTP2 vs ZeRO-2 exports: adapters {max(adapters.values()):.2e}, merged {max(merged.values()):.2e}; "
+    print(f"\n{layout} vs ZeRO-2 exports: adapters {max(adapters.values()):.2e}, merged {max(merged.values()):.2e}; "
           f"peft(adapter/) vs hf_final logits {gap:.2e}")
     assert max(adapters.values()) <= ADAPTER_RTOL
     assert max(merged.values()) <= MERGED_RTOL
@@ -236,18 +239,19 @@ def test_kill_9_and_resume_auto_is_bitwise_exact(megatron_runs, tmp_path, data_c
 
 
 @pytest.mark.slow
-def test_resume_at_another_tp_pp_goes_on_the_loss_curve(tmp_path, data_cache, demo_base, lora_runs):
-    """Saved after 3 steps at TP=2, resumed at PP=2 (megatron reshards the adapters and their Adam
-    state by their HF-PEFT keys): steps 4-6 equal the ZeRO-2 run's."""
+@pytest.mark.parametrize("saved,resumed", [("tp2", "pp2"), ("dp2", "tp2_sp")])
+def test_resume_at_another_layout_goes_on_the_loss_curve(saved, resumed, tmp_path, data_cache, demo_base, lora_runs):
+    """Saved after 3 steps at one TP/PP/DP, resumed at another (megatron reshards the adapters and
+    their Adam state by their HF-PEFT keys): steps 4-6 equal the ZeRO-2 run's."""
     from tests.conftest import losses, resumes, train
     from tests.test_lora import LORA_RUN
     run_dir = tmp_path / "run"
     base = [*LORA_RUN, f"model.name_or_path={demo_base}", "backend=megatron"]
-    train(run_dir, data_cache, *base, *MEGATRON_RUNS["tp2"], "train.steps=3")
-    train(run_dir, data_cache, *base, *MEGATRON_RUNS["pp2"])
+    train(run_dir, data_cache, *base, *MEGATRON_RUNS[saved], "train.steps=3")
+    train(run_dir, data_cache, *base, *MEGATRON_RUNS[resumed])
     [(_, step, _)] = resumes(run_dir)
     got, want = losses(run_dir), losses(lora_runs("zero2"))
-    print(f"\nTP2 -> PP2 resume vs ZeRO-2: max relative gap {relative_gap(got, want):.2e}")
+    print(f"\n{saved} -> {resumed} resume vs ZeRO-2: max relative gap {relative_gap(got, want):.2e}")
     assert step == 3 and got == pytest.approx(want, rel=LOSS_RTOL)
 
 
