@@ -26,7 +26,7 @@ from tests.conftest import losses, resumes, train
 from tests.test_families import tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
-from toolkit.config import DEMO_DIR, ConfigError, load_config, validate
+from toolkit.config import ConfigError, load_config, validate
 from toolkit.engine import IGNORE_INDEX
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
@@ -215,16 +215,6 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
 LORA_RUN = ["lora.rank=4", f"lora.alpha={ALPHA}", "model.init=pretrained", "checkpoint.every=3"]
 
 
-@pytest.fixture(scope="module")
-def demo_base(tmp_path_factory):
-    """The demo's tiny Llama with HF's init (seed 0), saved as a pretrained base."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    path = tmp_path_factory.mktemp("lora_demo_base") / "base"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_DIR / "tiny-llama")).save_pretrained(path)
-    return path
-
-
 RUNS = {"zero2": ["zero.stage=2"],
         "zero3": ["zero.stage=3", "lora.modules_to_save=[lm_head]"],  # the LM head trained in full too
         "zero0": ["zero.stage=0"],
@@ -236,12 +226,17 @@ RUNS = {"zero2": ["zero.stage=2"],
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, data_cache, demo_base):
+    return trained_once(tmp_path_factory.mktemp("lora_runs"), data_cache, demo_base, RUNS)
+
+
+def trained_once(root, data_cache, demo_base, runs: dict, *overrides: str):
+    """``get(name)``: the run dir of LoRA run ``name`` of the demo base (``runs[name]``: its
+    overrides), trained on first use."""
     cache = {}
-    root = tmp_path_factory.mktemp("lora_runs")
 
     def get(name: str):
         if name not in cache:
-            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS[name])
+            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *overrides, *runs[name])
             cache[name] = root / name
         return cache[name]
     return get

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.test_families import tiny_config, tiny_model
-from tests.test_lora import ALPHA, RANK, demo_base, lora_runs, reference, seeded_adapter  # noqa: F401 (fixtures)
+from tests.test_lora import ALPHA, RANK, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import ConfigError, validate
@@ -62,7 +62,8 @@ def test_adapters_are_drawn_as_the_deepspeed_path_draws_them():
     from toolkit.plan import build_plan
     for family in ("llama", "gpt2"):
         plan = build_plan(lora_config(1, 1), [1], hf_config=tiny_config(family))
-        want = {n: p for n, p in apply_lora(tiny_model(family), plan.lora, seed=7).named_parameters() if p.requires_grad}
+        peft_model = apply_lora(tiny_model(family), plan.lora, seed=7)
+        want = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
         got = draw_adapters(tiny_config(family), plan.lora, seed=7)
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[n], want[n]) for n in want), family
@@ -89,7 +90,8 @@ def _rank_parity(rank, world, layouts, base_dirs):
             tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro)
             logits = engine.logits(micro)
             engine.forward_backward(micro, tokens, complete_grads=True)
-            results[(name, family)] = {"logits": logits, "targets": plan.lora.targets, "grads": engine.adapter_state("main_grad"),
+            results[(name, family)] = {"logits": logits, "targets": plan.lora.targets,
+                                       "grads": engine.adapter_state("main_grad"),
                                        "trainable": sum(p.numel() for p in engine.parameters() if p.requires_grad),
                                        "optimized": sum(p.numel() for g in engine.optimizer.param_groups
                                                         for p in g["params"])}
@@ -140,9 +142,11 @@ def test_logits_and_adapter_grads_equal_hf_peft(family, layout, parity, base_dir
 
 # --- training, checkpoints and exports through `toolkit train` -------------------------------------
 
-MEGATRON_RUNS = {"tp2": ["megatron.tp=2"], "pp2": ["megatron.pp=2"], "tp2_sp": ["megatron.preset=tp2_sp"],
-                 "pp2_vpp2": ["megatron.pp=2", "megatron.vpp=2"], "dp2": []}
-"""Megatron LoRA runs of the demo base (test_lora's), each trained once per module."""
+MEGATRON = "backend=megatron"
+RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
+        "tp2_sp": [MEGATRON, "megatron.preset=tp2_sp"], "pp2_vpp2": [MEGATRON, "megatron.pp=2", "megatron.vpp=2"],
+        "dp2": [MEGATRON], "zero2": ["zero.stage=2"]}
+"""LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
 """Exported adapters vs the ZeRO-2 run's, per tensor relative to its largest entry, after 6 Adam
@@ -152,19 +156,9 @@ MERGED_RTOL = 1e-5  # hf_final vs ZeRO-2's: measured 2.0e-6
 
 
 @pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory, data_cache, demo_base):
-    from tests.conftest import train
-    from tests.test_lora import LORA_RUN
-    cache = {}
-    root = tmp_path_factory.mktemp("megatron_lora_runs")
-
-    def get(name: str):
-        if name not in cache:
-            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", "backend=megatron",
-                  *MEGATRON_RUNS[name])
-            cache[name] = root / name
-        return cache[name]
-    return get
+def lora_runs(tmp_path_factory, data_cache, demo_base):
+    from tests.test_lora import trained_once
+    return trained_once(tmp_path_factory.mktemp("megatron_lora_runs"), data_cache, demo_base, RUNS)
 
 
 def relative_gap(got: list[float], want: list[float]) -> float:
@@ -173,9 +167,9 @@ def relative_gap(got: list[float], want: list[float]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["tp2", "pp2", "tp2_sp", "pp2_vpp2"])
-def test_losses_equal_zero2_lora(run, megatron_runs, lora_runs):
+def test_losses_equal_zero2_lora(run, lora_runs):
     from tests.conftest import losses
-    got, want = losses(megatron_runs(run)), losses(lora_runs("zero2"))
+    got, want = losses(lora_runs(run)), losses(lora_runs("zero2"))
     print(f"\nmegatron {run} LoRA vs ZeRO-2 LoRA: max relative loss gap {relative_gap(got, want):.2e}")
     assert len(got) == 6
     assert got == pytest.approx(want, rel=LOSS_RTOL)
@@ -187,7 +181,7 @@ def tensor_gaps(got: dict, want: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "pp2_vpp2"])
-def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, megatron_runs, lora_runs, demo_base):
+def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, lora_runs, demo_base):
     """adapter/ of a TP=2 run (and of a run whose layers lie on two stages in two virtual chunks
     each): every adapter in HF shapes (a dropped TP shard halves a shape; the merge then fails),
     loadable by peft, whose unmerged forward gives hf_final/'s logits; both equal the ZeRO-2 run's
@@ -195,7 +189,7 @@ def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, megatron_ru
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    run, zero2 = megatron_runs(layout), lora_runs("zero2")
+    run, zero2 = lora_runs(layout), lora_runs("zero2")
     got, want = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (run, zero2))
     assert sorted(got) == sorted(want)
     assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in want.items()}
@@ -215,9 +209,9 @@ def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, megatron_ru
 
 
 @pytest.mark.slow
-def test_checkpoint_holds_adapters_only_keyed_by_peft_names(megatron_runs, demo_base):
+def test_checkpoint_holds_adapters_only_keyed_by_peft_names(lora_runs, demo_base):
     from torch.distributed.checkpoint import FileSystemReader
-    ckpt = megatron_runs("tp2") / "checkpoints" / "step_00000006"
+    ckpt = lora_runs("tp2") / "checkpoints" / "step_00000006"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["lora"]["rank"] == RANK and meta["base_model"]["path"] == str(demo_base)
     keys = FileSystemReader(str(ckpt / "engine")).read_metadata().state_dict_metadata
@@ -227,28 +221,28 @@ def test_checkpoint_holds_adapters_only_keyed_by_peft_names(megatron_runs, demo_
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_auto_is_bitwise_exact(megatron_runs, tmp_path, data_cache, demo_base):
+def test_kill_9_and_resume_auto_is_bitwise_exact(lora_runs, tmp_path, data_cache, demo_base):
     from tests.conftest import losses, resumes, train
     from tests.test_lora import LORA_RUN
     run_dir = tmp_path / "crashed"
-    train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", "backend=megatron",
-          *MEGATRON_RUNS["tp2"], "restart.max_restarts=1", "restart.backoff_s=0.2",
-          env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
+    train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS["tp2"], "restart.max_restarts=1",
+          "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
     assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
-    assert losses(run_dir) == losses(megatron_runs("tp2"))
+    assert losses(run_dir) == losses(lora_runs("tp2"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [("tp2", "pp2"), ("dp2", "tp2_sp")])
-def test_resume_at_another_layout_goes_on_the_loss_curve(saved, resumed, tmp_path, data_cache, demo_base, lora_runs):
+def test_resume_at_another_layout_goes_on_the_loss_curve(saved, resumed, tmp_path, data_cache, demo_base,
+                                                         lora_runs):
     """Saved after 3 steps at one TP/PP/DP, resumed at another (megatron reshards the adapters and
     their Adam state by their HF-PEFT keys): steps 4-6 equal the ZeRO-2 run's."""
     from tests.conftest import losses, resumes, train
     from tests.test_lora import LORA_RUN
     run_dir = tmp_path / "run"
-    base = [*LORA_RUN, f"model.name_or_path={demo_base}", "backend=megatron"]
-    train(run_dir, data_cache, *base, *MEGATRON_RUNS[saved], "train.steps=3")
-    train(run_dir, data_cache, *base, *MEGATRON_RUNS[resumed])
+    base = [*LORA_RUN, f"model.name_or_path={demo_base}"]
+    train(run_dir, data_cache, *base, *RUNS[saved], "train.steps=3")
+    train(run_dir, data_cache, *base, *RUNS[resumed])
     [(_, step, _)] = resumes(run_dir)
     got, want = losses(run_dir), losses(lora_runs("zero2"))
     print(f"\n{saved} -> {resumed} resume vs ZeRO-2: max relative gap {relative_gap(got, want):.2e}")

@@ -107,7 +107,8 @@ class Geometry:
         return list(torch.split(b, self.hf_rows or [b.shape[0] // self.site.parts] * self.site.parts))
 
 
-def shard_adapter(site: Site, geometry: Geometry, a: torch.Tensor, b: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def shard_adapter(site: Site, geometry: Geometry, a: torch.Tensor, b: torch.Tensor, tp: int,
+                  rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """TP rank ``rank``'s A and B parts of one projection's HF ``a [r, in]``, ``b [out, r]``."""
     if site.kind == ROW_LINEAR:
         return torch.chunk(a, tp, dim=1)[rank].contiguous(), [b.contiguous()]
