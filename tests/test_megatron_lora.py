@@ -145,7 +145,11 @@ def test_logits_and_adapter_grads_equal_hf_peft(family, layout, parity, base_dir
 MEGATRON = "backend=megatron"
 RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         "tp2_sp": [MEGATRON, "megatron.preset=tp2_sp"], "pp2_vpp2": [MEGATRON, "megatron.pp=2", "megatron.vpp=2"],
-        "dp2": [MEGATRON], "zero2": ["zero.stage=2"]}
+        "dp2": [MEGATRON], "zero2": ["zero.stage=2"],
+        # adapter dropout: on a column site's replicated input from the default generator (alike on
+        # the TP ranks), on split inputs (row sites, sequence parallel) from megatron's TP stream
+        "tp2_dropout": [MEGATRON, "megatron.tp=2", "lora.dropout=0.1"],
+        "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -262,3 +266,15 @@ def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only():
     tau = plan.lora.trainable / 2  # 2 of the 4 layers per stage
     assert mem.weights == full.weights + tau * 2
     assert mem.gradients == tau * 4 and mem.optimizer == 12 * tau / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["tp2_dropout", "tp2_sp_dropout"])
+def test_adapter_dropout_keeps_the_tp_ranks_replicas_equal(run, lora_runs):
+    """With dropout the run trains (the loss moves away from the dropout-free run's) and exports:
+    the export joins the TP shards and checks that every replicated matrix is the same on each TP
+    rank, which it is not if the ranks drew different masks for a column site's whole input."""
+    from tests.conftest import losses
+    got, without = losses(lora_runs(run)), losses(lora_runs("tp2"))
+    assert len(got) == 6 and got != without
+    assert (lora_runs(run) / "adapter" / "adapter_model.safetensors").is_file()

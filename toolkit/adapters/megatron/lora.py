@@ -116,9 +116,15 @@ def shard_adapter(site: Site, geometry: Geometry, a: torch.Tensor, b: torch.Tens
 
 
 def unshard_adapter(site: Site, a_parts: list[torch.Tensor], b_parts: list[list[torch.Tensor]]):
-    """The HF ``(a, b)`` from every TP rank's A and B parts (in rank order)."""
+    """The HF ``(a, b)`` from every TP rank's A and B parts (in rank order). The matrix every TP
+    rank holds whole must be the same on all of them (else a rank's gradient or dropout mask
+    differed: an error, not one rank's copy picked)."""
+    whole = [p[0] for p in b_parts] if site.kind == ROW_LINEAR else a_parts
+    if any(not torch.equal(w, whole[0]) for w in whole[1:]):
+        raise RuntimeError(f"LoRA: the TP ranks' copies of the replicated adapter matrix of {site.projections} "
+                           f"(layer {site.layer}, {site.mcore}) differ")
     if site.kind == ROW_LINEAR:
-        return torch.cat(a_parts, dim=1), b_parts[0][0]
+        return torch.cat(a_parts, dim=1), whole[0]
     blocks = [torch.cat([rank_parts[k] for rank_parts in b_parts]) for k in range(len(b_parts[0]))]
     return a_parts[0], torch.cat(blocks)
 
