@@ -3,8 +3,9 @@ write: HF + ``peft`` on the same weights and adapters.
 
 - parity: at TP=2, PP=2 and TP=2 with sequence parallelism (2 gloo ranks, one launch per layout,
   every family in turn), for llama, qwen2 (tied, q/k/v biases), qwen2_moe (adapters on attention
-  and the shared expert; routed experts are refused in the plan) and gpt2 (packed ``c_attn``), the
-  engine's logits and every adapter's gradient equal a single-process HF + peft model's (fp32);
+  and the shared expert; routed experts are refused in the plan), gpt2 (packed ``c_attn``) and phi3
+  (packed ``qkv_proj`` and ``gate_up_proj``: one adapter whose B feeds several blocks), the engine's
+  logits and every adapter's gradient equal a single-process HF + peft model's (fp32);
 - the adapters a megatron run starts from are peft's own init, drawn as the DeepSpeed path draws
   them;
 - through ``toolkit train``: TP=2, PP=2 and TP=2+SP LoRA losses equal ZeRO-2 LoRA's; the TP=2 run's
@@ -27,7 +28,7 @@ from toolkit.config import ConfigError, validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
-FAMILIES = ("llama", "qwen2", "qwen2_moe", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen2_moe", "gpt2", "phi3")
 LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "tp2_sp": (2, 1, {"sequence_parallel": True})}
 MOE = ("qwen2_moe",)
 CASES = [(f, lay) for lay in LAYOUTS for f in FAMILIES if not (f in MOE and lay == "tp2")]
