@@ -48,9 +48,11 @@ def lora_config(tp: int, pp: int, **megatron):
 
 def test_plan_refuses_what_megatron_lora_cannot_do():
     from toolkit.plan import build_plan
-    with pytest.raises(ConfigError, match="modules_to_save=\\['lm_head'\\]: modules trained in full"):
-        build_plan(validate({"backend": "megatron", "lora": {"rank": 4, "modules_to_save": ["lm_head"]}}), [1],
-                   hf_config=tiny_config("llama"))
+    with pytest.raises(ConfigError, match="'input_layernorm' on megatron: only the embedding and the LM head"):
+        build_plan(validate({"backend": "megatron", "lora": {"rank": 4, "modules_to_save": ["input_layernorm"]}}),
+                   [1], hf_config=tiny_config("llama"))
+    with pytest.raises(ConfigError, match="post_norms|followed by a norm"):
+        build_plan(validate({"backend": "megatron", "lora": {"rank": 4}}), [1], hf_config=tiny_config("gemma2"))
     with pytest.raises(ConfigError, match="routed experts that transformers packs as 3-D parameters"):
         build_plan(validate({"backend": "megatron", "lora": {"rank": 4, "target_modules": ["down_proj"]}}), [1],
                    hf_config=tiny_config("qwen2_moe"))
@@ -150,7 +152,9 @@ RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         # adapter dropout: on a column site's replicated input from the default generator (alike on
         # the TP ranks), on split inputs (row sites, sequence parallel) from megatron's TP stream
         "tp2_dropout": [MEGATRON, "megatron.tp=2", "lora.dropout=0.1"],
-        "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"]}
+        "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"],
+        # the LM head trained in full beside the adapters (its vocabulary rows split over TP)
+        "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -279,3 +283,33 @@ def test_adapter_dropout_keeps_the_tp_ranks_replicas_equal(run, lora_runs):
     got, without = losses(lora_runs(run)), losses(lora_runs("tp2"))
     assert len(got) == 6 and got != without
     assert (lora_runs(run) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_lm_head_trained_in_full_beside_the_adapters(lora_runs, demo_base, data_cache, tmp_path):
+    """``modules_to_save=[lm_head]`` at TP=2: losses equal test_lora's single-process HF + peft +
+    AdamW loop with the head trained in full; ``adapter/`` carries the head as peft names it and
+    loads in peft with hf_final/'s logits; the checkpoint resumes (kill -9) bit-exact."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import losses, resumes, train
+    from tests.test_lora import LORA_RUN, LOSS_RTOL as PEFT_LOSS_RTOL, reference_losses
+    run = lora_runs("tp2_lm_head")
+    got, want = losses(run), reference_losses(demo_base, data_cache, ["lm_head"])
+    print(f"\ntp2 + lm_head vs HF + peft + AdamW: max relative loss gap {relative_gap(got, want):.2e}")
+    assert got == pytest.approx(want, rel=PEFT_LOSS_RTOL)
+    saved = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert saved["base_model.model.lm_head.weight"].shape == (2048, 128)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32),
+                                           run / "adapter").eval()
+    hf_final = AutoModelForCausalLM.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
+    ids = torch.randint(1, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (peft_model(input_ids=ids).logits - hf_final(input_ids=ids).logits).abs().max() <= 5e-6
+    run_dir = tmp_path / "crashed"
+    train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS["tp2_lm_head"],
+          "restart.max_restarts=1", "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
+    assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
+    assert losses(run_dir) == got

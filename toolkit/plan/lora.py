@@ -235,11 +235,10 @@ def megatron_sites(family, hf_config, spec: LoraSpec, layers) -> list[Site]:
 
 
 def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
-    """What the megatron path cannot do of a resolved spec, as errors naming the fix; and every
-    module the spec adapts must sit in a megatron linear the table knows."""
-    if spec.modules_to_save:
-        raise ConfigError(f"lora.modules_to_save={spec.modules_to_save}: modules trained in full beside the "
-                          "adapters are on the DeepSpeed path only for now; leave it empty or set backend=deepspeed")
+    """What the megatron path cannot do of a resolved spec, as errors naming the fix (modules to
+    save other than the embedding and LM head, post-norm families); and every module the spec
+    adapts must sit in a megatron linear the table knows."""
+    megatron_saved(family, hf_config, spec)
     if family.post_norms:
         raise ConfigError(f"lora on {family.model_type}: its output projections are followed by a norm inside "
                           "megatron's linear, where an adapter cannot be added yet; use backend=deepspeed")
@@ -249,3 +248,18 @@ def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
         raise ConfigError(f"lora.target_modules={spec.targets}: peft adapts {spec.adapted} modules of this model, "
                           f"megatron's layers carry {found} of them; target the attention and MLP projections "
                           "(or use backend=deepspeed)")
+
+
+def megatron_saved(family, hf_config, spec: LoraSpec) -> dict[str, str]:
+    """megatron name -> HF name of each tensor trained in full (``modules_to_save``): the embedding
+    and the untied LM head (the table's top entries); others are refused by name."""
+    from toolkit.families import table
+    out = {}
+    for name in spec.modules_to_save:
+        top = {mcore: entry.hf for mcore, (entry, _) in table(family, hf_config, []).items()
+               if matches(entry.hf.rsplit(".", 1)[0], name)}
+        if not top:
+            raise ConfigError(f"lora.modules_to_save: {name!r} on megatron: only the embedding and the LM head can "
+                              "be trained in full beside the adapters; leave it out or set backend=deepspeed")
+        out.update(top)
+    return out

@@ -55,7 +55,7 @@ def export_hf(engine, path: Path, tokenizer) -> None:
     source = MegatronSource(engine) if engine.lora is None else MergedLoraSource(engine)
     write_streamed(source, path, tokenizer, generation)
     if engine.lora is not None:
-        write_adapter(engine, source.trained, Path(path).parent / "adapter")
+        write_adapter(engine, {**source.trained_in_full(), **(source.trained or {})}, Path(path).parent / "adapter")
 
 
 def write_adapter(engine, trained: dict[str, torch.Tensor] | None, path: Path) -> None:
@@ -194,6 +194,17 @@ class MergedLoraSource(MegatronSource):
         self.pairs = {n.removeprefix(PEFT_PREFIX).removesuffix(a_suffix) + ".weight":
                       (t, self.trained[n.replace(".lora_A.", ".lora_B.")])
                       for n, t in (self.trained or {}).items() if n.endswith(a_suffix)}
+
+    def trained_in_full(self) -> dict[str, torch.Tensor]:
+        """Collective: the modules to save's trained tensors under peft's names, on rank 0 ({} elsewhere)."""
+        from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
+        out = {}
+        for hf in megatron_saved(self.engine.family, self.engine.hf_config, self.engine.lora).values():
+            tensor = self.read(hf)  # every rank, in the same order
+            if tensor is not None:
+                module, leaf = hf.rsplit(".", 1)
+                out[f"{PEFT_PREFIX}{module}.modules_to_save.{ADAPTER}.{leaf}"] = tensor
+        return out
 
     def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
         from toolkit.plan.lora import merged_weight

@@ -241,14 +241,15 @@ def _add_delta(module, args, kwargs, output):
 
 def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.Tensor], padded_vocab: int,
            tp: int, tp_rank: int) -> None:
-    """Freeze every parameter of ``chunks`` and give each adapted linear its adapters: this rank's
-    slices of ``adapters`` (HF-PEFT names, HF shapes, e.g. ``draw_adapters``'s), in the base's dtype
-    and device."""
-    from toolkit.plan.lora import megatron_sites
+    """Freeze every parameter of ``chunks`` but those of ``modules_to_save`` (the embedding, the LM
+    head) and give each adapted linear its adapters: this rank's slices of ``adapters`` (HF-PEFT
+    names, HF shapes, e.g. ``draw_adapters``'s), in the base's dtype and device."""
+    from toolkit.plan.lora import megatron_saved, megatron_sites
     dims = family.dims(hf_config, padded_vocab)
+    saved = megatron_saved(family, hf_config, spec)
     for chunk in chunks:
-        for p in chunk.parameters():
-            p.requires_grad_(False)
+        for name, p in chunk.named_parameters():
+            p.requires_grad_(name in saved)
         for layer in chunk.decoder.layers:
             for site in megatron_sites(family, hf_config, spec, [layer.layer_number - 1]):
                 base = layer.get_submodule(site.mcore)
@@ -311,7 +312,8 @@ def gather_adapters(engine, attr: str | None = None) -> dict[str, torch.Tensor] 
 
 def _named_adapter_params(engine) -> dict[str, torch.nn.Parameter]:
     """This rank's adapter matrices by checkpoint key: the HF-PEFT name of A and of B (a packed
-    projection's B parts as ``<B name>.part<k>``), the same at every layout."""
+    projection's B parts as ``<B name>.part<k>``), the same at every layout; and the parameters of
+    modules to save under their megatron names (``embedding.word_embeddings.weight``)."""
     out = {}
     for chunk in engine.model:
         for _, site in chunk_sites(chunk.module):
@@ -322,6 +324,7 @@ def _named_adapter_params(engine) -> dict[str, torch.nn.Parameter]:
                 parts = list(adapter.B)
                 out.update({b_name: parts[0]} if len(parts) == 1 else
                            {f"{b_name}.part{k}": b for k, b in enumerate(parts)})
+        out.update({n: p for n, p in chunk.module.named_parameters() if p.requires_grad and not is_adapter_name(n)})
     return out
 
 
@@ -334,13 +337,27 @@ def sharded_adapters(engine) -> dict:
         make_sharded_tensor_for_checkpoint,
         make_tp_sharded_tensor_for_checkpoint,
     )
-    out = {}
+    out, in_full = {}, _trained_in_full(engine)
     for key, param in _named_adapter_params(engine).items():
+        if key in in_full:
+            continue
         if getattr(param, "tensor_model_parallel", False):
             out[key] = make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=param.partition_dim)
         else:
             out[key] = make_sharded_tensor_for_checkpoint(param, key)
+    for chunk in engine.model:  # modules to save: as megatron shards them (the vocabulary over TP)
+        trained = _trained_in_full(engine, chunk)
+        if trained:
+            whole = chunk.module.sharded_state_dict()
+            out.update({name: whole[name] for name in trained})
     return out
+
+
+def _trained_in_full(engine, chunk=None) -> set[str]:
+    """Names (top-level: the same in every chunk) of a chunk's (default: all chunks') parameters of
+    modules to save."""
+    chunks = engine.model if chunk is None else [chunk]
+    return {n for c in chunks for n, p in c.module.named_parameters() if p.requires_grad and not is_adapter_name(n)}
 
 
 def load_adapters(engine, loaded: dict[str, torch.Tensor]) -> None:
