@@ -295,7 +295,8 @@ def test_lm_head_trained_in_full_beside_the_adapters(lora_runs, demo_base, data_
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import losses, resumes, train
-    from tests.test_lora import LORA_RUN, LOSS_RTOL as PEFT_LOSS_RTOL, reference_losses
+    from tests.test_lora import LORA_RUN, reference_losses
+    from tests.test_lora import LOSS_RTOL as PEFT_LOSS_RTOL
     run = lora_runs("tp2_lm_head")
     got, want = losses(run), reference_losses(demo_base, data_cache, ["lm_head"])
     print(f"\ntp2 + lm_head vs HF + peft + AdamW: max relative loss gap {relative_gap(got, want):.2e}")
