@@ -31,17 +31,20 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suit
 FAMILIES = ("llama", "qwen2", "qwen2_moe", "gpt2", "phi3")
 LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "tp2_sp": (2, 1, {"sequence_parallel": True})}
 MOE = ("qwen2_moe",)
-CASES = [(f, lay) for lay in LAYOUTS for f in FAMILIES if not (f in MOE and lay == "tp2")]
-"""(family, layout): megatron's MoE layer needs sequence parallelism under TP, so qwen2_moe's TP=2 is tp2_sp."""
+MODELS = {f: (f, ["all-linear"]) for f in FAMILIES} | {"llama_q_v_up": ("llama", ["q_proj", "v_proj", "up_proj"])}
+"""Parity models: (family, lora.target_modules); the last leaves k_proj and gate_proj out of their fused
+linears (their blocks of the delta are zeros)."""
+CASES = [(m, lay) for lay in LAYOUTS for m in MODELS if not (MODELS[m][0] in MOE and lay == "tp2")]
+"""(model, layout): megatron's MoE layer needs sequence parallelism under TP, so qwen2_moe's TP=2 is tp2_sp."""
 LOGIT_TOL = 2e-6  # as the full-model megatron parity (other matmul shapes, reduction orders); measured <= 2.8e-7
 GRAD_RTOL = 2e-5
 """Per adapter matrix: max |megatron - peft| <= GRAD_RTOL x max |peft|; measured worst 3.8e-6 (qwen2 tp2,
 q_proj.lora_A), <= 2.5e-6 at tp2_sp, <= 2.2e-6 at pp2, ~1e-6 for qwen2_moe."""
 
 
-def lora_config(tp: int, pp: int, **megatron):
+def lora_config(tp: int, pp: int, targets=("all-linear",), **megatron):
     return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **megatron},
-                     "lora": {"rank": RANK, "alpha": ALPHA},
+                     "lora": {"rank": RANK, "alpha": ALPHA, "target_modules": list(targets)},
                      # the reference's objective is the token loss alone: no MoE load-balancing term
                      "train": {"global_batch_size": 4, "micro_batch_size": 1, "moe_aux_loss_coeff": 0.0}})
 
@@ -81,11 +84,11 @@ def _rank_parity(rank, world, layouts, base_dirs):
     from toolkit.plan import build_plan
     results = {}
     for name, (tp, pp, extra) in layouts.items():
-        for family, base_dir in base_dirs.items():
-            if (family, name) not in CASES:
+        for case, (family, targets) in MODELS.items():
+            if (case, name) not in CASES:
                 continue
-            model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-            plan = build_plan(lora_config(tp, pp, **extra), [world], hf_config=model.config)
+            model = AutoModelForCausalLM.from_pretrained(base_dirs[family], dtype=torch.float32)
+            plan = build_plan(lora_config(tp, pp, targets, **extra), [world], hf_config=model.config)
             values = {n: seeded_adapter(n, tuple(t.shape))
                       for n, t in draw_adapters(model.config, plan.lora, 0).items()}
             engine = MegatronEngine(plan, model.state_dict(), adapters=values)
@@ -93,7 +96,7 @@ def _rank_parity(rank, world, layouts, base_dirs):
             tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro)
             logits = engine.logits(micro)
             engine.forward_backward(micro, tokens, complete_grads=True)
-            results[(name, family)] = {"logits": logits, "targets": plan.lora.targets,
+            results[(name, case)] = {"logits": logits, "targets": plan.lora.targets,
                                        "grads": engine.adapter_state("main_grad"),
                                        "trainable": sum(p.numel() for p in engine.parameters() if p.requires_grad),
                                        "optimized": sum(p.numel() for g in engine.optimizer.param_groups
@@ -123,9 +126,9 @@ def parity(base_dirs, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family,layout", CASES)
-def test_logits_and_adapter_grads_equal_hf_peft(family, layout, parity, base_dirs):
-    d = parity[(layout, family)]
+@pytest.mark.parametrize("case,layout", CASES)
+def test_logits_and_adapter_grads_equal_hf_peft(case, layout, parity, base_dirs):
+    d, family = parity[(layout, case)], MODELS[case][0]
     micro = batches(tiny_config(family).vocab_size)
     # peft's own all-linear adapts qwen2_moe's shared_expert_gate too; the toolkit's never adapts gates
     ref_logits, ref_grads = reference(base_dirs[family], micro, targets=d["targets"])
@@ -134,7 +137,7 @@ def test_logits_and_adapter_grads_equal_hf_peft(family, layout, parity, base_dir
     assert sorted(grads) == sorted(ref_grads)  # one adapter per HF projection, peft's names
     ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
     worst = max(ratios, key=ratios.get)
-    print(f"\n{family} {layout}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} "
+    print(f"\n{case} {layout}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} "
           f"of its max ({worst})")
     assert logit_gap <= LOGIT_TOL
     assert ratios[worst] <= GRAD_RTOL, worst
