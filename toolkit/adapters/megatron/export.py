@@ -46,29 +46,59 @@ def engine_embedding(state: dict) -> torch.Tensor:
 
 def export_hf(engine, path: Path, tokenizer) -> None:
     """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names). A LoRA
-    run writes the merged model there, and its adapter as an HF-PEFT directory beside it
-    (``adapter/``), every TP shard of every adapter joined."""
+    run writes the merged model there and its adapter as an HF-PEFT directory beside it
+    (``adapter/``), every TP shard of every adapter joined (``export_lora``)."""
     from transformers import GenerationConfig
 
     from toolkit.adapters.export import write_streamed
     generation = GenerationConfig.from_model_config(engine.hf_config)
-    source = MegatronSource(engine) if engine.lora is None else MergedLoraSource(engine)
-    write_streamed(source, path, tokenizer, generation)
     if engine.lora is not None:
-        write_adapter(engine, {**source.trained_in_full(), **(source.trained or {})}, Path(path).parent / "adapter")
+        export_lora(engine, Path(path), tokenizer, generation)
+        return
+    write_streamed(MegatronSource(engine), path, tokenizer, generation)
 
 
-def write_adapter(engine, trained: dict[str, torch.Tensor] | None, path: Path) -> None:
-    """Collective: ``trained`` (the adapters in HF-PEFT names, on rank 0) as an HF-PEFT directory
-    that ``peft.PeftModel.from_pretrained(base, path)`` loads, written by rank 0."""
-    from toolkit.adapters.export import fp32_config, peft_dir_replaced
-    from toolkit.convert.lora import write_peft
-    if dist.get_rank() == 0:
-        m = engine.cfg.model
-        with peft_dir_replaced(path) as stage:
-            write_peft(engine.lora, fp32_config(engine.hf_config), trained, stage,
-                       m.name_or_path if m.init == "pretrained" else None)
-    dist.barrier()
+def export_lora(engine, path: Path, tokenizer, generation) -> None:
+    """Collective: ``hf_final/`` and ``adapter/`` with the DeepSpeed path's writers
+    (``adapters/export.py``): the trained tensors (adapters joined over TP and gathered from every
+    stage, modules to save) whole on rank 0, in peft's names, with peft's model of the base on the
+    meta device for the names and scalings; the merge onto a pretrained base reads it from its files
+    (bf16 runs do not round weights they never changed), onto a random init from the engine."""
+    from toolkit.adapters.export import write_adapter, write_merged, write_streamed
+    from toolkit.adapters.hf import model_dir
+    from toolkit.adapters.megatron.lora import gather_adapters
+    trained = {**trained_in_full(engine), **(gather_adapters(engine) or {})}  # collective; whole on rank 0
+    model, trained = (peft_meta_model(engine), trained) if dist.get_rank() == 0 else (None, None)
+    m = engine.cfg.model
+    base = model_dir(m.name_or_path) if m.init == "pretrained" else None
+    if base is not None:
+        write_merged(model, trained, path, tokenizer, generation, base=base)
+    else:
+        write_streamed(MergedLoraSource(engine, model, trained), path, tokenizer, generation)
+    write_adapter(model, path.parent / "adapter", trained, base_name=m.name_or_path if base else None)
+
+
+def peft_meta_model(engine):
+    """peft's model of the HF base on the meta device (no weights): names, scalings, saved keys."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.plan.lora import peft_config
+    with init_empty_weights():
+        return get_peft_model(AutoModelForCausalLM.from_config(engine.hf_config), peft_config(engine.lora))
+
+
+def trained_in_full(engine) -> dict[str, torch.Tensor]:
+    """Collective: the modules to save's trained tensors under peft's names, on rank 0 ({} elsewhere)."""
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
+    out, source = {}, MegatronSource(engine)
+    for hf in megatron_saved(engine.family, engine.hf_config, engine.lora).values():
+        tensor = source.read(hf)  # every rank, in the same order
+        if tensor is not None:
+            module, leaf = hf.rsplit(".", 1)
+            out[f"{PEFT_PREFIX}{module}.modules_to_save.{ADAPTER}.{leaf}"] = tensor
+    return out
 
 
 class MegatronSource(Source):
@@ -181,33 +211,16 @@ def _recv(src: int) -> torch.Tensor:
 
 
 class MergedLoraSource(MegatronSource):
-    """A LoRA run's merged model: each adapted HF weight is W + scaling x B @ A (peft's merge, fp32,
-    on rank 0), from the base's gathered tensor and the adapters, which are gathered whole once
-    (``lora.gather_adapters``; ``trained``, on rank 0)."""
+    """A LoRA run's merged model onto a base that exists only in the engine (a random init): each
+    adapted HF weight is W + scaling x B @ A in fp32 on rank 0, W gathered from the engine, A, B and
+    each layer's scaling from ``trained`` and peft's meta ``model`` (rank 0; None elsewhere)."""
 
-    def __init__(self, engine):
-        from toolkit.adapters.megatron.lora import gather_adapters
-        from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
+    def __init__(self, engine, model, trained: dict | None):
+        from toolkit.convert.peft import merge_table
         super().__init__(engine)
-        self.trained = gather_adapters(engine)
-        a_suffix = f".lora_A.{ADAPTER}.weight"
-        self.pairs = {n.removeprefix(PEFT_PREFIX).removesuffix(a_suffix) + ".weight":
-                      (t, self.trained[n.replace(".lora_A.", ".lora_B.")])
-                      for n, t in (self.trained or {}).items() if n.endswith(a_suffix)}
-
-    def trained_in_full(self) -> dict[str, torch.Tensor]:
-        """Collective: the modules to save's trained tensors under peft's names, on rank 0 ({} elsewhere)."""
-        from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
-        out = {}
-        for hf in megatron_saved(self.engine.family, self.engine.hf_config, self.engine.lora).values():
-            tensor = self.read(hf)  # every rank, in the same order
-            if tensor is not None:
-                module, leaf = hf.rsplit(".", 1)
-                out[f"{PEFT_PREFIX}{module}.modules_to_save.{ADAPTER}.{leaf}"] = tensor
-        return out
+        self.pairs = merge_table(model, trained)[0] if trained is not None else {}
 
     def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
         from toolkit.plan.lora import merged_weight
-        spec = self.engine.lora
-        return {n: merged_weight(t, *self.pairs[n], spec.scaling, spec.fan_in_fan_out) if n in self.pairs else t
+        return {n: merged_weight(t, *self.pairs[n]) if n in self.pairs else t
                 for n, t in super()._hf_tensors(mcore, entry, name).items()}
