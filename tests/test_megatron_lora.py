@@ -157,7 +157,8 @@ RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         "tp2_dropout": [MEGATRON, "megatron.tp=2", "lora.dropout=0.1"],
         "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"],
         # the LM head trained in full beside the adapters (its vocabulary rows split over TP)
-        "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"]}
+        "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"],
+        "dp2_bf16": [MEGATRON, "model.dtype=bf16"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -317,3 +318,24 @@ def test_lm_head_trained_in_full_beside_the_adapters(lora_runs, demo_base, data_
           "restart.max_restarts=1", "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
     assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
     assert losses(run_dir) == got
+
+
+@pytest.mark.slow
+def test_bf16_exports_the_optimizer_s_fp32_adapters_merged_onto_the_base_as_stored(lora_runs, demo_base):
+    """A bf16 run holds bf16 copies of the adapters; ``adapter/`` takes the distributed optimizer's
+    fp32 main copies (gathered over DP, as the DeepSpeed path takes its fp32 masters), and
+    ``hf_final/`` merges those onto the base as its files store it (no bf16 rounding of weights the
+    run never changed): W + scaling x B @ A recomputed here from the two exports is bit-identical."""
+    from safetensors.torch import load_file
+
+    from tests.test_lora import ALPHA, RANK
+    from toolkit.plan.lora import merged_weight
+    run = lora_runs("dp2_bf16")
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert any((t != t.to(torch.bfloat16).float()).any() for t in adapter.values())  # not the bf16 copies
+    merged, base = load_file(run / "hf_final" / "model.safetensors"), load_file(demo_base / "model.safetensors")
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    want = merged_weight(base["model.layers.0.self_attn.q_proj.weight"], adapter[f"{prefix}.lora_A.weight"],
+                         adapter[f"{prefix}.lora_B.weight"], ALPHA / RANK, False)
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"].float())

@@ -278,18 +278,20 @@ def chunk_sites(chunk) -> list[tuple[str, LoraSite]]:
 # --- every adapter whole, in HF-PEFT names (exports, checkpoints, parity checks) --------------------------
 
 def gather_adapters(engine, attr: str | None = None) -> dict[str, torch.Tensor] | None:
-    """Every adapter matrix (or ``attr`` of each: ``main_grad``) in HF-PEFT names and HF shapes,
-    fp32 on the CPU, on global rank 0; None elsewhere. Collective: the replica an export takes (DP
-    rank 0) sends its TP slices of its stages' adapters to rank 0, which joins them; adapters are
-    small (r x (in + out) per projection)."""
+    """Every adapter matrix (the optimizer's fp32 main copy, as the DeepSpeed path exports its fp32
+    masters; or ``attr`` of each parameter: ``main_grad``) in HF-PEFT names and HF shapes, fp32 on
+    the CPU, on global rank 0; None elsewhere. Collective: the replica an export takes (DP rank 0)
+    sends its TP slices of its stages' adapters to rank 0, which joins them; adapters are small
+    (r x (in + out) per projection)."""
     import torch.distributed as dist
     mine = {}
-    if engine.owns_dense:
-        for chunk in engine.model:
-            for _, site in chunk_sites(chunk.module):
-                for module in filter(None, site.site.projections):
-                    adapter = site.adapters[short_name(module)]
-                    tensors = [getattr(t, attr) if attr else t for t in (adapter.A, *adapter.B)]
+    for chunk in engine.model:
+        for _, site in chunk_sites(chunk.module):
+            for module in filter(None, site.site.projections):
+                adapter = site.adapters[short_name(module)]
+                params = [adapter.A, *adapter.B]
+                tensors = [getattr(t, attr) for t in params] if attr else main_params(engine, params)
+                if engine.owns_dense:
                     mine[module] = (site.site, engine.tp_rank, [t.detach().to("cpu", torch.float32, copy=True)
                                                                for t in tensors])
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -370,3 +372,23 @@ def load_adapters(engine, loaded: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(loaded[key])
+
+
+def main_params(engine, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The distributed optimizer's fp32 main copies of ``params`` (dense: adapters never sit on
+    experts), whole on every rank of the DP group: each rank owns a range of each parameter's
+    elements, or none, and the ranges are summed over the group. In bf16 the model holds rounded
+    copies; in fp32 these equal the parameters. Collective over the DP group: its ranks call it for
+    the same parameters in the same order."""
+    import torch.distributed as dist
+    optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    out = []
+    for param in params:
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for holder in (o for o in optimizers if param in o.model_param_group_index_map):  # owns a range
+            owned = holder._get_model_param_range_map(param)["param"]
+            main = holder._get_main_param_and_optimizer_states(param)["param"]
+            whole[owned.start:owned.end] = main.detach().reshape(-1).float()
+        dist.all_reduce(whole, group=engine.dp_group)
+        out.append(whole.view(param.shape))
+    return out
