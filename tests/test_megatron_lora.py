@@ -158,7 +158,7 @@ RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"],
         # the LM head trained in full beside the adapters (its vocabulary rows split over TP)
         "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"],
-        "dp2_bf16": [MEGATRON, "model.dtype=bf16"]}
+        "dp2_bf16": [MEGATRON, "model.dtype=bf16", "lora.modules_to_save=[lm_head]"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -322,8 +322,9 @@ def test_lm_head_trained_in_full_beside_the_adapters(lora_runs, demo_base, data_
 
 @pytest.mark.slow
 def test_bf16_exports_the_optimizer_s_fp32_adapters_merged_onto_the_base_as_stored(lora_runs, demo_base):
-    """A bf16 run holds bf16 copies of the adapters; ``adapter/`` takes the distributed optimizer's
-    fp32 main copies (gathered over DP, as the DeepSpeed path takes its fp32 masters), and
+    """A bf16 run holds bf16 copies of the adapters (and of the LM head trained in full);
+    ``adapter/`` takes the distributed optimizer's fp32 main copies (gathered over DP, as the
+    DeepSpeed path takes its fp32 masters), and
     ``hf_final/`` merges those onto the base as its files store it (no bf16 rounding of weights the
     run never changed): W + scaling x B @ A recomputed here from the two exports is bit-identical."""
     from safetensors.torch import load_file
@@ -339,3 +340,5 @@ def test_bf16_exports_the_optimizer_s_fp32_adapters_merged_onto_the_base_as_stor
                          adapter[f"{prefix}.lora_B.weight"], ALPHA / RANK, False)
     assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)
     assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"].float())
+    head = adapter["base_model.model.lm_head.weight"]  # trained in full: its fp32 main copy, in both exports
+    assert (head != head.to(torch.bfloat16).float()).any() and torch.equal(merged["lm_head.weight"], head)

@@ -90,14 +90,22 @@ def peft_meta_model(engine):
 
 
 def trained_in_full(engine) -> dict[str, torch.Tensor]:
-    """Collective: the modules to save's trained tensors under peft's names, on rank 0 ({} elsewhere)."""
+    """Collective: the modules to save's trained tensors (the optimizer's fp32 main copies, joined
+    over TP) under peft's names, on rank 0 ({} elsewhere)."""
+    from toolkit.adapters.megatron.lora import main_params
     from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
-    out, source = {}, MegatronSource(engine)
-    for hf in megatron_saved(engine.family, engine.hf_config, engine.lora).values():
+    saved = megatron_saved(engine.family, engine.hf_config, engine.lora)
+    params = [p for chunk in engine.model for n, p in chunk.module.named_parameters() if n in saved]
+    for param, main in zip(params, main_params(engine, params)):  # the same order on the DP ranks
+        param.fp32_main = main
+    out, source = {}, MegatronSource(engine, attr="fp32_main")
+    for hf in saved.values():
         tensor = source.read(hf)  # every rank, in the same order
         if tensor is not None:
             module, leaf = hf.rsplit(".", 1)
             out[f"{PEFT_PREFIX}{module}.modules_to_save.{ADAPTER}.{leaf}"] = tensor
+    for param in params:
+        del param.fp32_main
     return out
 
 
