@@ -30,6 +30,19 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
+@pytest.fixture(scope="session")
+def demo_base(tmp_path_factory) -> Path:
+    """The demo's tiny Llama with HF's init (seed 0), saved as a pretrained base (LoRA runs adapt it)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.config import DEMO_DIR
+    path = tmp_path_factory.mktemp("lora_demo_base") / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_DIR / "tiny-llama")).save_pretrained(path)
+    return path
+
+
 def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, check: bool = True):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=full_env,

@@ -1,7 +1,8 @@
 """LoRA on the DeepSpeed path (``lora.*``, ``toolkit/plan/lora.py``, ``toolkit/adapters/lora.py``)
 against references we did not write: HF + ``peft`` on the same weights and adapters.
 
-- names: bad targets, the MoE router, packed experts and megatron are refused before anything starts;
+- names: bad targets, the MoE router and packed experts are refused before anything starts (megatron
+  LoRA: tests/test_megatron_lora.py);
   the plan's trainable count is peft's;
 - parity: at ZeRO-2 and ZeRO-3 (2 gloo ranks), for llama, qwen2 and gpt2, the engine's logits and
   adapter gradients equal a single-process HF + peft model's (fp32);
@@ -25,7 +26,7 @@ from tests.conftest import losses, resumes, train
 from tests.test_families import tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
-from toolkit.config import DEMO_DIR, ConfigError, load_config, validate
+from toolkit.config import ConfigError, load_config, validate
 from toolkit.engine import IGNORE_INDEX
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
@@ -72,14 +73,6 @@ def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
         plan_for(family, target_modules=["down_proj"])
 
 
-def test_megatron_with_lora_is_refused_naming_the_fix():
-    from toolkit.plan import build_plan
-    cfg = validate({"backend": "megatron", "lora": {"rank": 8}})
-    with pytest.raises(ConfigError, match="lora.rank=8: LoRA runs on the DeepSpeed path only for now; set "
-                                          "backend=deepspeed"):
-        build_plan(cfg, [1], hf_config=tiny_config("llama"))
-
-
 @pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])
 def test_planned_trainable_count_is_peft_s(family):
     """The plan's count (estimate, dry-run, metrics) against peft's own count on the wrapped model."""
@@ -111,21 +104,23 @@ def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
 def adapter_values(model) -> dict[str, torch.Tensor]:
     """Non-zero adapters (peft's init has B = 0, under which A gets no gradient), by name, alike on
     every rank and in the reference."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            out[name] = torch.randn(tuple(getattr(p, "ds_shape", p.shape)), generator=g) * 0.05
-    return out
+    return {name: seeded_adapter(name, tuple(getattr(p, "ds_shape", p.shape)))
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
-def reference(base_dir, micro_batches, modules_to_save=()):
-    """HF + peft (peft's own all-linear), one process: logits per micro-batch and the gradients of
-    sum(token losses) / valid tokens of the global batch."""
+def seeded_adapter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """An adapter's test value, from its peft name alone."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * 0.05
+
+
+def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear"):
+    """HF + peft (peft's own all-linear by default), one process: logits per micro-batch and the
+    gradients of sum(token losses) / valid tokens of the global batch."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", task_type="CAUSAL_LM",
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM",
                                       modules_to_save=list(modules_to_save) or None))
     with torch.no_grad():
         for name, value in adapter_values(model).items():
@@ -220,16 +215,6 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
 LORA_RUN = ["lora.rank=4", f"lora.alpha={ALPHA}", "model.init=pretrained", "checkpoint.every=3"]
 
 
-@pytest.fixture(scope="module")
-def demo_base(tmp_path_factory):
-    """The demo's tiny Llama with HF's init (seed 0), saved as a pretrained base."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    path = tmp_path_factory.mktemp("lora_demo_base") / "base"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_DIR / "tiny-llama")).save_pretrained(path)
-    return path
-
-
 RUNS = {"zero2": ["zero.stage=2"],
         "zero3": ["zero.stage=3", "lora.modules_to_save=[lm_head]"],  # the LM head trained in full too
         "zero0": ["zero.stage=0"],
@@ -241,12 +226,17 @@ RUNS = {"zero2": ["zero.stage=2"],
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, data_cache, demo_base):
+    return trained_once(tmp_path_factory.mktemp("lora_runs"), data_cache, demo_base, RUNS)
+
+
+def trained_once(root, data_cache, demo_base, runs: dict, *overrides: str):
+    """``get(name)``: the run dir of LoRA run ``name`` of the demo base (``runs[name]``: its
+    overrides), trained on first use."""
     cache = {}
-    root = tmp_path_factory.mktemp("lora_runs")
 
     def get(name: str):
         if name not in cache:
-            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS[name])
+            train(root / name, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *overrides, *runs[name])
             cache[name] = root / name
         return cache[name]
     return get

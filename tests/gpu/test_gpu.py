@@ -175,6 +175,30 @@ def test_train_kill_resume_export(backend, tmp_path):
         assert torch.allclose(p, q, rtol=5e-2, atol=1e-3), n
 
 
+def test_megatron_lora_trains_resumes_and_exports(tmp_path):
+    """bf16 LoRA on megatron (the adapters on the device beside the frozen base, TP 1 on one GPU):
+    the loss falls, kill + resume follows the uninterrupted run, ``adapter/`` holds every adapter
+    in HF shapes with finite values and ``hf_final/`` is the merged fp32 model."""
+    from safetensors.torch import load_file
+    common = ("backend=megatron", "model.dtype=bf16", "train.steps=8", "checkpoint.every=4", "lora.rank=8",
+              "train.lr=1e-2")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    toolkit_train(whole, *common)
+    toolkit_train(killed, *common, "restart.max_restarts=1", env={"TOOLKIT_FAULT": "kill:step=6"})
+    assert [(e["checkpoint"], e["loaded"]) for e in resume_events(killed)] == [("step_00000004", "as saved")]
+    a, b = records(whole), records(killed)
+    print(f"\nmegatron LoRA bf16 losses {[round(a[s]['loss'], 4) for s in a]}; "
+          f"resumed {[round(b[s]['loss'], 4) for s in b]}")
+    assert a[8]["loss"] < a[1]["loss"]
+    for s in a:
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=2e-2), s
+    adapter = load_file(str(killed / "adapter" / "adapter_model.safetensors"))
+    plan = json.loads((killed / "plan.json").read_text())["lora"]
+    assert sum(t.numel() for t in adapter.values()) == plan["trainable"]
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in adapter.values())
+    assert (killed / "hf_final" / "config.json").is_file()
+
+
 @needs_cuda
 def test_deepspeed_fp16_skips_a_forced_overflow_and_trains_on(tmp_path):
     run = tmp_path / "fp16"

@@ -79,15 +79,16 @@ def _lora(cfg: RunConfig, hf_config) -> LoraSpec | None:
     """LoRA checked against the model's module names (a meta-device model: no memory)."""
     if not cfg.lora.enabled:
         return None
-    if cfg.backend == "megatron":
-        raise ConfigError(f"lora.rank={cfg.lora.rank}: LoRA runs on the DeepSpeed path only for now; set "
-                          "backend=deepspeed (any zero.stage, offload included), or lora.rank=0 to fine-tune "
-                          "in full with megatron")
     import torch
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return resolve_lora(cfg.lora, model)
+    spec = resolve_lora(cfg.lora, model)
+    if cfg.backend == "megatron":
+        from toolkit.families import get_family
+        from toolkit.plan.lora import check_megatron_lora
+        check_megatron_lora(spec, get_family(hf_config.model_type), hf_config)
+    return spec
 
 
 def _check_family(cfg: RunConfig, hf_config, written: dict | None) -> None:

@@ -119,11 +119,12 @@ def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = No
 
     ``bucket``: DeepSpeed's zero_optimization.reduce_bucket_size (elements) from the resolved JSON;
     default hidden^2, what "auto" resolves to. ``lora_trainable``: a LoRA run's trained parameters
-    (``plan.lora.trainable``; DeepSpeed only), None for full fine-tuning."""
+    (``plan.lora.trainable``), None for full fine-tuning."""
     w = DTYPE_BYTES[cfg.model.dtype]
     if lay.backend == "deepspeed":
         return _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2, lora_trainable)
-    return max((_megatron_stage_memory(cfg, spec, lay, w, i) for i in range(lay.pp)), key=lambda m: m.total)
+    return max((_megatron_stage_memory(cfg, spec, lay, w, i, lora_trainable) for i in range(lay.pp)),
+               key=lambda m: m.total)
 
 
 def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
@@ -158,7 +159,8 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
                   host_load=on_host + 4 * largest, host_export=on_host + (w + 4) * largest, largest_tensor=largest)
 
 
-def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int) -> Memory:
+def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int,
+                           lora_trainable: int | None = None) -> Memory:
     t, stages = lay.tp, stage_layers(spec.layers, lay)
     layers = stages[stage]
     vocab = lay.padded_vocab
@@ -172,6 +174,18 @@ def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int,
     # the distributed optimizer shards dense state over dp, experts' over the dp / ep expert replicas
     optim = (8 + (4 if w != 4 else 0)) * (phi / lay.dp + expert_phi / (lay.dp // lay.ep))
     phi += expert_phi
+    if lora_trainable is not None:  # only the adapters train: the stage's share of them, counted whole
+        tau = lora_trainable * len(layers) / spec.layers  # on each TP rank (an upper bound: about half
+        adam = (8 + (4 if w != 4 else 0)) * tau / lay.dp  # of each adapter is TP-split)
+        return _megatron_memory(cfg, spec, lay, w, stage, layers, phi + tau, tau, adam)
+    return _megatron_memory(cfg, spec, lay, w, stage, layers, phi, phi, optim)
+
+
+def _megatron_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int, layers: list[int],
+                     phi: float, trained: float, optim: float) -> Memory:
+    """A stage's memory of ``phi`` weights of which ``trained`` get fp32 gradients, ``optim`` bytes
+    of optimizer state."""
+    t, last = lay.tp, stage == lay.pp - 1
     in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
     sp = lay.sequence_parallel and t > 1
     local = cfg.megatron.attention == "local"  # megatron's DotProductAttention: scores kept, K/V repeated
@@ -179,7 +193,7 @@ def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int,
     acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, sp=sp, kv_repeated=local) + loss
             for r in ("none", "selective", "full")}
     largest = largest_tensor(spec)
-    return Memory(phi * w, phi * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi),
+    return Memory(phi * w, trained * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi),
                   logits_loss=loss,
                   host_load=phi * w + 4 * largest, host_export=phi * w + (w + 4) * largest, largest_tensor=largest)
 

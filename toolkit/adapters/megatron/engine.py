@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron import export, state
+from toolkit.adapters.megatron import export, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
                                              transformer_config)
@@ -34,9 +34,11 @@ from toolkit.plan import Plan
 class MegatronEngine:
     """The Engine protocol over megatron-core GPTModel chunks, DDP and the distributed optimizer."""
 
-    def __init__(self, plan: Plan, hf_state: Mapping[str, torch.Tensor] | None = None):
+    def __init__(self, plan: Plan, hf_state: Mapping[str, torch.Tensor] | None = None,
+                 adapters: Mapping[str, torch.Tensor] | None = None):
         """This rank's part of the planned model at the layout for this job's world size; weights from
-        ``hf_state`` (an HF state dict) or, by default, as the plan says (model.init)."""
+        ``hf_state`` (an HF state dict) or, by default, as the plan says (model.init). A LoRA run's
+        adapters (``lora.py``): ``adapters`` (HF-PEFT names, HF shapes), by default peft's init."""
         from toolkit.families import get_family
         megatron_core.bind_missing_te_names()
         if not torch.cuda.is_available():  # never imported on a GPU machine
@@ -56,6 +58,9 @@ class MegatronEngine:
         for c in chunks:
             load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
         del hf_state
+        self.lora = plan.lora
+        if self.lora is not None:
+            self._attach_lora(chunks, adapters)
         for c in chunks:
             device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
@@ -82,6 +87,13 @@ class MegatronEngine:
         # whether this rank's copy of dense / expert parameters is the one an export takes
         self.owns_dense = self.dp_rank == 0
         self.owns_experts = ps.get_expert_data_parallel_rank() == 0 if lay.ep > 1 else self.owns_dense
+
+    def _attach_lora(self, chunks, adapters) -> None:
+        """The base frozen, this rank's slices of the adapters on its linears (``lora.py``)."""
+        if adapters is None:
+            adapters = lora.draw_adapters(self.hf_config, self.lora, self.cfg.train.seed)
+        lora.attach(chunks, self.family, self.hf_config, self.lora, adapters, self.lay.padded_vocab, self.lay.tp,
+                    self.tp_rank)
 
     def _wrap_ddp(self, chunks) -> list:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -275,6 +287,10 @@ class MegatronEngine:
     def hf_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
         """The current weights (or ``attr`` of them, e.g. ``main_grad``) as an HF state dict on rank 0."""
         return export.hf_state(self, attr)
+
+    def adapter_state(self, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+        """A LoRA run's adapters (or ``attr`` of them, e.g. ``main_grad``) in HF-PEFT names on rank 0."""
+        return lora.gather_adapters(self, attr)
 
     def export_hf(self, path: Path, tokenizer) -> None:
         export.export_hf(self, path, tokenizer)

@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron.weights import expert_offset, global_name, is_expert, layer_offset, local_params
+from toolkit.adapters.megatron.weights import (
+    expert_offset,
+    global_name,
+    is_expert,
+    layer_offset,
+    local_params,
+)
 from toolkit.convert.canonical import Source, TensorInfo
 from toolkit.convert.pages import trim_heap
 
@@ -39,12 +45,68 @@ def engine_embedding(state: dict) -> torch.Tensor:
 
 
 def export_hf(engine, path: Path, tokenizer) -> None:
-    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names)."""
+    """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names). A LoRA
+    run writes the merged model there and its adapter as an HF-PEFT directory beside it
+    (``adapter/``), every TP shard of every adapter joined (``export_lora``)."""
     from transformers import GenerationConfig
 
     from toolkit.adapters.export import write_streamed
     generation = GenerationConfig.from_model_config(engine.hf_config)
+    if engine.lora is not None:
+        export_lora(engine, Path(path), tokenizer, generation)
+        return
     write_streamed(MegatronSource(engine), path, tokenizer, generation)
+
+
+def export_lora(engine, path: Path, tokenizer, generation) -> None:
+    """Collective: ``hf_final/`` and ``adapter/`` with the DeepSpeed path's writers
+    (``adapters/export.py``): the trained tensors (adapters joined over TP and gathered from every
+    stage, modules to save) whole on rank 0, in peft's names, with peft's model of the base on the
+    meta device for the names and scalings; the merge onto a pretrained base reads it from its files
+    (bf16 runs do not round weights they never changed), onto a random init from the engine."""
+    from toolkit.adapters.export import write_adapter, write_merged, write_streamed
+    from toolkit.adapters.hf import model_dir
+    from toolkit.adapters.megatron.lora import gather_adapters
+    trained = {**trained_in_full(engine), **(gather_adapters(engine) or {})}  # collective; whole on rank 0
+    model, trained = (peft_meta_model(engine), trained) if dist.get_rank() == 0 else (None, None)
+    m = engine.cfg.model
+    base = model_dir(m.name_or_path) if m.init == "pretrained" else None
+    if base is not None:
+        write_merged(model, trained, path, tokenizer, generation, base=base)
+    else:
+        write_streamed(MergedLoraSource(engine, model, trained), path, tokenizer, generation)
+    write_adapter(model, path.parent / "adapter", trained, base_name=m.name_or_path if base else None)
+
+
+def peft_meta_model(engine):
+    """peft's model of the HF base on the meta device (no weights): names, scalings, saved keys."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.plan.lora import peft_config
+    with init_empty_weights():
+        return get_peft_model(AutoModelForCausalLM.from_config(engine.hf_config), peft_config(engine.lora))
+
+
+def trained_in_full(engine) -> dict[str, torch.Tensor]:
+    """Collective: the modules to save's trained tensors (the optimizer's fp32 main copies, joined
+    over TP) under peft's names, on rank 0 ({} elsewhere)."""
+    from toolkit.adapters.megatron.lora import main_params
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
+    saved = megatron_saved(engine.family, engine.hf_config, engine.lora)
+    params = [p for chunk in engine.model for n, p in chunk.module.named_parameters() if n in saved]
+    for param, main in zip(params, main_params(engine, params)):  # the same order on the DP ranks
+        param.fp32_main = main
+    out, source = {}, MegatronSource(engine, attr="fp32_main")
+    for hf in saved.values():
+        tensor = source.read(hf)  # every rank, in the same order
+        if tensor is not None:
+            module, leaf = hf.rsplit(".", 1)
+            out[f"{PEFT_PREFIX}{module}.modules_to_save.{ADAPTER}.{leaf}"] = tensor
+    for param in params:
+        del param.fp32_main
+    return out
 
 
 class MegatronSource(Source):
@@ -154,3 +216,19 @@ def _recv(src: int) -> torch.Tensor:
     full = torch.empty([int(d) for d in shape if d >= 0], dtype=WIRE_DTYPES[dtype], device=device.rank_device())
     dist.recv(full, src=src)
     return full
+
+
+class MergedLoraSource(MegatronSource):
+    """A LoRA run's merged model onto a base that exists only in the engine (a random init): each
+    adapted HF weight is W + scaling x B @ A in fp32 on rank 0, W gathered from the engine, A, B and
+    each layer's scaling from ``trained`` and peft's meta ``model`` (rank 0; None elsewhere)."""
+
+    def __init__(self, engine, model, trained: dict | None):
+        from toolkit.convert.peft import merge_table
+        super().__init__(engine)
+        self.pairs = merge_table(model, trained)[0] if trained is not None else {}
+
+    def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
+        from toolkit.plan.lora import merged_weight
+        return {n: merged_weight(t, *self.pairs[n]) if n in self.pairs else t
+                for n, t in super()._hf_tensors(mcore, entry, name).items()}

@@ -14,9 +14,22 @@ DESCRIPTION = "toolkit_megatron.json"
 
 
 def model_sharded_state_dict(engine) -> dict:
-    """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them)."""
+    """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them); a LoRA
+    run's adapters only, under ``adapters`` (``lora.sharded_adapters``: HF-PEFT names)."""
+    if engine.lora is not None:
+        from toolkit.adapters.megatron.lora import sharded_adapters
+        return {"adapters": sharded_adapters(engine)}
     return {"model" if len(engine.model) == 1 else f"model{i}": chunk.module.sharded_state_dict()
             for i, chunk in enumerate(engine.model)}
+
+
+def _load_model(engine, loaded: dict) -> None:
+    if engine.lora is not None:
+        from toolkit.adapters.megatron.lora import load_adapters
+        load_adapters(engine, loaded["adapters"])
+        return
+    for i, chunk in enumerate(engine.model):
+        chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
 
 
 def sharded_state_dict(engine, is_loading: bool) -> dict:
@@ -54,8 +67,7 @@ def load(engine, path: Path) -> None:
     megatron_core.materialize_optimizer_state(engine.optimizer)
     megatron_core.tolerate_step_state(engine.optimizer)
     loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(path))
-    for i, chunk in enumerate(engine.model):
-        chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
+    _load_model(engine, loaded)
     engine.optimizer.load_state_dict(megatron_core.param_groups_as_mine(engine.optimizer, loaded["optimizer"]))
     megatron_core.unshare_step_tensors(engine.optimizer)
 
@@ -65,8 +77,7 @@ def load_weights_only(engine, path: Path) -> None:
     its fp32 main weights from the loaded model."""
     from megatron.core import dist_checkpointing
     loaded = dist_checkpointing.load(model_sharded_state_dict(engine), str(path))
-    for i, chunk in enumerate(engine.model):
-        chunk.module.load_state_dict(loaded["model" if len(engine.model) == 1 else f"model{i}"], strict=True)
+    _load_model(engine, loaded)
     engine.optimizer.reload_model_params()
 
 
@@ -82,4 +93,5 @@ def describe(engine) -> dict:
     return {"format": "megatron-core torch_dist", "family": engine.family.model_type,
             "vocab_size": engine.hf_config.vocab_size, "padded_vocab_size": engine.lay.padded_vocab,
             "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
-            "layout": engine.layout_record()}
+            "layout": engine.layout_record(),
+            **({"lora": "adapters only, HF-PEFT names"} if engine.lora is not None else {})}

@@ -114,7 +114,10 @@ def is_expert(name: str) -> bool:
 
 
 def local_params(chunk) -> dict[str, torch.Tensor]:
-    return {n: t for n, t in chunk.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
+    """The chunk's base tensors by local name (LoRA adapters, ``lora.py``, are not the HF model's)."""
+    from toolkit.adapters.megatron.lora import is_adapter_name
+    return {n: t for n, t in chunk.state_dict(keep_vars=True).items()
+            if not n.endswith("_extra_state") and not is_adapter_name(n)}
 
 
 def layer_offset(chunk) -> int:

@@ -1,0 +1,394 @@
+"""LoRA on megatron's column- and row-parallel linears with peft's function: one adapter per HF
+projection (q, k and v apart although megatron fuses them into ``linear_qkv``; gate and up apart
+in ``linear_fc1``), so a megatron LoRA run computes what ``peft`` computes on the HF model, and its
+adapters are peft's tensors, split over TP.
+
+Which linear carries which projections comes from the family's weight table (``plan/lora.py``'s
+``megatron_sites``). Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order), with
+``A [r, in]`` and ``B [out, r]`` split over TP as the base is:
+
+  column-parallel base (``linear_qkv``, ``linear_fc1``): A whole on every TP rank; B split by rows
+      as the base's output is: each projection's own rows of this rank (for QKV: the rows of the
+      rank's KV groups, a contiguous block of q's, k's and v's B; for the GLU: gate_r and up_r),
+      placed into the fused output as megatron lays it out (per KV group [q, k, v]; [gate_r; up_r]).
+      The r-wide ``h = A x`` goes through ``copy_to_tensor_model_parallel_region`` (backward: the
+      TP all-reduce of dh, so A's gradient is whole and equal on every rank). Under sequence
+      parallelism x is this rank's slice of the sequence; ``h`` is all-gathered along it (backward:
+      reduce-scatter), so A's gradient is a partial sum over the sequence: A is marked
+      ``sequence_parallel`` and megatron's ``finalize_model_grads`` sums it over TP.
+  row-parallel base (``linear_proj``, ``linear_fc2``): A split by columns as the base's input is;
+      B whole. ``h = A_r x_r`` is summed over TP (``reduce_from_tensor_model_parallel_region``;
+      under sequence parallelism reduce-scattered along the sequence, B then marked
+      ``sequence_parallel``), then ``B h`` is added to the base's reduced output.
+
+Only r-wide activations cross ranks. A packed HF projection (GPT-2's ``c_attn`` = [q; k; v])
+keeps its B as row blocks ("parts"), each split over TP like the projection it feeds.
+
+Parameters live in the model tree as ``<linear>.lora.adapters.<projection>.A`` and
+``.B.<part>`` (so megatron's DDP and distributed optimizer see them); the base is frozen. The
+adapters are drawn as part 1 draws them (``adapters/lora.py``: peft's own init from a CPU generator
+seeded with (train.seed, "lora")) in HF shapes, on a model skeleton with no weights, and each
+rank keeps its slices: a megatron run starts from the DeepSpeed run's adapters.
+
+Names: ``peft_names(site)`` gives each adapter's HF-PEFT names (``base_model.model.<module>.lora_A.
+default.weight``), the canonical names of exports, checkpoints and conversions.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.plan.lora import ADAPTER, GLU, PEFT_PREFIX, QKV, ROW_LINEAR, LoraSpec, Site
+
+LORA_CHILD = "lora"
+"""The child module of an adapted megatron linear that holds its adapters."""
+
+
+def is_adapter_name(name: str) -> bool:
+    """A megatron parameter name (local or global) of an adapter matrix."""
+    return f".{LORA_CHILD}.adapters." in name
+
+
+def peft_names(module: str) -> tuple[str, str]:
+    """HF-PEFT names (in peft's model, adapter ``default``) of an HF module's A and B."""
+    return (f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight", f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight")
+
+
+def short_name(module: str) -> str:
+    return module.rsplit(".", 1)[-1]
+
+
+# --- drawing the adapters as peft does ---------------------------------------------------------------
+
+def draw_adapters(hf_config, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter matrix of the model in HF shapes, by HF-PEFT name: peft's own init, drawn as
+    ``adapters/lora.apply_lora`` draws it (the same generator, seed and module order), on a model
+    skeleton whose weights are on the meta device except the adapted layers', which are zero-strided
+    CPU views (peft reads their shapes; no memory)."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.adapters.hf import unit_seed
+    from toolkit.plan.lora import matches, peft_config
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    for name, module in skeleton.named_modules():
+        if any(matches(name, t) for t in spec.targets) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            module.weight = torch.nn.Parameter(torch.zeros(()).expand(module.weight.shape), requires_grad=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(unit_seed(seed, "lora"))
+        wrapped = get_peft_model(skeleton, peft_config(spec), autocast_adapter_dtype=False)
+    return {n: p.detach() for n, p in wrapped.named_parameters() if p.requires_grad}
+
+
+# --- one rank's slices of an adapter, and back ---------------------------------------------------------
+
+class Geometry:
+    """A column site's fused output on one TP rank as row blocks (q, k, v; gate, up; or one), and
+    how a projection's HF B splits into them."""
+
+    def __init__(self, site: Site, dims, tp: int, out_local: int):
+        self.site, self.tp = site, tp
+        if site.kind == QKV:
+            q, kv = dims.heads * dims.head_dim, dims.groups * dims.head_dim
+            self.hf_rows = [q, kv, kv]
+            self.groups = dims.groups // tp
+        else:
+            self.hf_rows, self.groups = None, None
+        self.widths = ([r // tp for r in self.hf_rows] if site.kind == QKV
+                       else [out_local // 2] * 2 if site.kind == GLU else [out_local])
+        """This rank's rows of each block of the fused output."""
+
+    def b_parts(self, b: torch.Tensor) -> list[torch.Tensor]:
+        """The HF B ``[out, r]`` of one projection as its row blocks (one, or [q; k; v] / [gate; up]
+        for a packed projection)."""
+        if self.site.parts == 1:
+            return [b]
+        return list(torch.split(b, self.hf_rows or [b.shape[0] // self.site.parts] * self.site.parts))
+
+
+def shard_adapter(site: Site, geometry: Geometry, a: torch.Tensor, b: torch.Tensor, tp: int,
+                  rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """TP rank ``rank``'s A and B parts of one projection's HF ``a [r, in]``, ``b [out, r]``."""
+    if site.kind == ROW_LINEAR:
+        return torch.chunk(a, tp, dim=1)[rank].contiguous(), [b.contiguous()]
+    return a.contiguous(), [torch.chunk(p, tp, dim=0)[rank].contiguous() for p in geometry.b_parts(b)]
+
+
+def unshard_adapter(site: Site, a_parts: list[torch.Tensor], b_parts: list[list[torch.Tensor]]):
+    """The HF ``(a, b)`` from every TP rank's A and B parts (in rank order). The matrix every TP
+    rank holds whole must be the same on all of them (else a rank's gradient or dropout mask
+    differed: an error, not one rank's copy picked)."""
+    whole = [p[0] for p in b_parts] if site.kind == ROW_LINEAR else a_parts
+    if any(not torch.equal(w, whole[0]) for w in whole[1:]):
+        raise RuntimeError(f"LoRA: the TP ranks' copies of the replicated adapter matrix of {site.projections} "
+                           f"(layer {site.layer}, {site.mcore}) differ")
+    if site.kind == ROW_LINEAR:
+        return torch.cat(a_parts, dim=1), whole[0]
+    blocks = [torch.cat([rank_parts[k] for rank_parts in b_parts]) for k in range(len(b_parts[0]))]
+    return a_parts[0], torch.cat(blocks)
+
+
+# --- the adapted linear ------------------------------------------------------------------------------
+
+class ProjectionAdapter(torch.nn.Module):
+    """One HF projection's adapter on this rank: ``A`` and the ``B`` parts (shapes above)."""
+
+    def __init__(self, a: torch.Tensor, b_parts: list[torch.Tensor]):
+        super().__init__()
+        self.A = torch.nn.Parameter(a)
+        self.B = torch.nn.ParameterList([torch.nn.Parameter(b) for b in b_parts])
+
+
+class LoraSite(torch.nn.Module):
+    """The adapters of one megatron linear, computing the delta its forward hook adds."""
+
+    def __init__(self, site: Site, geometry: Geometry, adapters: dict[str, ProjectionAdapter], spec: LoraSpec,
+                 base: torch.nn.Module):
+        super().__init__()
+        self.site, self.geometry, self.scaling = site, geometry, spec.scaling
+        self.adapters = torch.nn.ModuleDict(adapters)
+        self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout else torch.nn.Identity()
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        self.group = getattr(base, "tp_group", None)
+        self._mark(base)
+
+    def _mark(self, base) -> None:
+        """megatron's attributes: TP-split matrices (grad norm counts them on every rank), and the
+        replicated ones whose gradient is a per-rank partial sum under sequence parallelism."""
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+        tp = getattr(base, "tp_size", None) or _tp_size()
+        for adapter in self.adapters.values():
+            split, whole = ((adapter.A,), list(adapter.B)) if self.site.kind == ROW_LINEAR else \
+                (list(adapter.B), (adapter.A,))
+            for p in split:
+                if tp > 1:
+                    set_tensor_model_parallel_attributes(p, True, 1 if self.site.kind == ROW_LINEAR else 0, 1)
+            for p in whole:
+                p.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The delta for the base's output: ``[s, b, out / tp]`` (column) or ``[s(/tp), b, out]``
+        (row), in the base output's layout."""
+        if self.site.kind == ROW_LINEAR:
+            return self._row(x)
+        return self._column(x)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the adapters' input: where x is the same on every TP rank (column, no SP)
+        from the default generator, alike on the TP ranks; elsewhere from megatron's TP stream."""
+        if isinstance(self.dropout, torch.nn.Identity) or not self.training:
+            return x
+        if self.site.kind != ROW_LINEAR and not self.sequence_parallel:
+            return self.dropout(x)
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        with get_cuda_rng_tracker().fork():
+            return self.dropout(x)
+
+    def _row(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (
+            reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
+        )
+        [adapter] = self.adapters.values()
+        h = self._dropped(x) @ adapter.A.t()
+        h = reduce_scatter_to_sequence_parallel_region(h, group=self.group) if self.sequence_parallel else \
+            reduce_from_tensor_model_parallel_region(h, group=self.group)
+        return (h @ adapter.B[0].t()) * self.scaling
+
+    def _column(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+        adapters = list(self.adapters.values())
+        a = torch.cat([ad.A for ad in adapters]) if len(adapters) > 1 else adapters[0].A
+        h = self._dropped(x) @ a.t()  # [.., n x r]: one matmul and one collective for every projection
+        h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.group) \
+            if self.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=self.group)
+        blocks = dict(zip(self.adapters.keys(), h.split(adapters[0].A.shape[0], dim=-1)))
+        outs = []
+        for module in self.site.projections:
+            if module is None:
+                outs.append(None)
+                continue
+            name = short_name(module)
+            outs += [(blocks[name] @ b.t()) * self.scaling for b in self.adapters[name].B]
+        return self._fused(outs, h)
+
+    def _fused(self, outs: list[torch.Tensor | None], h: torch.Tensor) -> torch.Tensor:
+        """The blocks' deltas in the fused output's layout: QKV per KV group [q, k, v]; else in a
+        row. A projection without adapter contributes zeros of its width."""
+        outs = [o if o is not None else h.new_zeros(*h.shape[:-1], w) for o, w in zip(outs, self.geometry.widths)]
+        if self.site.kind != QKV:
+            return torch.cat(outs, dim=-1)
+        return torch.cat([o.unflatten(-1, (self.geometry.groups, -1)) for o in outs], dim=-1).flatten(-2)
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def _add_delta(module, args, kwargs, output):
+    """Forward hook of an adapted megatron linear: its output plus the adapters' delta."""
+    x = args[0] if args else kwargs["input_"]
+    y, bias = output
+    return y + getattr(module, LORA_CHILD)(x).to(y.dtype), bias
+
+
+# --- attaching to the model chunks ----------------------------------------------------------------------
+
+def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.Tensor], padded_vocab: int,
+           tp: int, tp_rank: int) -> None:
+    """Freeze every parameter of ``chunks`` but those of ``modules_to_save`` (the embedding, the LM
+    head) and give each adapted linear its adapters: this rank's slices of ``adapters`` (HF-PEFT
+    names, HF shapes, e.g. ``draw_adapters``'s), in the base's dtype and device."""
+    from toolkit.plan.lora import megatron_saved, megatron_sites
+    dims = family.dims(hf_config, padded_vocab)
+    saved = megatron_saved(family, hf_config, spec)
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            p.requires_grad_(name in saved)
+        for layer in chunk.decoder.layers:
+            for site in megatron_sites(family, hf_config, spec, [layer.layer_number - 1]):
+                base = layer.get_submodule(site.mcore)
+                geometry = Geometry(site, dims, tp, base.weight.shape[0])
+                mine = {}
+                for module in filter(None, site.projections):
+                    a_name, b_name = peft_names(module)
+                    a, b_parts = shard_adapter(site, geometry, adapters[a_name], adapters[b_name], tp, tp_rank)
+                    like = base.weight
+                    mine[short_name(module)] = ProjectionAdapter(a.to(like.device, like.dtype),
+                                                                 [b.to(like.device, like.dtype) for b in b_parts])
+                setattr(base, LORA_CHILD, LoraSite(site, geometry, mine, spec, base))
+                base.register_forward_hook(_add_delta, with_kwargs=True)
+
+
+def chunk_sites(chunk) -> list[tuple[str, LoraSite]]:
+    """(global module name, LoraSite) of every adapted linear in a model chunk."""
+    out = []
+    for layer in chunk.decoder.layers:
+        for name, module in layer.named_modules():
+            if isinstance(module, LoraSite):
+                out.append((f"decoder.layers.{layer.layer_number - 1}.{name}", module))
+    return out
+
+
+# --- every adapter whole, in HF-PEFT names (exports, checkpoints, parity checks) --------------------------
+
+def gather_adapters(engine, attr: str | None = None) -> dict[str, torch.Tensor] | None:
+    """Every adapter matrix (the optimizer's fp32 main copy, as the DeepSpeed path exports its fp32
+    masters; or ``attr`` of each parameter: ``main_grad``) in HF-PEFT names and HF shapes, fp32 on
+    the CPU, on global rank 0; None elsewhere. Collective: the replica an export takes (DP rank 0)
+    sends its TP slices of its stages' adapters to rank 0, which joins them; adapters are small
+    (r x (in + out) per projection)."""
+    import torch.distributed as dist
+    mine = {}
+    for chunk in engine.model:
+        for _, site in chunk_sites(chunk.module):
+            for module in filter(None, site.site.projections):
+                adapter = site.adapters[short_name(module)]
+                params = [adapter.A, *adapter.B]
+                tensors = [getattr(t, attr) for t in params] if attr else main_params(engine, params)
+                if engine.owns_dense:
+                    mine[module] = (site.site, engine.tp_rank, [t.detach().to("cpu", torch.float32, copy=True)
+                                                               for t in tensors])
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    shards: dict[str, tuple[Site, dict[int, list]]] = {}
+    for rank_adapters in every:
+        for module, (site, tp_rank, tensors) in rank_adapters.items():
+            shards.setdefault(module, (site, {}))[1][tp_rank] = tensors
+    out = {}
+    for module, (site, by_rank) in shards.items():
+        ordered = [by_rank[r] for r in sorted(by_rank)]
+        a_name, b_name = peft_names(module)
+        out[a_name], out[b_name] = unshard_adapter(site, [t[0] for t in ordered], [t[1:] for t in ordered])
+    return out
+
+
+# --- adapter-only checkpoints ---------------------------------------------------------------------------
+
+def _named_adapter_params(engine) -> dict[str, torch.nn.Parameter]:
+    """This rank's adapter matrices by checkpoint key: the HF-PEFT name of A and of B (a packed
+    projection's B parts as ``<B name>.part<k>``), the same at every layout; and the parameters of
+    modules to save under their megatron names (``embedding.word_embeddings.weight``)."""
+    out = {}
+    for chunk in engine.model:
+        for _, site in chunk_sites(chunk.module):
+            for module in filter(None, site.site.projections):
+                adapter = site.adapters[short_name(module)]
+                a_name, b_name = peft_names(module)
+                out[a_name] = adapter.A
+                parts = list(adapter.B)
+                out.update({b_name: parts[0]} if len(parts) == 1 else
+                           {f"{b_name}.part{k}": b for k, b in enumerate(parts)})
+        out.update({n: p for n, p in chunk.module.named_parameters() if p.requires_grad and not is_adapter_name(n)})
+    return out
+
+
+def sharded_adapters(engine) -> dict:
+    """megatron ``ShardedTensor``s of this rank's adapters, keyed by their HF-PEFT names: TP-split
+    ones along their split dim (megatron reshards them to any TP), the others replicated. With the
+    distributed optimizer's ``fully_reshardable`` state over them, an adapter-only checkpoint that
+    loads at any TP/PP/DP."""
+    from megatron.core.utils import (
+        make_sharded_tensor_for_checkpoint,
+        make_tp_sharded_tensor_for_checkpoint,
+    )
+    out, in_full = {}, _trained_in_full(engine)
+    for key, param in _named_adapter_params(engine).items():
+        if key in in_full:
+            continue
+        if getattr(param, "tensor_model_parallel", False):
+            out[key] = make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=param.partition_dim)
+        else:
+            out[key] = make_sharded_tensor_for_checkpoint(param, key)
+    for chunk in engine.model:  # modules to save: as megatron shards them (the vocabulary over TP)
+        trained = _trained_in_full(engine, chunk)
+        if trained:
+            whole = chunk.module.sharded_state_dict()
+            out.update({name: whole[name] for name in trained})
+    return out
+
+
+def _trained_in_full(engine, chunk=None) -> set[str]:
+    """Names (top-level: the same in every chunk) of a chunk's (default: all chunks') parameters of
+    modules to save."""
+    chunks = engine.model if chunk is None else [chunk]
+    return {n for c in chunks for n, p in c.module.named_parameters() if p.requires_grad and not is_adapter_name(n)}
+
+
+def load_adapters(engine, loaded: dict[str, torch.Tensor]) -> None:
+    """This rank's adapters from a loaded ``sharded_adapters`` dict (exactly its keys)."""
+    params = _named_adapter_params(engine)
+    missing, unexpected = sorted(set(params) - set(loaded)), sorted(set(loaded) - set(params))
+    if missing or unexpected:
+        raise RuntimeError(f"LoRA checkpoint does not hold this run's adapters: missing {missing[:4]}, unexpected "
+                           f"{unexpected[:4]} (is it from a run with the same lora.* settings?)")
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(loaded[key])
+
+
+def main_params(engine, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The distributed optimizer's fp32 main copies of ``params`` (dense: adapters never sit on
+    experts), whole on every rank of the DP group: each rank owns a range of each parameter's
+    elements, or none, and the ranges are summed over the group. In bf16 the model holds rounded
+    copies; in fp32 these equal the parameters. Collective over the DP group: its ranks call it for
+    the same parameters in the same order."""
+    import torch.distributed as dist
+    optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    out = []
+    for param in params:
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for holder in (o for o in optimizers if param in o.model_param_group_index_map):  # owns a range
+            owned = holder._get_model_param_range_map(param)["param"]
+            main = holder._get_main_param_and_optimizer_states(param)["param"]
+            whole[owned.start:owned.end] = main.detach().reshape(-1).float()
+        dist.all_reduce(whole, group=engine.dp_group)
+        out.append(whole.view(param.shape))
+    return out
