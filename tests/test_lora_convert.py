@@ -133,7 +133,8 @@ def test_an_adapter_on_another_base_and_unmergeable_adapters_are_refused(bases, 
     dora = _peft_adapter(bases["llama"], "llama", tmp_path / "dora", use_dora=True)
     with pytest.raises(ConvertError, match=r"not a plain LoRA .*use_dora \(DoRA rescales"):
         convert(dora, tmp_path / "out", to="hf")
-    with pytest.raises(ConvertError, match="converts --to peft .* or --to hf"):
+    with pytest.raises(ConvertError, match="an HF-PEFT directory converts --to hf or --to peft; --to zero takes a "
+                                           "toolkit LoRA checkpoint"):
         convert(adapter, tmp_path / "out", to="zero")
     with pytest.raises(ConvertError, match="--base .* applies to LoRA sources only"):
         convert(bases["llama"], tmp_path / "out", to="zero", base=str(bases["llama"]))

@@ -149,7 +149,8 @@ class DeepSpeedEngine:
 
     def load(self, path: Path) -> None:
         path, resharded = Path(path), None
-        if self.lora and saved_layout(path) not in (None, self.layout_record()):
+        universal = (path / "latest_universal").is_file()  # toolkit convert --to zero: loads at any layout
+        if self.lora and not universal and saved_layout(path) not in (None, self.layout_record()):
             path = resharded = self._lora_universal(path)
         load_path, _ = self._load_checkpoint(path)
         if load_path is None:

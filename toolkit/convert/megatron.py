@@ -109,19 +109,39 @@ class _RegionPlanner:
         self.bytes = value.read()
 
 
+def open_dist(path: Path):
+    """(FileSystemReader, its metadata) of a torch_dist directory, ready to read regions."""
+    from torch.distributed.checkpoint import FileSystemReader
+    reader = FileSystemReader(str(path))
+    try:
+        md = reader.read_metadata()
+    except Exception as exc:
+        raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is damaged") from None
+    reader.set_up_storage_reader(md, True)
+    return reader, md
+
+
+def read_region(reader, md, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+    """The stored global tensor ``key`` at ``index`` of its leading (layer, expert) dims (all of it
+    for ``()``), read from whatever chunks the writing ranks left."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    meta = md.state_dict_metadata[key]
+    size = [1] * len(index) + list(meta.size)[len(index):]
+    offsets = list(index) + [0] * (len(size) - len(index))
+    target = torch.empty(size, dtype=meta.properties.dtype)
+    items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(size))])
+    reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
+    return target.reshape(size[len(index):])
+
+
 class MegatronSource(Source):
     """A torch_dist directory; each tensor is read as the one region (a layer) it occupies."""
 
     def __init__(self, path: Path, hf_config: dict, **kw):
         super().__init__(path=path, format="megatron-torch_dist", hf_config=hf_config, **kw)
-        from torch.distributed.checkpoint import FileSystemReader
-        self._reader = FileSystemReader(str(path))
-        try:
-            self._md = self._reader.read_metadata()
-        except Exception as exc:
-            raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is "
-                               "damaged") from None
-        self._reader.set_up_storage_reader(self._md, True)
+        self._reader, self._md = open_dist(path)
         tk = json.loads((path / TOOLKIT_JSON).read_text()) if (path / TOOLKIT_JSON).is_file() else {}
         self._check_family(tk)
         emb = self._md.state_dict_metadata.get("embedding.word_embeddings.weight")
@@ -165,17 +185,7 @@ class MegatronSource(Source):
                                f"(wrong family or --hf-config?); missing {missing[:8]}, unexpected {unexpected[:8]}")
 
     def _region(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
-        """The stored tensor at ``index`` of its leading (layer, expert) dims."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-        md = self._md.state_dict_metadata[key]
-        size = [1] * len(index) + list(md.size)[len(index):]
-        offsets = list(index) + [0] * (len(size) - len(index))
-        target = torch.empty(size, dtype=md.properties.dtype)
-        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(size))])
-        self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
-        return target.reshape(size[len(index):])
+        return read_region(self._reader, self._md, key, index)
 
     def _hf_shape(self, name: str) -> tuple[int, ...]:
         m = self.layout_.owner[name]

@@ -21,6 +21,7 @@ import torch
 
 from toolkit.convert.errors import ConvertError
 from toolkit.convert.lora import PEFT_CONFIG, PEFT_WEIGHTS
+from toolkit.convert.lora_ckpt import lora_layers, meta_peft_model
 
 UNMERGEABLE = {
     "use_dora": "DoRA rescales each merged column by a trained magnitude",
@@ -55,25 +56,14 @@ class Adapter:
 # --- reading -----------------------------------------------------------------------------------
 
 def adapter_from_checkpoint(ckpt: Path, meta: dict) -> Adapter:
-    """A toolkit LoRA checkpoint's adapters (the ZeRO reader, stages 1-3, any DP)."""
-    from toolkit.convert.zero import ZeroSource
-    from toolkit.convert.zero_index import find_tag_dir
+    """A toolkit LoRA checkpoint's adapters, of either backend (``lora_ckpt.read_lora_checkpoint``)."""
+    from toolkit.convert.lora_ckpt import read_lora_checkpoint
     from toolkit.plan.lora import LoraSpec, peft_config
-    from toolkit.storage import meta as meta_io
-    tag = find_tag_dir(ckpt / "engine")
-    if tag is None or meta["layout"].get("zero_stage", 0) == 0:
-        raise ConvertError(f"{ckpt}: the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
-                           f"{meta['layout']}; use its run's adapter/ and hf_final/")
-    hf_config = meta_io.read_hf_config(ckpt)
-    trained = ZeroSource(tag, hf_config)
-    try:
-        tensors = {n: trained.read(n).float() for n in trained.infos}
-    finally:
-        trained.close()
+    source = read_lora_checkpoint(ckpt, meta)
+    model = meta_peft_model(source.hf_config, peft_config(LoraSpec(**meta["lora"])))
+    _assign(model, source.trained(), f"{ckpt}")
     base = meta.get("base_model", {})
-    model = _meta_model(hf_config, peft_config(LoraSpec(**meta["lora"])))
-    _assign(model, tensors, f"{ckpt}")
-    return Adapter(model, hf_config, base.get("path") if base.get("init") == "pretrained" else None)
+    return Adapter(model, source.hf_config, base.get("path") if base.get("init") == "pretrained" else None)
 
 
 def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None = None) -> Adapter:
@@ -87,33 +77,10 @@ def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None =
     if hf_config is None:
         base = str(_base_dir(path, base or config.base_model_name_or_path, given=base is not None))
         hf_config = json.loads((Path(base) / "config.json").read_text())
-    model = _meta_model(hf_config, config)
+    model = meta_peft_model(hf_config, config)
     saved = {k: v.float() for k, v in load_peft_weights(str(path), device="cpu").items()}
     _load_saved(model, saved, path)
     return Adapter(model, hf_config, base)
-
-
-def _meta_model(hf_config: dict, config) -> torch.nn.Module:
-    """peft's model of the base on the meta device; LoRA layers other than linear ones are refused."""
-    import copy
-
-    from accelerate import init_empty_weights
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.convert.canonical import hf_config_object
-    config = copy.deepcopy(config)
-    config.base_model_name_or_path = None  # the Adapter keeps the base; peft warns when it differs from the model's
-    try:
-        with init_empty_weights():
-            model = get_peft_model(AutoModelForCausalLM.from_config(hf_config_object(hf_config)), config)
-    except ValueError as exc:  # peft's "no module matched" and the like
-        raise ConvertError(f"the adapter does not fit this base ({hf_config.get('model_type')}): {exc}") from None
-    for name, module in _lora_layers(model):
-        if type(module).__name__ != "Linear":
-            raise ConvertError(f"{name} is a LoRA {type(module).__name__} layer; toolkit convert merges LoRA on linear "
-                               "layers only: merge this adapter with peft's merge_and_unload()")
-    return model
 
 
 def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -229,17 +196,10 @@ def merge_table(model: torch.nn.Module, trained: dict[str, torch.Tensor]) -> tup
     pairs = {f"{name.removeprefix(PEFT_PREFIX)}.weight": (trained[f"{name}.lora_A.{ADAPTER}.weight"],
                                                           trained[f"{name}.lora_B.{ADAPTER}.weight"],
                                                           m.scaling[ADAPTER], m.fan_in_fan_out)
-             for name, m in _lora_layers(model)}
+             for name, m in lora_layers(model)}
     saved = {n.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", "."): t
              for n, t in trained.items() if f".modules_to_save.{ADAPTER}." in n}
     return pairs, saved
-
-
-def _lora_layers(model: torch.nn.Module):
-    from peft.tuners.lora import LoraLayer
-
-    from toolkit.plan.lora import ADAPTER
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.scaling]
 
 
 def _delta_shape(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple[int, int]:

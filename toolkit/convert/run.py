@@ -24,7 +24,11 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
     tic = time.perf_counter()
-    if _is_lora(src):  # adapters only: --to peft, or --to hf merged onto its base
+    if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
+        if to in ("zero", "megatron"):
+            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, dp or (ep if to == "megatron" else 1)),
+                                               zero_stage, weights_only)
+            return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.convert.peft import convert_adapter, open_adapter
         adapter, described = open_adapter(Path(src), base)
         summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
@@ -51,6 +55,28 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "tensors": len(source.infos), "step": source.step,
             "optimizer_state": to != "hf" and source.has_optimizer and not weights_only,
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
+
+
+def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool) -> dict:
+    """A toolkit LoRA checkpoint of either backend as one of ``to``'s backend (``convert/lora_ckpt.py``)."""
+    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    from toolkit.convert.lora_ckpt import read_lora_checkpoint, write_lora
+    from toolkit.convert.staging import staged
+    if is_peft_dir(src):
+        raise ConvertError(f"{src}: an HF-PEFT directory converts --to hf or --to peft; --to {to} takes a toolkit "
+                           "LoRA checkpoint (it carries the optimizer state and the run's description)")
+    ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
+    source = read_lora_checkpoint(ckpt, meta)
+    _check_request(source.hf_config, to, parallel, zero_stage, None)
+    with staged(dst) as stage:
+        layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only)
+        tp, pp, _, dp = parallel
+        describe_for_resume(source, stage, to, layout, None, dp * tp * pp,
+                            {k: meta[k] for k in ("lora", "base_model") if k in meta})
+    return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
+            "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
+            "reader": "torch"}
 
 
 def _is_lora(src) -> bool:
@@ -125,10 +151,11 @@ def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, m
         from toolkit.convert.megatron import write_megatron
         write_megatron(source, stage / "engine", tp, pp, dp, dtype, weights_only, progress, ep=ep)
         layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
-    _describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
+    describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
 
 
-def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int) -> None:
+def describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int,
+                        extra: dict | None = None) -> None:
     """The descriptions and per-rank RNG files of a toolkit checkpoint (``toolkit/storage/meta.py``),
     so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
     import torch
@@ -140,7 +167,7 @@ def _describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dty
     meta.write_descriptions(stage, "deepspeed" if to == "zero" else "megatron", source.model_type,
                             source.hf_config, layout, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
                             progress, converted_from={"path": str(source.path), "format": source.format,
-                                                      "layout": source.layout})
+                                                      "layout": source.layout}, **(extra or {}))
     # RNG streams of the source ranks mean nothing at another layout: each rank gets the state a
     # resharding resume would give it (seeded from seed + step), the converter's own RNG untouched.
     saved = rng_state()

@@ -145,9 +145,10 @@ every group, weight decay included); empty ones keep the resuming run's own hype
 
 
 def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_only: bool = False,
-               progress=None) -> None:
+               progress=None, module_state: dict | None = None) -> None:
     """``engine_dir/{latest,latest_universal}`` and ``global_stepN/`` in the universal layout;
-    without moments (weights only, or an HF source) Adam starts fresh: zero moments, step 0."""
+    without moments (weights only, or an HF source) Adam starts fresh: zero moments, step 0.
+    ``module_state``: tensors for the model states' ``module`` (a LoRA load checks its names there)."""
     from importlib.metadata import version
     ds_version = version("deepspeed")  # recorded as DeepSpeed records it (its import is not needed to write)
     moments = source.has_optimizer and not weights_only
@@ -174,7 +175,7 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
                 "toolkit": {"names": list(modules), "shapes": shapes, "step": step, "has_optimizer": moments,
                             "layout": layout, "hparams": source.optimizer_hparams}},
                zero / "optimizer_state.pt")
-    model_states = _model_states(shapes, step, dp, ds_version)
+    model_states = {**_model_states(shapes, step, dp, ds_version), "module": dict(module_state or {})}
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(model_states, tag / name)  # the stage 1/2 and the stage 3 name: any stage loads it
     for latest in ("latest", "latest_universal"):

@@ -1,0 +1,259 @@
+"""LoRA checkpoints of either backend (adapters only) as one stream, written at any layout of either:
+``toolkit convert LORA_CKPT OUT --to zero [--dp N --zero-stage S]`` or ``--to megatron --tp N``,
+Adam moments and step carried, so ``toolkit train --resume auto`` continues the run on the other
+backend (``--to peft`` / ``--to hf``: ``convert/peft.py``).
+
+Both backends name the trained tensors by peft parameter name in HF shapes, so the stream is
+``LoraSource``: name -> (fp32 weight, exp_avg, exp_avg_sq). Where each backend keeps them:
+  DeepSpeed  the ZeRO partitions of the peft-wrapped module's trained parameters (``zero.py``'s
+             reader; written in the universal layout, which every stage and DP size loads, with the
+             tensors also in ``module`` for the LoRA load's check of exactly the trained names)
+  megatron   torch_dist global tensors keyed by the HF-PEFT name (``adapters/megatron/lora.py``):
+             a packed projection's B (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) as row blocks
+             ``<name>.part<k>``; modules to save as megatron names them (``embedding.word_embeddings.
+             weight`` with the vocabulary padded for the TP); the distributed optimizer's fp32 main
+             weights and moments under ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from toolkit.convert.canonical import STATES, Source, TensorInfo, hf_config_object
+from toolkit.convert.errors import ConvertError
+
+PART = ".part"
+"""Suffix of a packed projection's B row block in a megatron LoRA checkpoint (``<B name>.part<k>``)."""
+
+
+class LoraSource(Source):
+    """The trained tensors of a LoRA checkpoint by peft parameter name: fp32, HF shapes, with Adam's
+    moments when it has them; ``meta``: the checkpoint's meta.json (its ``lora`` spec and ``base_model``)."""
+
+    def __init__(self, path: Path, format: str, hf_config: dict, tensors: dict[str, dict[str, torch.Tensor]],
+                 meta: dict, **kw):
+        super().__init__(path=path, format=format, hf_config=hf_config, **kw)
+        self.tensors, self.meta = tensors, meta
+        self.infos = {n: TensorInfo(tuple(t["param"].shape), torch.float32) for n, t in tensors.items()}
+        self.has_optimizer = all("exp_avg" in t for t in tensors.values())
+
+    def read(self, name: str, state: str = "param") -> torch.Tensor:
+        return self.tensors[name][state]
+
+    def trained(self) -> dict[str, torch.Tensor]:
+        return {n: t["param"] for n, t in self.tensors.items()}
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+def read_lora_checkpoint(ckpt: Path, meta: dict) -> LoraSource:
+    """A toolkit LoRA checkpoint of either backend (``meta``: its meta.json)."""
+    from toolkit.storage import meta as meta_io
+    hf_config = meta_io.read_hf_config(ckpt)
+    progress = meta_io.read_progress(ckpt)
+    reader = _from_megatron if meta["format"] == "toolkit-megatron" else _from_zero
+    tensors, extras = reader(ckpt, meta, hf_config)
+    step = extras.pop("step", None)
+    return LoraSource(ckpt, f"{meta['format']} (LoRA)", hf_config, tensors, meta, layout=meta.get("layout", {}),
+                      step=progress.get("step", step), trainer_state=progress, **extras)
+
+
+def _from_zero(ckpt: Path, meta: dict, hf_config: dict):
+    from toolkit.convert.zero import UniversalSource, ZeroSource
+    from toolkit.convert.zero_index import find_tag_dir
+    tag = find_tag_dir(ckpt / "engine")
+    if tag is None or meta["layout"].get("zero_stage", 0) == 0:
+        raise ConvertError(f"{ckpt}: the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
+                           f"{meta['layout']}; use its run's adapter/ and hf_final/")
+    universal = (tag / "zero" / "optimizer_state.pt").is_file()  # written by toolkit convert --to zero
+    source = (UniversalSource if universal else ZeroSource)(tag, hf_config)
+    try:
+        tensors = {n: {s: source.read(n, s).float().clone() for s in STATES} for n in source.infos}
+        return tensors, {"step": source.step, "optimizer_hparams": source.optimizer_hparams}
+    finally:
+        source.close()
+
+
+def _from_megatron(ckpt: Path, meta: dict, hf_config: dict):
+    """Each trained tensor (and its moments) from the torch_dist global tensors, strictly: every
+    stored model tensor must be one of the spec's trained tensors."""
+    from toolkit.convert.megatron import OPT_PREFIX, open_dist, read_region
+    from toolkit.convert.safeload import safe_load
+    engine = ckpt / "engine"
+    reader, md = open_dist(engine)
+    stored = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and not k.startswith("optimizer.")}
+    keys = _storage_keys(hf_config, meta["lora"], stored)
+    unused = sorted(stored - {k for ks in keys.values() for k in ks})
+    if unused:
+        raise ConvertError(f"{engine}: holds tensors that are not this LoRA spec's trained ones: {unused[:5]}")
+
+    def read(key: str, state: str) -> torch.Tensor | None:
+        name = (f"{OPT_PREFIX}param.{key}" if f"{OPT_PREFIX}param.{key}" in md.state_dict_metadata else key) \
+            if state == "param" else f"{OPT_PREFIX}{state}.{key}"
+        return read_region(reader, md, name).float() if name in md.state_dict_metadata else None
+
+    tensors = {}
+    for name, parts in keys.items():
+        states = {s: [read(k, s) for k in parts] for s in STATES}
+        tensors[name] = {s: _from_stored(name, ts, hf_config) for s, ts in states.items() if None not in ts}
+    common = safe_load(engine / "common.pt", mmap=False) if (engine / "common.pt").is_file() else {}
+    groups = common.get("optimizer", {}).get("optimizer", {}).get("param_groups", [])
+    hparams = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if groups and k in groups[0]}
+    return tensors, {"step": int(groups[0].get("step", 0)) if groups else None, "optimizer_hparams": hparams}
+
+
+def _storage_keys(hf_config: dict, spec: dict, stored: set[str]) -> dict[str, list[str]]:
+    """peft name -> the torch_dist keys that hold it (one; a packed B's row blocks in order)."""
+    out = {}
+    for name in _trained_names(hf_config, spec):
+        if _is_saved(name):
+            out[name] = [_saved_mcore(hf_config, name)]
+        elif name in stored:
+            out[name] = [name]
+        else:
+            parts = sorted((k for k in stored if k.startswith(name + PART)), key=lambda k: int(k.rsplit(PART, 1)[1]))
+            out[name] = parts
+        if not out[name] or not set(out[name]) <= stored:
+            raise ConvertError(f"the megatron LoRA checkpoint lacks {name} (looked for {out[name] or name + PART + 'k'})")
+    return out
+
+
+def _from_stored(name: str, tensors: list[torch.Tensor], hf_config: dict) -> torch.Tensor:
+    if _is_saved(name):  # megatron's vocabulary-padded embedding / head: the HF rows
+        return tensors[0][:hf_config["vocab_size"]].contiguous()
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+
+
+# --- names ----------------------------------------------------------------------------------------------
+
+def meta_peft_model(hf_config: dict, config) -> torch.nn.Module:
+    """peft's model of the base on the meta device; LoRA layers other than linear ones are refused."""
+    import copy
+
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.base_model_name_or_path = None  # the Adapter keeps the base; peft warns when it differs from the model's
+    try:
+        with init_empty_weights():
+            model = get_peft_model(AutoModelForCausalLM.from_config(hf_config_object(hf_config)), config)
+    except ValueError as exc:  # peft's "no module matched" and the like
+        raise ConvertError(f"the adapter does not fit this base ({hf_config.get('model_type')}): {exc}") from None
+    for name, module in lora_layers(model):
+        if type(module).__name__ != "Linear":
+            raise ConvertError(f"{name} is a LoRA {type(module).__name__} layer; toolkit convert merges LoRA on linear "
+                               "layers only: merge this adapter with peft's merge_and_unload()")
+    return model
+
+
+def lora_layers(model: torch.nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    from toolkit.plan.lora import ADAPTER
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.scaling]
+
+
+def _trained_names(hf_config: dict, spec: dict) -> list[str]:
+    """The peft parameter names a run with ``spec`` trains (peft's model of the base, meta device)."""
+    from toolkit.plan.lora import LoraSpec, peft_config
+    model = meta_peft_model(hf_config, peft_config(LoraSpec(**spec)))
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _is_saved(name: str) -> bool:
+    from toolkit.plan.lora import ADAPTER
+    return f".modules_to_save.{ADAPTER}." in name
+
+
+def _saved_mcore(hf_config: dict, name: str) -> str:
+    """The megatron name of a module to save's trained tensor (the embedding, the LM head)."""
+    from toolkit.families import find_family, table
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
+    hf = name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")
+    family = find_family(hf_config["model_type"])
+    for mcore, (entry, _) in table(family, hf_config_object(hf_config), []).items():
+        if entry.hf == hf:
+            return mcore
+    raise ConvertError(f"{hf} (trained in full) has no megatron name in the {family.model_type} table")
+
+
+def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
+    """B name -> how megatron stores it in row blocks, for packed projections: the HF rows of q, k
+    and v (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or 2 equal halves (Phi-3's ``gate_up_proj``)."""
+    from toolkit.families import find_family
+    from toolkit.families.base import attention_dims
+    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, QKV, LoraSpec, megatron_sites
+    cfg = hf_config_object(hf_config)
+    heads, groups, head_dim = attention_dims(cfg)
+    out = {}
+    for site in megatron_sites(find_family(hf_config["model_type"]), cfg, LoraSpec(**spec), range(cfg.num_hidden_layers)):
+        if site.parts > 1:
+            b_name = f"{PEFT_PREFIX}{site.projections[0]}.lora_B.{ADAPTER}.weight"
+            out[b_name] = [heads * head_dim, groups * head_dim, groups * head_dim] if site.kind == QKV else site.parts
+    return out
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: int, dp: int, zero_stage: int,
+               weights_only: bool) -> dict:
+    """``stage/engine`` as a toolkit LoRA checkpoint of ``to``'s backend saves it; returns the layout
+    for its description (``run.describe_for_resume`` adds meta.json's ``lora`` and ``base_model``)."""
+    if to == "zero":
+        from toolkit.convert.zero import write_zero
+        write_zero(source, stage / "engine", zero_stage, dp, weights_only, module_state=source.trained())
+        layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
+    else:
+        write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only)
+        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
+    return layout
+
+
+def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, dp: int, ep: int,
+                        weights_only: bool) -> None:
+    """``engine_dir`` as a megatron LoRA run saves it (global tensors, any TP loads them), the
+    distributed optimizer's fp32 main weights and moments beside them."""
+    import torch.distributed.checkpoint as dcp
+
+    from toolkit.convert.megatron import OPT_PREFIX, TOOLKIT_JSON, _common, padded_vocab
+    moments = source.has_optimizer and not weights_only
+    rows = _packed_rows(source.hf_config, source.meta["lora"])
+    state = {}
+    for name in source.names():
+        for key, tensors in _as_stored(source, name, rows, padded_vocab(source.hf_config["vocab_size"], tp)).items():
+            state[key] = tensors["param"]
+            if moments:
+                state.update({f"{OPT_PREFIX}{s}.{key}": tensors[s] for s in STATES})
+    engine_dir.mkdir(parents=True)
+    writer = dcp.FileSystemWriter(str(engine_dir), single_file_per_rank=True, thread_count=1)
+    import warnings
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    (engine_dir / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    torch.save(_common(source, moments), engine_dir / "common.pt")
+    (engine_dir / TOOLKIT_JSON).write_text(json.dumps({
+        "format": "megatron-core torch_dist", "family": source.model_type, "vocab_size": source.hf_config["vocab_size"],
+        "padded_vocab_size": padded_vocab(source.hf_config["vocab_size"], tp), "layer_spec": "gpt_layer_local_spec",
+        "optimizer_sharding": "fully_reshardable", "lora": "adapters only, HF-PEFT names",
+        "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}, indent=2))
+
+
+def _as_stored(source: LoraSource, name: str, rows: dict[str, list[int]], padded: int) -> dict[str, dict]:
+    """torch_dist key -> {state: tensor} of one trained tensor, as megatron stores it."""
+    states = {s: source.read(name, s) for s in STATES if s == "param" or source.has_optimizer}
+    if _is_saved(name):
+        def pad(t):
+            return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]).contiguous()
+        return {_saved_mcore(source.hf_config, name): {s: pad(t) for s, t in states.items()}}
+    if name in rows:
+        split = {s: torch.split(t, rows[name]) if isinstance(rows[name], list) else torch.chunk(t, rows[name])
+                 for s, t in states.items()}
+        return {f"{name}{PART}{k}": {s: split[s][k].contiguous() for s in states} for k in range(len(split["param"]))}
+    return {name: {s: t.contiguous() for s, t in states.items()}}
