@@ -34,7 +34,8 @@ def lora_runs(tmp_path_factory, data_cache, demo_base):
 def _convert_and_resume(tmp_path, data_cache, demo_base, run, to_args, target):
     ckpt = run / "checkpoints" / f"step_{K:08d}"
     resumed = tmp_path / "resumed"
-    run_in_process(["convert", str(ckpt), str(resumed / "checkpoints" / f"step_{K:08d}"), *to_args])
+    proc = run_in_process(["convert", str(ckpt), str(resumed / "checkpoints" / f"step_{K:08d}"), *to_args, "--verify"])
+    assert "optimizer moments: " in proc.stdout and "verify: OK" in proc.stdout, proc.stdout[-2000:]
     train(resumed, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *target, "resume=auto")
     assert [r[:2] for r in resumes(resumed)] == [(f"step_{K:08d}", K)]
     return losses(run), losses(resumed)

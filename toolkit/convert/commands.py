@@ -31,6 +31,9 @@ def _verify(args):
     from pathlib import Path
 
     from toolkit.convert.detect import is_lora_source
+    if is_lora_source(Path(args.src)) and args.to in ("zero", "megatron"):
+        from toolkit.convert.lora_ckpt import verify_lora_checkpoints
+        return verify_lora_checkpoints(Path(args.src), Path(args.dst))
     if is_lora_source(Path(args.src)):
         from toolkit.convert.peft import verify_adapter
         return verify_adapter(Path(args.src), Path(args.dst), args.base)

@@ -197,6 +197,25 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
     return out
 
 
+def verify_lora_checkpoints(src: Path, dst: Path):
+    """``--verify`` of a LoRA checkpoint converted to the other backend: the same trained tensors,
+    each weight and Adam moment bit for bit, and the same step."""
+    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.convert.lora import lora_checkpoint_meta
+    from toolkit.convert.verify import Report
+    a, b = (read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(p)))) for p in (src, dst))
+    report = Report()
+    report.mismatched += [f"{n} (only in one)" for n in sorted(set(a.infos) ^ set(b.infos))]
+    report.mismatched += [] if a.step == b.step else [f"step {a.step} != {b.step}"]
+    for name in sorted(set(a.infos) & set(b.infos)):
+        report.tensors += 1
+        report.mismatched += [] if torch.equal(a.read(name), b.read(name)) else [name]
+        for state in ("exp_avg", "exp_avg_sq") if a.has_optimizer and b.has_optimizer else ():
+            report.moments += 1
+            report.mismatched += [] if torch.equal(a.read(name, state), b.read(name, state)) else [f"{name}.{state}"]
+    return report
+
+
 # --- writing --------------------------------------------------------------------------------------------
 
 def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: int, dp: int, zero_stage: int,
