@@ -300,11 +300,6 @@ def restarting_positions(row: list[int]) -> list[int]:
 
 def _packed_rank(rank, world):
     from megatron.core import parallel_state
-
-    from tests.conftest import megatron_engine
-    from tests.test_families import tiny_model
-    from toolkit.config import validate
-    from toolkit.engine import IGNORE_INDEX, token_loss_sum
     results = {}
     for family, name in PACKED_CASES:
         tp, pp, extra = PACKED_LAYOUTS[name]
