@@ -60,7 +60,7 @@ def test_megatron_lora_checkpoint_resumes_on_zero3_dp2(lora_runs, tmp_path, data
     _assert_continues(full, resumed, "megatron TP2 -> ZeRO-3 DP2")
 
 
-def test_round_trip_keeps_adapters_and_moments_bit_for_bit(lora_runs, tmp_path):
+def test_round_trip_keeps_adapters_and_moments_bit_for_bit_and_back_to_peft_exact(lora_runs, tmp_path):
     from toolkit.convert import convert
     from toolkit.convert.lora import lora_checkpoint_meta
     from toolkit.convert.lora_ckpt import read_lora_checkpoint
@@ -74,6 +74,11 @@ def test_round_trip_keeps_adapters_and_moments_bit_for_bit(lora_runs, tmp_path):
         assert sorted(other.infos) == sorted(first.infos) and other.step == first.step == K
         assert [(n, s) for n in first.infos for s in ("param", "exp_avg", "exp_avg_sq")
                 if not torch.equal(first.read(n, s), other.read(n, s))] == []
+    from safetensors.torch import load_file
+    convert(ckpt, tmp_path / "peft_of_zero", to="peft")
+    convert(tmp_path / "m", tmp_path / "peft_of_megatron", to="peft")  # back to HF-PEFT: exact
+    want, got = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("peft_of_zero", "peft_of_megatron"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_megatron_lora_checkpoint_to_peft_and_hf_equals_its_run_s_exports(lora_runs, tmp_path):
