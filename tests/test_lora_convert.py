@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.test_families import tiny_model
+from tests.test_lora import base_dirs  # noqa: F401 - the fixture, shared
 from toolkit.convert import ConvertError, convert
 
 ADAPTERS = {
@@ -43,13 +45,9 @@ def _peft_adapter(base_dir, family: str, out, dtype=torch.float32, **config):
 
 
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    root = tmp_path_factory.mktemp("peft_bases")
-    out = {}
-    for family in ADAPTERS:
-        out[family] = root / family
-        tiny_model(family, tie_word_embeddings=False).save_pretrained(out[family])
-    return out
+def bases(base_dirs):  # noqa: F811 - the imported fixture, requested
+    """test_lora's tiny saved bases (llama untied, gpt2), as paths."""
+    return {family: Path(base_dirs[family]) for family in ADAPTERS}
 
 
 def _merged_by_peft(base_dir, adapter_dir) -> dict[str, torch.Tensor]:
@@ -68,13 +66,15 @@ def test_peft_dir_to_hf_is_peft_s_merge_and_unload_and_verifies(family, bases, t
     summary = convert(adapter, tmp_path / "merged", to="hf")  # the base named in adapter_config.json
     assert summary["to"] == "hf" and summary["from"] == "peft"
     got, want = load_file(tmp_path / "merged" / "model.safetensors"), _merged_by_peft(bases[family], adapter)
+    if json.loads((bases[family] / "config.json").read_text()).get("tie_word_embeddings"):
+        want.pop("lm_head.weight")  # a tied head is the embedding: saved once, as HF saves it
     assert sorted(got) == sorted(want)
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
     base = load_file(bases[family] / "model.safetensors")
     assert sum(not torch.equal(got[n], base[n]) for n in base) >= 2 * 2  # the merge changed each layer
     report = verify_adapter(adapter, tmp_path / "merged", None)
     print(f"\n{family}: --verify {report.lines()}")
-    assert report.ok and report.tensors == len(want) and report.logits_max_diff is not None
+    assert report.ok and report.tensors >= len(want) and report.logits_max_diff is not None
 
 
 def test_verify_finds_a_damaged_merge(bases, tmp_path):
@@ -133,9 +133,9 @@ def test_an_adapter_on_another_base_and_unmergeable_adapters_are_refused(bases, 
     dora = _peft_adapter(bases["llama"], "llama", tmp_path / "dora", use_dora=True)
     with pytest.raises(ConvertError, match=r"not a plain LoRA .*use_dora \(DoRA rescales"):
         convert(dora, tmp_path / "out", to="hf")
-    with pytest.raises(ConvertError, match="an HF-PEFT directory converts --to hf or --to peft; --to zero takes a "
-                                           "toolkit LoRA checkpoint"):
-        convert(adapter, tmp_path / "out", to="zero")
+    with pytest.raises(ConvertError, match="its rank_pattern, alpha_pattern, use_rslora cannot be said in lora.* "
+                                           "settings, so no toolkit run could resume this adapter"):
+        convert(adapter, tmp_path / "out", to="zero")  # as a step-0 checkpoint: lora.* cannot say its patterns
     with pytest.raises(ConvertError, match="--base .* applies to LoRA sources only"):
         convert(bases["llama"], tmp_path / "out", to="zero", base=str(bases["llama"]))
     assert not (tmp_path / "out").exists()

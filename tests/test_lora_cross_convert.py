@@ -159,3 +159,33 @@ def _packed_sites(cfg, spec):
     for site in megatron_sites(find_family(cfg.model_type), cfg, LoraSpec(**spec), range(cfg.num_hidden_layers)):
         if site.parts > 1:
             yield site, f"base_model.model.{site.projections[0]}.lora_B.default.weight"
+
+
+def test_peft_dir_becomes_a_step_0_checkpoint_a_megatron_run_starts_from(lora_runs, tmp_path, data_cache, demo_base):
+    """The ZeRO-2 run's adapter/ (HF-PEFT) --to megatron --tp 2: a checkpoint at step 0 without
+    optimizer state; a TP=2 run resuming from it starts with that adapter: its first loss is peft's
+    loss of base + adapter on the first global batch (computed here)."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import load_config
+    from toolkit.data import global_batch_indices, load_tokenizer, prepare_data
+    from toolkit.engine import IGNORE_INDEX
+    resumed = tmp_path / "from_peft"
+    proc = run_in_process(["convert", str(lora_runs["zero2"] / "adapter"), str(resumed / "checkpoints" / "step_00000000"),
+                           "--to", "megatron", "--tp", "2", "--verify"])
+    assert "verify: OK" in proc.stdout, proc.stdout[-2000:]
+    train(resumed, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *TP2, "resume=auto", "train.steps=2")
+    assert [r[:2] for r in resumes(resumed)] == [("step_00000000", 0)]
+    cfg = load_config(None, [f"model.name_or_path={demo_base}", "data.seq_len=32", f"data.cache_dir={data_cache}"])
+    ds = prepare_data(cfg, load_tokenizer(cfg)).train.with_format("torch", columns=["input_ids", "labels"])
+    batch = ds[global_batch_indices(len(ds), 8, cfg.train.seed, 0)]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32),
+                                      lora_runs["zero2"] / "adapter").eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX).item()
+    got = losses(resumed)[0]
+    print(f"\nHF-PEFT -> megatron TP2 step 0: first loss {got:.7f}, peft's {want:.7f}")
+    assert got == pytest.approx(want, rel=LOSS_RTOL)

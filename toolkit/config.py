@@ -225,8 +225,9 @@ class MetricsConfig(_Section):
 
 
 class LoraConfig(_Section):
-    """LoRA fine-tuning (DeepSpeed path, through ``peft``): the base model frozen, low-rank adapters
-    on ``target_modules`` (and ``modules_to_save`` in full) trained. Checkpoints hold the adapters
+    """LoRA fine-tuning on either backend (peft on the DeepSpeed path, the same adapters split over
+    TP on megatron): the base model frozen, low-rank adapters on ``target_modules`` (and
+    ``modules_to_save`` in full) trained. Checkpoints hold the adapters
     only; ``hf_final/`` is the merged model and ``adapter/`` the HF-PEFT directory."""
     rank: int = Field(0, ge=0)
     """Adapter rank r; 0 turns LoRA off (full fine-tuning)."""

@@ -197,13 +197,17 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
     return out
 
 
-def verify_lora_checkpoints(src: Path, dst: Path):
-    """``--verify`` of a LoRA checkpoint converted to the other backend: the same trained tensors,
-    each weight and Adam moment bit for bit, and the same step."""
+def open_lora_checkpoint(path: Path) -> LoraSource:
+    """The LoRA checkpoint at ``path`` (a run directory: its newest complete one)."""
     from toolkit.convert.detect import resolve_run_dir
     from toolkit.convert.lora import lora_checkpoint_meta
+    return read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(path))))
+
+
+def compare_lora_sources(a: LoraSource, b: LoraSource):
+    """``--verify`` of a LoRA conversion to a backend: the same trained tensors, each weight (and
+    Adam moment, where both have them) bit for bit, and the same step."""
     from toolkit.convert.verify import Report
-    a, b = (read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(p)))) for p in (src, dst))
     report = Report()
     report.mismatched += [f"{n} (only in one)" for n in sorted(set(a.infos) ^ set(b.infos))]
     report.mismatched += [] if a.step == b.step else [f"step {a.step} != {b.step}"]

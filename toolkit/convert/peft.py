@@ -83,6 +83,44 @@ def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None =
     return Adapter(model, hf_config, base)
 
 
+def peft_dir_as_checkpoint(path: Path, base: str | None):
+    """An HF-PEFT directory as a LoRA checkpoint at step 0 without optimizer state (Adam starts
+    fresh), for ``--to zero`` / ``--to megatron``: a run with the same ``lora.*`` settings resumes
+    from it. Its ``lora`` spec is resolved as the plan resolves ``lora.*`` from adapter_config.json's
+    r, lora_alpha, lora_dropout, target_modules and modules_to_save, and must make exactly the
+    adapter's tensors; per-module ranks or alphas and rsLoRA have no ``lora.*`` setting: refused."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import LoraConfig
+    from toolkit.convert.canonical import hf_config_object
+    from toolkit.convert.lora_ckpt import LoraSource
+    from toolkit.plan.lora import ADAPTER, peft_config, resolve_lora
+    from toolkit.storage.meta import base_model_record
+    adapter = adapter_from_peft_dir(path, base)
+    config = adapter.model.peft_config[ADAPTER]
+    patterns = [f for f in ("rank_pattern", "alpha_pattern", "use_rslora") if getattr(config, f, None)]
+    if patterns or isinstance(config.target_modules, str):
+        raise ConvertError(f"{path}: its {', '.join(patterns) or 'regex target_modules'} cannot be said in lora.* "
+                           "settings, so no toolkit run could resume this adapter; convert it --to hf (merged) and "
+                           "fine-tune that")
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(hf_config_object(adapter.hf_config))
+    spec = resolve_lora(LoraConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                                   target_modules=sorted(config.target_modules),
+                                   modules_to_save=list(config.modules_to_save or [])), skeleton)
+    trained = adapter.trained()
+    resolved = {n: tuple(p.shape) for n, p in meta_peft_model(adapter.hf_config, peft_config(spec)).named_parameters()
+                if p.requires_grad}
+    if resolved != {n: tuple(t.shape) for n, t in trained.items()}:
+        raise ConvertError(f"{path}: lora.* settings from its adapter_config.json make other tensors than it holds "
+                           f"({sorted(set(resolved) ^ set(trained))[:3]}); convert it --to hf instead")
+    meta = {"format": "peft", "lora": spec.model_dump(mode="json"),
+            "base_model": base_model_record(adapter.base, "pretrained", 0)}
+    return LoraSource(Path(path), "peft", adapter.hf_config, {n: {"param": t} for n, t in trained.items()}, meta,
+                      step=0, trainer_state={"step": 0})
+
+
 def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """The trained tensors into the meta model's trainable parameters, by name, all of them."""
     expected = {n for n, p in model.named_parameters() if p.requires_grad}

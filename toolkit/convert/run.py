@@ -27,7 +27,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
         if to in ("zero", "megatron"):
             summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, dp or (ep if to == "megatron" else 1)),
-                                               zero_stage, weights_only)
+                                               zero_stage, weights_only, base)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.convert.peft import convert_adapter, open_adapter
         adapter, described = open_adapter(Path(src), base)
@@ -57,17 +57,21 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool) -> dict:
-    """A toolkit LoRA checkpoint of either backend as one of ``to``'s backend (``convert/lora_ckpt.py``)."""
+def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
+                             base: str | None) -> dict:
+    """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
+    ``to``'s backend (``convert/lora_ckpt.py``)."""
     from toolkit.convert.detect import resolve_run_dir
     from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
     from toolkit.convert.lora_ckpt import read_lora_checkpoint, write_lora
     from toolkit.convert.staging import staged
-    if is_peft_dir(src):
-        raise ConvertError(f"{src}: an HF-PEFT directory converts --to hf or --to peft; --to {to} takes a toolkit "
-                           "LoRA checkpoint (it carries the optimizer state and the run's description)")
-    ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
-    source = read_lora_checkpoint(ckpt, meta)
+    if is_peft_dir(src):  # a step-0 checkpoint, no optimizer state
+        from toolkit.convert.peft import peft_dir_as_checkpoint
+        source = peft_dir_as_checkpoint(src, base)
+        meta = source.meta
+    else:
+        ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
+        source = read_lora_checkpoint(ckpt, meta)
     _check_request(source.hf_config, to, parallel, zero_stage, None)
     with staged(dst) as stage:
         layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only)
