@@ -117,11 +117,14 @@ def case_command(case: str, workdir: Path, run_dir: Path, steps: int) -> list[st
 
 
 class RssSampler(threading.Thread):
-    """Peak RSS (VmHWM) of the rank processes under ``root_pid``, polled."""
+    """Peak RSS (VmHWM) of the rank processes under ``root_pid``, polled. A rank is a process whose
+    command line holds ``marker`` and none of whose children does: torchrun's ranks under the
+    launcher, and the toolkit's ranks forked from its forkserver (which carries the marker too)."""
 
     def __init__(self, root_pid: int, marker: str):
         super().__init__(daemon=True)
         self.root, self.marker, self.peaks, self.stop = root_pid, marker, {}, threading.Event()
+        self.parents: set[int] = set()
         self.first_rank_seen = None  # time.time() when a rank process first showed up
 
     def run(self):
@@ -133,9 +136,12 @@ class RssSampler(threading.Thread):
             except psutil.Error:
                 break
             for p in kids:
-                try:  # a rank: the marker in its command line, its parent the launcher (not a rank that forked it)
-                    if self.marker not in " ".join(p.cmdline()) or (
-                            p.ppid() != self.root and self.marker in " ".join(p.parent().cmdline())):
+                try:
+                    if self.marker not in " ".join(p.cmdline()) or p.pid in self.parents:
+                        continue
+                    if any(self.marker in " ".join(c.cmdline()) for c in p.children()):
+                        self.parents.add(p.pid)  # the forkserver: a leaf again once its ranks exit
+                        self.peaks.pop(p.pid, None)
                         continue
                     status = Path(f"/proc/{p.pid}/status").read_text()
                 except (psutil.Error, OSError):
