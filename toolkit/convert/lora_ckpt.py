@@ -17,6 +17,7 @@ Both backends name the trained tensors by peft parameter name in HF shapes, so t
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -253,7 +254,6 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
                 state.update({f"{OPT_PREFIX}{s}.{key}": tensors[s] for s in STATES})
     engine_dir.mkdir(parents=True)
     writer = dcp.FileSystemWriter(str(engine_dir), single_file_per_rank=True, thread_count=1)
-    import warnings
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=writer, no_dist=True)
