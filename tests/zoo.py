@@ -74,31 +74,33 @@ VARIANTS = {
                                "packed qkv/gate_up, one KV head, sliding window 6"),
 }
 
-FEATURES = ("lora_deepspeed", "lora_megatron", "convert", "resume", "packing", "export")
+FEATURES = ("lora_deepspeed", "lora_megatron", "convert", "lora_convert", "resume", "packing", "export")
 
 # How each variant meets each feature. lora_deepspeed: ZeRO stage of the LoRA engine (2 ranks);
 # lora_megatron: layout (2 ranks; one KV head cannot split over TP, MoE under TP needs SP);
 # convert: the path through the formats (h = HF, zS = ZeRO stage S at DP 2, mTP = megatron at tp, pp),
 # each hop verified (every direction between the three formats is met, tp 2 and pp 2 too);
+# lora_convert: the LoRA ZeRO checkpoint of the lora_deepspeed cell along a path (z = ZeRO DP 2 stage 2,
+# mTP = megatron, p = an HF-PEFT directory), each hop `toolkit convert --verify`;
 # resume: full fine-tuning saved at one ZeRO stage, resumed at another (DP 2) through a universal
 # checkpoint; packing: documents packed in rows (toolkit's document attention in HF's model);
 # export: which engine writes hf_final/ (lora-zero, lora-megatron: the merge; zero: full weights).
 MATRIX_TEXT = """
-variant               lora_deepspeed  lora_megatron  convert       resume   packing    export
-llama-tied-llama3     zero3           tp2            h>z3>m12>h    z2>z3    documents  lora-megatron
-llama-mqa-linear-hd   zero2           pp2            h>m12>z1>h    z3>z1    documents  zero
-llama-bias-yarn       zero3           refused        h>z2>h        z1>z3    documents  lora-zero
-mistral-mqa-linear    zero2           pp2            h>m12>z2>h    z3>z2    documents  lora-megatron
-mixtral-tied-hd       zero3           tp2_sp         h>z3>m21>h    z2>z1    documents  zero
-qwen2-untied-linear   zero2           tp2            h>m21>z1>h    z1>z2    documents  lora-zero
-qwen2-tied-mqa        zero3           pp2            h>z2>m12>h    z2>z3    documents  lora-megatron
-qwen2_moe-tied        zero2           pp2            h>m12>z3>h    z3>z1    documents  zero
-qwen3-tied-hd-mqa     zero3           pp2            h>z1>m12>h    z1>z2    documents  lora-zero
-qwen3_moe-hd          zero2           tp2_sp         h>m21>z2>h    z2>z3    documents  lora-megatron
-gemma-mqa-hd          zero3           pp2            h>z3>m12>h    z3>z2    documents  zero
-gemma2-tied-hd        zero2           refused        h>m21>z1>h    z1>z3    documents  lora-zero
-gpt2-tied             zero3           tp2            h>z2>m21>h    z2>z1    documents  zero
-phi3-untied-mqa       zero2           pp2            h>m12>z3>h    z3>z2    documents  lora-megatron
+variant               lora_deepspeed  lora_megatron  convert       lora_convert  resume   packing    export
+llama-tied-llama3     zero3           tp2            h>z3>m12>h    z>m21>p       z2>z3    documents  lora-megatron
+llama-mqa-linear-hd   zero2           pp2            h>m12>z1>h    z>m12>z>p     z3>z1    documents  zero
+llama-bias-yarn       zero3           refused        h>z2>h        z>p           z1>z3    documents  lora-zero
+mistral-mqa-linear    zero2           pp2            h>m12>z2>h    z>m12>p       z3>z2    documents  lora-megatron
+mixtral-tied-hd       zero3           tp2_sp         h>z3>m21>h    z>m12>z>p     z2>z1    documents  zero
+qwen2-untied-linear   zero2           tp2            h>m21>z1>h    z>m21>z>p     z1>z2    documents  lora-zero
+qwen2-tied-mqa        zero3           pp2            h>z2>m12>h    z>m12>p       z2>z3    documents  lora-megatron
+qwen2_moe-tied        zero2           pp2            h>m12>z3>h    z>m12>p       z3>z1    documents  zero
+qwen3-tied-hd-mqa     zero3           pp2            h>z1>m12>h    z>m12>z>p     z1>z2    documents  lora-zero
+qwen3_moe-hd          zero2           tp2_sp         h>m21>z2>h    z>p>m12>p     z2>z3    documents  lora-megatron
+gemma-mqa-hd          zero3           pp2            h>z3>m12>h    z>m12>p       z3>z2    documents  zero
+gemma2-tied-hd        zero2           refused        h>m21>z1>h    z>p           z1>z3    documents  lora-zero
+gpt2-tied             zero3           tp2            h>z2>m21>h    z>m21>z>p     z2>z1    documents  zero
+phi3-untied-mqa       zero2           pp2            h>m12>z3>h    z>p>m12>p     z3>z2    documents  lora-megatron
 """
 
 REFUSALS = {  # (variant, feature): what the refusal must name
@@ -141,6 +143,20 @@ def convert_path(setting: str) -> list[tuple[str, dict]]:
     return out
 
 
+def lora_convert_path(setting: str) -> list[tuple[str, list[str]]]:
+    """``z>m21>p`` -> [("zero", [...]), ("megatron", ["--tp", "2", "--pp", "1"]), ("peft", [])]: each hop's
+    ``toolkit convert`` arguments (the first is the source, the run's own checkpoint)."""
+    out = []
+    for hop in setting.split(">"):
+        if hop == "p":
+            out.append(("peft", []))
+        elif hop == "z":
+            out.append(("zero", ["--dp", "2", "--zero-stage", "2"]))
+        else:
+            out.append(("megatron", ["--tp", hop[1], "--pp", hop[2]]))
+    return out
+
+
 def axes(variant: str) -> set[str]:
     """The axis values a variant's built HF config really has."""
     from toolkit.families import attention_dims, rope_parameters
@@ -176,5 +192,5 @@ def batches(vocab: int, n_micro: int = 4, seq: int = 16, seed: int = 3):
     return parity_batches(vocab, n_micro=n_micro, seq=seq, seed=seed)
 
 
-__all__ = ["VARIANTS", "FEATURES", "MATRIX", "REFUSALS", "AXES", "axes", "cells", "runs", "convert_path",
+__all__ = ["VARIANTS", "FEATURES", "MATRIX", "REFUSALS", "AXES", "axes", "cells", "runs", "convert_path", "lora_convert_path",
            "save_base", "batches", "Variant", "TINY", "TINY_MOE", "torch"]
