@@ -15,7 +15,7 @@ import torch
 from tests.test_megatron_compat import run_ranks
 from tests.zoo import VARIANTS, convert_path, runs
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 PATHS = runs("convert")
 

@@ -22,7 +22,7 @@ from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_ba
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 LORA = runs("lora_deepspeed")
 RESUME = runs("resume")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.zoo import AXES, FEATURES, MATRIX, REFUSALS, VARIANTS, axes, cells, convert_path
+from tests.zoo import AXES, FEATURES, MATRIX, REFUSALS, VARIANTS, axes, cells, convert_path, lora_convert_path
 
 
 def test_every_variant_meets_every_feature():
@@ -37,9 +37,18 @@ def test_every_feature_meets_every_axis_value(feature):
 def test_convert_paths_meet_every_direction_and_layout():
     hops = {(a[0], b[0]) for s in cells("convert").values() for a, b in zip(convert_path(s), convert_path(s)[1:])}
     assert hops == {(a, b) for a in ("hf", "zero", "megatron") for b in ("hf", "zero", "megatron") if a != b}
-    layouts = {(lay["tp"], lay["pp"]) for s in cells("convert").values() for f, lay in convert_path(s) if f == "megatron"}
+    layouts = {(lay["tp"], lay["pp"]) for s in cells("convert").values()
+               for f, lay in convert_path(s) if f == "megatron"}
     stages = {lay["zero_stage"] for s in cells("convert").values() for f, lay in convert_path(s) if f == "zero"}
     assert {(2, 1), (1, 2)} <= layouts and stages == {1, 2, 3}
+
+
+def test_lora_checkpoint_paths_meet_every_direction():
+    hops = {(a[0], b[0]) for s in cells("lora_convert").values()
+            for a, b in zip(lora_convert_path(s), lora_convert_path(s)[1:])}
+    assert hops == {("zero", "megatron"), ("megatron", "zero"), ("zero", "peft"), ("megatron", "peft"),
+                    ("peft", "megatron")}
+    assert all(lora_convert_path(s)[0][0] == "zero" for s in cells("lora_convert").values())  # the run's own
 
 
 def test_settings_rotate_over_stages_layouts_and_engines():

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from tests.test_families import TINY, TINY_MOE, tiny_config, tiny_model
+from tests.test_families import tiny_config, tiny_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -166,12 +164,11 @@ def axes(variant: str) -> set[str]:
     model = VARIANTS[variant].model()
     biased = any(n.endswith(("q_proj.bias", "c_attn.bias", "qkv_proj.bias")) for n, _ in model.named_parameters())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    out = {"tied" if tied else "untied", "bias" if biased else "no-bias",
-           "head_dim!=hidden/heads" if head_dim != hidden // heads else "head_dim=hidden/heads",
-           "one-kv-head" if kv_heads == 1 else "gqa-or-mha",
-           "vocab%64!=0" if cfg.vocab_size % 64 else "vocab%64==0",
-           "rope:" + rope_parameters(cfg).get("rope_type", "default") if cfg.model_type != "gpt2" else "learned-positions"}
-    return out
+    positions = "learned-positions" if cfg.model_type == "gpt2" else "rope:" + rope_parameters(cfg)["rope_type"]
+    return {"tied" if tied else "untied", "bias" if biased else "no-bias",
+            "head_dim!=hidden/heads" if head_dim != hidden // heads else "head_dim=hidden/heads",
+            "one-kv-head" if kv_heads == 1 else "gqa-or-mha",
+            "vocab%64!=0" if cfg.vocab_size % 64 else "vocab%64==0", positions}
 
 
 AXES = {"tied", "untied", "bias", "no-bias", "head_dim!=hidden/heads", "one-kv-head", "vocab%64!=0", "vocab%64==0",
@@ -191,6 +188,3 @@ def batches(vocab: int, n_micro: int = 4, seq: int = 16, seed: int = 3):
     from tests.test_megatron_parity import batches as parity_batches
     return parity_batches(vocab, n_micro=n_micro, seq=seq, seed=seed)
 
-
-__all__ = ["VARIANTS", "FEATURES", "MATRIX", "REFUSALS", "AXES", "axes", "cells", "runs", "convert_path", "lora_convert_path",
-           "save_base", "batches", "Variant", "TINY", "TINY_MOE", "torch"]
