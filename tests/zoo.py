@@ -68,8 +68,8 @@ VARIANTS = {
                             "one KV head and head_dim 32 (Gemma 2B), tied"),
     "gemma2-tied-hd": Variant("gemma2", dict(vocab_size=250), "softcaps, post-norms, head_dim 32, tied"),
     "gpt2-tied": Variant("gpt2", dict(vocab_size=259), "biases everywhere, learned positions, tied"),
-    "phi3-untied-mqa": Variant("phi3", dict(num_key_value_heads=1, vocab_size=250),
-                               "packed qkv/gate_up, one KV head, sliding window 6"),
+    "phi3-untied-mqa-hd": Variant("phi3", dict(num_key_value_heads=1, head_dim=24, vocab_size=250),
+                               "packed qkv/gate_up, one KV head, head_dim 24 != 64/4, sliding window 6"),
 }
 
 FEATURES = ("lora_deepspeed", "lora_megatron", "convert", "lora_convert", "resume", "packing", "export")
@@ -98,7 +98,7 @@ qwen3_moe-hd          zero2           tp2_sp         h>m21>z2>h    z>p>m12>p    
 gemma-mqa-hd          zero3           pp2            h>z3>m12>h    z>m12>p       z3>z2    documents  zero
 gemma2-tied-hd        zero2           refused        h>m21>z1>h    z>p           z1>z3    documents  lora-zero
 gpt2-tied             zero3           tp2            h>z2>m21>h    z>m21>z>p     z2>z1    documents  zero
-phi3-untied-mqa       zero2           pp2            h>m12>z3>h    z>p>m12>p     z3>z2    documents  lora-megatron
+phi3-untied-mqa-hd    zero2           pp2            h>m12>z3>h    z>p>m12>p     z3>z2    documents  lora-megatron
 """
 
 REFUSALS = {  # (variant, feature): what the refusal must name
