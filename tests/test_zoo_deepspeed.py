@@ -8,7 +8,9 @@ judged by references we did not write:
   same next step as the run that went on (loss and every fp32 weight);
 - export: ``hf_final/`` of a full fine-tuning run holds what DeepSpeed's ``zero_to_fp32`` reads from
   the checkpoint saved at that step; of a LoRA run, it is peft's merge of the ``adapter/`` beside it,
-  whose values are the engine's fp32 adapters.
+  whose values are the engine's fp32 adapters;
+- LoRA checkpoint conversion: the LoRA run's ZeRO checkpoint along the matrix's path (megatron,
+  ZeRO, HF-PEFT), ``toolkit convert --verify`` at each hop, ends as peft loads the engine's adapters.
 """
 from __future__ import annotations
 
