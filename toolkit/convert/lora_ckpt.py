@@ -179,7 +179,8 @@ def _saved_mcore(hf_config: dict, name: str) -> str:
     for mcore, (entry, _) in table(family, hf_config_object(hf_config), []).items():
         if entry.hf == hf:
             return mcore
-    raise ConvertError(f"{hf} (trained in full) has no megatron name in the {family.model_type} table")
+    raise ConvertError(f"{hf} is trained in full (lora.modules_to_save), which a megatron LoRA run does only for the "
+                       f"embedding and the LM head ({family.model_type}); convert this checkpoint --to zero, peft or hf")
 
 
 def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:

@@ -54,6 +54,12 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def saved_matches(name: str, saved: str) -> bool:
+    """peft's rule for ``modules_to_save`` (``peft.utils.other._set_trainable``): a plain suffix, so
+    ``norm`` also names every ``input_layernorm`` (unlike ``target_modules``' dotted suffix)."""
+    return name.endswith(saved)
+
+
 def resolve_lora(cfg: LoraConfig, model: torch.nn.Module) -> LoraSpec:
     """``cfg`` checked against ``model`` (a meta-device model is enough: names and shapes only)."""
     names = _Names(model)
@@ -61,7 +67,7 @@ def resolve_lora(cfg: LoraConfig, model: torch.nn.Module) -> LoraSpec:
     adapted = {n: m for n, m in names.eligible.items() if any(matches(n, t) for t in targets)}
     saved = _modules_to_save(cfg.modules_to_save, names.modules, model)
     trainable = sum(cfg.rank * sum(_in_out(m)) for m in adapted.values())
-    trainable += sum(p.numel() for n, m in names.modules.items() if any(matches(n, s) for s in saved)
+    trainable += sum(p.numel() for n, m in names.modules.items() if any(saved_matches(n, s) for s in saved)
                      for p in m.parameters())
     return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=targets, modules_to_save=saved,
                     adapted=len(adapted), trainable=trainable,
@@ -148,7 +154,7 @@ def _modules_to_save(names: list[str], modules: dict, model: torch.nn.Module) ->
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     for name in names:
-        hits = [m for n, m in modules.items() if n and matches(n, name)]
+        hits = [m for n, m in modules.items() if n and saved_matches(n, name)]
         if not hits:
             tops = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                            if n and len(m._parameters) and not n.rsplit(".", 1)[-1].isdigit()})
