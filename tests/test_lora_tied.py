@@ -196,9 +196,9 @@ def test_plan_counts_modules_to_save_as_peft_matches_them_and_refuses_a_tied_emb
     from toolkit.plan.lora import peft_config
     config = AutoConfig.from_pretrained(tied_base)
 
-    def plan(saved):
+    def plan(saved, backend="deepspeed"):
         cfg = validate({"lora": {"rank": 4, "modules_to_save": saved}, "model": {"name_or_path": str(tied_base)},
-                        "train": {"global_batch_size": 4, "micro_batch_size": 1}})
+                        "train": {"global_batch_size": 4, "micro_batch_size": 1}, "backend": backend})
         return build_plan(cfg, [1], hf_config=config).lora
     spec = plan(["norm"])
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tied_base), peft_config(spec))
@@ -207,3 +207,9 @@ def test_plan_counts_modules_to_save_as_peft_matches_them_and_refuses_a_tied_emb
     for name in ("embed_tokens", "lm_head"):
         with pytest.raises(ConfigError, match=f"lora.modules_to_save: '{name}' is a tied embedding"):
             plan([name])
+    # megatron trains only the embedding and LM head in full: 'norm' crashed its ranks (KeyError
+    # 'modules_to_save.default.weight'), 'model.norm' trained the final norm unannounced
+    for name, hit in (("norm", "model.layers.0.input_layernorm.weight"), ("model.norm", "model.norm.weight")):
+        with pytest.raises(ConfigError, match=f"'{name}' on megatron: only the embedding and the LM head .* "
+                                              f"\\(peft would train {hit}"):
+            plan([name], backend="megatron")

@@ -258,14 +258,19 @@ def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
 
 def megatron_saved(family, hf_config, spec: LoraSpec) -> dict[str, str]:
     """megatron name -> HF name of each tensor trained in full (``modules_to_save``): the embedding
-    and the untied LM head (the table's top entries); others are refused by name."""
+    and the untied LM head (the table's vocabulary-split top entries); a name that peft's rule
+    (``saved_matches``) also finds elsewhere (``norm``: every layer's norms too) is refused by name."""
     from toolkit.families import table
+    from toolkit.families.base import VOCAB
+    entries = table(family, hf_config)
     out = {}
     for name in spec.modules_to_save:
-        top = {mcore: entry.hf for mcore, (entry, _) in table(family, hf_config, []).items()
-               if matches(entry.hf.rsplit(".", 1)[0], name)}
-        if not top:
+        hits = {mcore: prefix + hf for mcore, (entry, prefix) in entries.items() for hf in entry.hf_names()
+                if saved_matches(prefix + hf.rsplit(".", 1)[0], name)}
+        others = sorted(hf for mcore, hf in hits.items() if getattr(entries[mcore][0], "split", None) != VOCAB)
+        if not hits or others:
+            named = f" (peft would train {', '.join(others[:3])} in full)" if others else ""
             raise ConfigError(f"lora.modules_to_save: {name!r} on megatron: only the embedding and the LM head can "
-                              "be trained in full beside the adapters; leave it out or set backend=deepspeed")
-        out.update(top)
+                              f"be trained in full beside the adapters{named}; leave it out or set backend=deepspeed")
+        out.update(hits)
     return out
