@@ -23,7 +23,8 @@ from functools import lru_cache
 
 import torch
 
-from toolkit.adapters.attention import KERNEL_NOTES, TokenLayout, attend, choose_kernel, softcap_score_mod
+from toolkit.adapters.attention import (KERNEL_NOTES, TokenLayout, attend, choose_kernel, flex_unavailable,
+                                        softcap_score_mod)
 
 ATTENTION = "toolkit_documents"
 """The name under which the toolkit's attention is registered with transformers."""
@@ -107,7 +108,8 @@ def real_tokens(mb: dict) -> torch.Tensor | None:
 
 def describe(device_type: str, dropout: bool, softcap: bool = False) -> str:
     """The line the DeepSpeed path logs for rows packed by documents on this device."""
-    kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout)
+    kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout,
+                           no_compile=flex_unavailable(device_type))
     how = {"sdpa": "with a boolean [b, 1, s, s] document mask", "flex": "with a document block mask",
            "math": "with the document mask and the logit softcap"}[kernel]
     return (f"HF attention: attn_implementation={ATTENTION} on {device_type}: documents -> {kernel} "
