@@ -1,0 +1,56 @@
+"""A model's attention softcap and sliding window never depend on the attention implementation
+transformers picks (toolkit/adapters/hf.py): transformers 5.17 gives gemma2 ``sdpa``, which drops
+the softcap (5.24 refuses sdpa for gemma2 and uses eager). The toolkit's HF model runs the
+toolkit's attention for such configs, whichever implementation is asked for or defaulted to.
+
+Reference: HF's own eager forward (which applies the softcap) with the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.test_families import tiny_config
+from toolkit.adapters import hf
+from toolkit.config import validate
+from toolkit.plan import build_plan
+
+
+@pytest.fixture
+def gemma2_takes_sdpa(monkeypatch):
+    """transformers 5.17's gemma2: sdpa accepted (and the default); a no-op on 5.17 itself."""
+    from transformers.models.gemma2 import modeling_gemma2
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)
+
+
+def hf_logits(config, state: dict, ids: torch.Tensor, attention: str) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+    model.load_state_dict(state)
+    return model.eval()(input_ids=ids).logits.detach()
+
+
+@torch.no_grad()
+def test_gemma2_softcap_applies_when_sdpa_is_requested(gemma2_takes_sdpa):
+    config = tiny_config("gemma2", attn_implementation="sdpa")
+    assert config._attn_implementation == "sdpa"
+    plan = build_plan(validate({"train": {"global_batch_size": 2, "micro_batch_size": 1, "seed": 3}}), [1],
+                      hf_config=config)
+    model = hf.build_model(plan).eval()
+    for name, param in model.named_parameters():  # scores large enough for the cap to bite (HF's init: ~0.1)
+        if "q_proj" in name or "k_proj" in name:
+            param.mul_(6.0)
+    state = model.state_dict()
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    got = model(input_ids=ids).logits
+    capped = hf_logits(config, state, ids, "eager")
+    uncapped = hf_logits(tiny_config("gemma2", attn_logit_softcapping=None), state, ids, "eager")
+    try:  # the premise: transformers' sdpa cannot softcap
+        sdpa = hf_logits(config, state, ids, "sdpa")
+    except ValueError as exc:  # 5.24: it refuses
+        assert "softcap" in str(exc)
+    else:  # 5.17: it drops the softcap silently
+        assert (sdpa - uncapped).abs().max() < 1e-5 < (sdpa - capped).abs().max()
+    scale = capped.abs().max()
+    assert (got - capped).abs().max() <= 2e-6 * scale, (got - capped).abs().max() / scale
+    assert (got - uncapped).abs().max() > 1e-3 * scale
+    assert model.config._attn_implementation != "sdpa"
