@@ -288,19 +288,19 @@ def compiled_flex():
     """flex_attention compiled once per process (uncompiled it materializes the scores), run under
     ``RECOMPILE_LIMIT``; every kernel after the first is printed (a recompile per micro-batch would
     be slow: TORCH_LOGS=recompiles says why it happened)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
     compiled = torch.compile(flex_attention, dynamic=False)
-    kernels = [0]
+    kernels = [0]  # compiled variants of flex_attention (dynamo's cache entries on its code)
 
     def run(q, k, v, **kwargs):
-        graphs = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             out = compiled(q, k, v, **kwargs)
-        if counters["stats"]["unique_graphs"] != graphs:
-            kernels[0] += 1
-            if kernels[0] > 1:
-                print(f"compiled flex_attention: kernel {kernels[0]} (of at most {RECOMPILE_LIMIT}) for query "
+        now = len(_debug_get_cache_entry_list(flex_attention))
+        if now > kernels[0]:
+            kernels[0] = now
+            if now > 1:
+                print(f"compiled flex_attention: kernel {now} (of at most {RECOMPILE_LIMIT}) for query "
                       f"{list(q.shape)} {q.dtype}; TORCH_LOGS=recompiles says what changed", flush=True)
         return out
     run.kernels = lambda: kernels[0]
