@@ -54,3 +54,23 @@ def test_gemma2_softcap_applies_when_sdpa_is_requested(gemma2_takes_sdpa):
     assert (got - capped).abs().max() <= 2e-6 * scale, (got - capped).abs().max() / scale
     assert (got - uncapped).abs().max() > 1e-3 * scale
     assert model.config._attn_implementation != "sdpa"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "phi3"])
+def test_capped_or_windowed_models_run_the_toolkits_attention_as_hf_eager(family):
+    """Every family with a softcap or a sliding window (windows of 6 in 24-token rows) runs the
+    toolkit's attention on plain rows too; its logits and gradients are HF eager's."""
+    config = tiny_config(family)
+    plan = build_plan(validate({"train": {"global_batch_size": 2, "micro_batch_size": 1, "seed": 3}}), [1],
+                      hf_config=config)
+    model = hf.build_model(plan)
+    assert model.config._attn_implementation == "toolkit_documents"
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits = [m(input_ids=ids).logits for m in (model, reference)]
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-6 * logits[1].abs().max().item(), rtol=0)  # measured <= 4.1e-7
+    for out in logits:
+        out.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 3e-6 * q.grad.abs().max() + 1e-12, name  # measured <= 7.1e-7
