@@ -488,3 +488,21 @@ def test_without_compile_the_gpu_takes_the_cpus_kernels(monkeypatch):
     assert "documents -> sdpa" in hf_attention.describe("cuda", dropout=False)
     assert "documents -> math" in hf_attention.describe("cuda", dropout=False, softcap=True)
     assert "documents/windows -> sdpa with a boolean mask" in describe_kernels("auto", "cuda", "bf16", rope=True)
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_megatron_fusions_need_a_working_compile(monkeypatch, compiles):
+    """megatron's fused bias-dropout-add and SwiGLU (torch.compile'd, on by default on GPUs) are
+    off where the compile probe fails, on where it works (a GPU is pretended: the fusions are GPU only)."""
+    from tests.test_families import tiny_config
+    from toolkit.adapters.megatron import model as megatron_model
+    from toolkit.config import validate
+    from toolkit.families import get_family
+    from toolkit.plan import build_plan
+    cfg = validate({"backend": "megatron", "train": {"global_batch_size": 2, "micro_batch_size": 1}})
+    hf_config = tiny_config("llama")
+    layout = build_plan(cfg, [1], hf_config=hf_config).layout(1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_model, "compile_works", lambda device_type: compiles)
+    tc = megatron_model.transformer_config(cfg, layout, hf_config, get_family("llama"))
+    assert (tc.bias_dropout_fusion, tc.bias_activation_fusion) == (compiles, compiles)
