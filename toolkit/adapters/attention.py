@@ -27,6 +27,7 @@ Pure torch: no backend import here.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -285,26 +286,36 @@ an eval batch, a last short batch."""
 
 @lru_cache(maxsize=1)
 def compiled_flex():
-    """flex_attention compiled once per process (uncompiled it materializes the scores), run under
+    """flex_attention compiled once per process (uncompiled it materializes the scores), under
     ``RECOMPILE_LIMIT``; every kernel after the first is printed (a recompile per micro-batch would
-    be slow: TORCH_LOGS=recompiles says why it happened)."""
+    be slow: TORCH_LOGS=recompiles says why it happened). ``.kernels()``: how many it compiled."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
-    compiled = torch.compile(flex_attention, dynamic=False)
-    kernels = [0]  # compiled variants of flex_attention (dynamo's cache entries on its code)
+    compiled = _compile_with_limit(flex_attention)
+    seen = {"entries": 0, "kernels": 0}  # dynamo's cache entries on flex_attention's code: its kernels
 
     def run(q, k, v, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            out = compiled(q, k, v, **kwargs)
-        now = len(_debug_get_cache_entry_list(flex_attention))
-        if now > kernels[0]:
-            kernels[0] = now
-            if now > 1:
-                print(f"compiled flex_attention: kernel {now} (of at most {RECOMPILE_LIMIT}) for query "
-                      f"{list(q.shape)} {q.dtype}; TORCH_LOGS=recompiles says what changed", flush=True)
+        out = compiled(q, k, v, **kwargs)
+        entries = len(_debug_get_cache_entry_list(flex_attention))
+        if entries > seen["entries"]:
+            seen["kernels"] += entries - seen["entries"]
+            if seen["kernels"] > 1:
+                print(f"compiled flex_attention: kernel {seen['kernels']} (of at most {RECOMPILE_LIMIT}) for "
+                      f"query {list(q.shape)} {q.dtype}; TORCH_LOGS=recompiles says what changed", flush=True)
+        seen["entries"] = entries  # fewer after torch._dynamo.reset()
         return out
-    run.kernels = lambda: kernels[0]
+    run.kernels = lambda: seen["kernels"]
     return run
+
+
+def _compile_with_limit(fn):
+    """``torch.compile(fn)`` whose recompile limit is ``RECOMPILE_LIMIT``: its own where torch.compile
+    takes one (2.13), else dynamo's process-wide limit raised to it (a per-call ``config.patch``
+    costs ~100 us, per layer)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
 
 
 def _math(q, k, v, mask, scale: float, softcap: float | None, dropout: float) -> torch.Tensor:
