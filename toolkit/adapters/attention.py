@@ -193,7 +193,7 @@ def block_mask_of(document_ids: torch.Tensor | None, s: int, window: int | None,
         & whole[:, None] & whole[None, :]
     partial = some & ~full
     counts = [m.sum(-1, dtype=torch.int32)[:, None] for m in (partial, full)]  # [b, 1, query tile]
-    order = [torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+    order = [torch.argsort(m.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
              for m in (partial, full)]  # the tiles of each kind first, ascending: create_block_mask's order
     return BlockMask.from_kv_blocks(counts[0], order[0], counts[1], order[1], BLOCK_SIZE=FLEX_BLOCK,
                                     mask_mod=visibility(document_ids, window), seq_lengths=(s, s))
@@ -289,14 +289,14 @@ def compiled_flex():
     """flex_attention compiled once per process (uncompiled it materializes the scores), under
     ``RECOMPILE_LIMIT``; every kernel after the first is printed (a recompile per micro-batch would
     be slow: TORCH_LOGS=recompiles says why it happened). ``.kernels()``: how many it compiled."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
     compiled = _compile_with_limit(flex_attention)
+    entry_list = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", lambda fn: ())  # private
     seen = {"entries": 0, "kernels": 0}  # dynamo's cache entries on flex_attention's code: its kernels
 
     def run(q, k, v, **kwargs):
         out = compiled(q, k, v, **kwargs)
-        entries = len(_debug_get_cache_entry_list(flex_attention))
+        entries = len(entry_list(flex_attention))
         if entries > seen["entries"]:
             seen["kernels"] += entries - seen["entries"]
             if seen["kernels"] > 1:
