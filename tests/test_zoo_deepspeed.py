@@ -237,16 +237,7 @@ def test_lora_export_is_peft_s_merge_of_the_engine_s_adapters(zoo, variant):
     assert not differs, differs[:5]
 
 
-TIED_LORA_ZERO_INDEX = pytest.mark.xfail(strict=True, raises=KeyError, reason="tied LoRA ZeRO index (zoo-bugs): "
-                                         "toolkit/convert/zero_index.py _add_shared KeyError on the tied embedding")
-
-
-def _tied(variant: str) -> bool:
-    return bool(getattr(VARIANTS[variant].config(), "tie_word_embeddings", False))
-
-
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=TIED_LORA_ZERO_INDEX) if _tied(v) else v
-                                     for v in LORA_CONVERT])
+@pytest.mark.parametrize("variant", list(LORA_CONVERT))
 def test_lora_checkpoint_converts_along_its_path_verified_to_the_engine_s_adapters(zoo, variant):
     """`toolkit convert --verify` at every hop (tensors and Adam moments between checkpoints; peft's
     forward for a PEFT directory); the PEFT directory at the end, loaded by peft on the base, holds
