@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
+from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
@@ -46,13 +47,15 @@ def check_dtype_supported(dtype: str) -> None:
 class DeepSpeedEngine:
     """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world."""
 
-    def __init__(self, plan: Plan, model: torch.nn.Module):
+    def __init__(self, plan: Plan, model: torch.nn.Module, resolved: tuple[dict, OptimizerChoice] | None = None):
+        """``resolved``: ``with_available_adam`` of the plan's DeepSpeed JSON, when already made."""
         import deepspeed
         _install_op_caches()
         cfg = plan.config
         check_dtype_supported(cfg.model.dtype)
         self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
-        self.ds_config = plan.ds_config(dist.get_world_size())
+        self.ds_config, self.optimizer_choice = resolved or with_available_adam(plan.ds_config(dist.get_world_size()))
+        self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
@@ -246,16 +249,17 @@ class DeepSpeedEngine:
 
 def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     """The worker's entry: record the resolved DeepSpeed JSON, build the HF model and the engine."""
-    ds_config = plan.ds_config(dist.get_world_size())
+    _install_op_caches()
+    ds_config, choice = resolved = with_available_adam(plan.ds_config(dist.get_world_size()))
     if rank == 0:
+        print(choice.line(), flush=True)
         (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
         if plan.config.data.packing_mode != "concat":
             hf_config = plan.model.hf_config()
             print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(hf_config),
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
-    _install_op_caches()
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
-    return DeepSpeedEngine(plan, build_model(plan, ds_config))
+    return DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
 
 
 def _attention_dropout(hf_config) -> bool:
