@@ -104,13 +104,13 @@ def _worker_with_failing_build(plan_path: str, builder: str, port: int) -> None:
     os._exit(code)
 
 
-def test_a_run_whose_build_fails_trains_and_records_the_choice(tmp_path, data_cache):
-    from toolkit.observe.metrics import read_metrics
+def _run_with_failing_build(run_dir, data_cache, *sets: str) -> None:
+    """``toolkit train`` on one rank whose FusedAdam build fails: the plan written as the launcher
+    writes it, the rank forked from this test process's forkserver."""
     from toolkit.plan import build_plan, write_plan
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = load_config(None, [*TINY, f"data.cache_dir={data_cache}", f"run_dir={run_dir}", "nproc=1",
-                             "zero.stage=2"])
+    run_dir.mkdir(exist_ok=True)
+    cfg = load_config(None, [*TINY, f"data.cache_dir={data_cache}", f"run_dir={run_dir}", "nproc=1", "zero.stage=2",
+                             *sets])
     plan_path = write_plan(build_plan(cfg, [1]), run_dir)
     start_forkserver()
     rank = multiprocessing.get_context("forkserver").Process(
@@ -118,10 +118,33 @@ def test_a_run_whose_build_fails_trains_and_records_the_choice(tmp_path, data_ca
     rank.start()
     rank.join(timeout=600)
     assert rank.exitcode == 0
+
+
+def optimizer_records(run_dir) -> list[dict]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    chosen = [r for r in records if r.get("event") == "optimizer"]
+    return [r for r in records if r.get("event") == "optimizer"]
+
+
+def test_a_run_whose_build_fails_trains_and_records_the_choice(tmp_path, data_cache):
+    from toolkit.observe.metrics import read_metrics
+    run_dir = tmp_path / "run"
+    _run_with_failing_build(run_dir, data_cache)
+    chosen = optimizer_records(run_dir)
     assert len(chosen) == 1 and chosen[0]["optimizer"] == "torch.optim.AdamW(fused=True)"
     assert "FusedAdam did not load" in chosen[0]["fallback_reason"]
     losses = [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((run_dir / "ds_config.json").read_text())["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_a_fusedadam_checkpoint_resumes_under_the_fallback(tmp_path, data_cache):
+    """Saved at step 3 with DeepSpeed's FusedAdam, resumed where it does not build: the moments and
+    step count carry over, and the losses are the uninterrupted FusedAdam run's (measured: equal)."""
+    from tests.conftest import losses, resumes, train
+    uninterrupted, switched = tmp_path / "fused", tmp_path / "switched"
+    train(uninterrupted, data_cache, "zero.stage=2", nproc=1)
+    train(switched, data_cache, "zero.stage=2", "train.steps=3", "checkpoint.every=3", nproc=1)
+    _run_with_failing_build(switched, data_cache, "checkpoint.every=3", "resume=auto")
+    assert [r["optimizer"] for r in optimizer_records(switched)] == ["FusedAdam", "torch.optim.AdamW(fused=True)"]
+    assert resumes(switched) == [("step_00000003", 3, "as saved")]
+    assert losses(switched) == pytest.approx(losses(uninterrupted), rel=LOSS_RTOL)
