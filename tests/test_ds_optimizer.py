@@ -148,3 +148,32 @@ def test_a_fusedadam_checkpoint_resumes_under_the_fallback(tmp_path, data_cache)
     assert [r["optimizer"] for r in optimizer_records(switched)] == ["FusedAdam", "torch.optim.AdamW(fused=True)"]
     assert resumes(switched) == [("step_00000003", 3, "as saved")]
     assert losses(switched) == pytest.approx(losses(uninterrupted), rel=LOSS_RTOL)
+
+
+def _zero0_adam_steps(rank, world, dtype):
+    """Adam's step count and the masters' distance from the weights, after init and one step."""
+    from toolkit.adapters.deepspeed import DeepSpeedEngine
+    from toolkit.plan import build_plan
+    model = tiny_model("llama")
+    cfg = validate({"zero": {"stage": 0}, "model": {"dtype": dtype},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "weight_decay": 0.1}})
+    engine = DeepSpeedEngine(build_plan(cfg, [1], hf_config=model.config), model)
+    wrapper = engine.engine.optimizer
+
+    def masters_minus_weights() -> float:
+        return max((m - torch.cat([w.detach().float().flatten() for w in ws])).abs().max().item()
+                   for m, ws in zip(wrapper.fp32_groups_flat, wrapper.fp16_groups))
+    at_start = (dict(wrapper.optimizer.state), masters_minus_weights())
+    micro = batches(model.config.vocab_size, n_micro=2)
+    engine.train_step(micro, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro), lr=1e-3)
+    steps = sorted({int(s["step"]) for s in wrapper.optimizer.state.values()})
+    engine.engine.destroy()
+    return {"state_at_start": len(at_start[0]), "masters_off_at_start": at_start[1], "steps_after_one": steps}
+
+
+def test_zero0_low_precision_adam_starts_at_step_one(tmp_path):
+    """DeepSpeed's FP16_Optimizer (ZeRO-0, bf16/fp16) steps Adam on zero gradients when it is built:
+    its step count was 1 before training and the masters had one weight decay (the bias corrections
+    then ran a step behind: test_precision.py's ZeRO-0 drift). The adapter undoes that step."""
+    got = run_ranks(_zero0_adam_steps, 1, tmp_path, "bf16")[0]
+    assert got == {"state_at_start": 0, "masters_off_at_start": 0.0, "steps_after_one": [1]}
