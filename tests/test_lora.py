@@ -215,12 +215,17 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
 LORA_RUN = ["lora.rank=4", f"lora.alpha={ALPHA}", "model.init=pretrained", "checkpoint.every=3"]
 
 
+DECAY_CLIP = ["train.weight_decay=1.0", "train.grad_clip=0.05"]
+"""Weight decay 100x the default (the adapters shrink by ~1% over 6 steps: at 0.01 decay moves them
+by 1e-4, inside the comparison's tolerance) and a clip under every step's grad norm (0.33-0.38 here,
+so the default 1.0 never engages)."""
 RUNS = {"zero2": ["zero.stage=2"],
         "zero3": ["zero.stage=3", "lora.modules_to_save=[lm_head]"],  # the LM head trained in full too
         "zero0": ["zero.stage=0"],
         "zero3_offload": ["zero.ds_config=zero3_offload"],  # DeepSpeedCPUAdam on the host
         "zero2_recompute": ["zero.stage=2", "model.activation_checkpointing=true"],  # adapters inside recomputed layers
-        "zero2_bf16": ["zero.stage=2", "model.dtype=bf16"]}
+        "zero2_bf16": ["zero.stage=2", "model.dtype=bf16"],
+        "zero2_decay_clip": ["zero.stage=2", *DECAY_CLIP]}
 """LoRA runs of the demo base through ``toolkit train``, each trained once per module."""
 
 
@@ -251,10 +256,17 @@ def lr_at(step: int, steps=6, warmup=2, peak=3e-3, floor=3e-4) -> float:
 
 
 def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_scale: float = 1.0) -> list[float]:
+    """The single-process peft loop's losses (``reference_run``)."""
+    return reference_run(demo_base, data_cache, modules_to_save, steps, lr_scale)["losses"]
+
+
+def reference_run(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_scale: float = 1.0,
+                  weight_decay: float = 0.01, clip: float = 1.0) -> dict:
     """One process: HF + peft with the adapter init the toolkit documents (peft's own init, drawn from
     a CPU generator seeded with (train.seed, "lora")), torch AdamW (matrices decayed), the global
-    batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip 1.0."""
-    from peft import LoraConfig, get_peft_model
+    batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip ``clip``. Its
+    losses, its grad norms before clipping, and the trained adapter as peft saves it."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.hf import unit_seed
@@ -267,8 +279,8 @@ def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, 
         model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
                                                 task_type="CAUSAL_LM", modules_to_save=list(modules_to_save) or None))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    out = []
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    out = {"losses": [], "grad_norms": []}
     for step in range(steps):
         batch = ds[global_batch_indices(len(ds), 8, cfg.train.seed, step)]
         labels = batch["labels"]
@@ -276,17 +288,61 @@ def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, 
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum") / (labels != IGNORE_INDEX).sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, clip).item())
         for group in opt.param_groups:
             group["lr"] = lr_at(step) * lr_scale
         opt.step()
         opt.zero_grad()
-        out.append(loss.item())
+        out["losses"].append(loss.item())
+    out["adapter"] = {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
     return out
 
 
+ADAPTER_RTOL = 2e-4
+"""Trained adapters vs the peft loop's, per tensor, max |gap| / max |peft|, after 6 Adam steps
+(Adam divides by sqrt(v): entries whose gradient is near eps carry the fp32 rounding of another
+reduction order into the update)."""
+GRAD_NORM_RTOL = 1e-5
+
+
+def check_decay_and_clip_against_peft(run_dir, demo_base, data_cache, label: str) -> None:
+    """A run with ``DECAY_CLIP``: losses, pre-clip grad norms (metrics.jsonl) and the exported adapter
+    equal the peft loop's with the same decay and clip; the check can tell a missing decay (the
+    adapters) and a missing clip (the losses) apart from a pass."""
+    from safetensors.torch import load_file
+
+    from toolkit.observe.metrics import read_metrics
+    want = reference_run(demo_base, data_cache, weight_decay=1.0, clip=0.05)
+    no_decay = reference_run(demo_base, data_cache, weight_decay=0.0, clip=0.05)["adapter"]
+    no_clip = reference_run(demo_base, data_cache, weight_decay=1.0, clip=1e9)["losses"]
+    rows = [r for _, r in sorted(read_metrics(run_dir).items())]
+    got_losses, got_norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert sorted(adapter) == sorted(want["adapter"])
+
+    def worst(a: dict, b: dict) -> float:
+        return max(((a[n] - t).abs().max() / t.abs().max()).item() for n, t in b.items())
+    loss_gap = max(abs(a - b) / b for a, b in zip(got_losses, want["losses"]))
+    norm_gap = max(abs(a - b) / b for a, b in zip(got_norms, want["grad_norms"]))
+    decay_moved, clip_moved = worst(no_decay, want["adapter"]), max(
+        abs(a - b) / b for a, b in zip(no_clip, want["losses"]))
+    print(f"\n{label} decay 1.0, clip 0.05 vs the peft loop: losses {loss_gap:.2e}, grad norms {norm_gap:.2e} "
+          f"(peft's {min(want['grad_norms']):.3f}-{max(want['grad_norms']):.3f}), adapters {worst(adapter, want['adapter']):.2e}; "
+          f"without decay the adapters move {decay_moved:.2e}, without clip the losses {clip_moved:.2e}")
+    assert min(want["grad_norms"]) > 0.05  # the clip engages at every step
+    assert decay_moved > 10 * ADAPTER_RTOL and clip_moved > 10 * LOSS_RTOL
+    assert len(got_losses) == 6 and loss_gap <= LOSS_RTOL
+    assert norm_gap <= GRAD_NORM_RTOL
+    assert worst(adapter, want["adapter"]) <= ADAPTER_RTOL
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [r for r in RUNS if "bf16" not in r])
+def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(lora_runs, demo_base, data_cache):
+    check_decay_and_clip_against_peft(lora_runs("zero2_decay_clip"), demo_base, data_cache, "ZeRO-2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [r for r in RUNS if "bf16" not in r and "decay" not in r])
 def test_losses_equal_a_single_process_peft_adamw_loop(run, lora_runs, demo_base, data_cache):
     save = ["lm_head"] if "lora.modules_to_save=[lm_head]" in RUNS[run] else []
     got, want = losses(lora_runs(run)), reference_losses(demo_base, data_cache, save)
