@@ -83,6 +83,37 @@ def test_planned_trainable_count_is_peft_s(family):
     assert trainable == plan.lora.trainable == plan.trainable_parameters()[0]
 
 
+def _layer_forwards_and_grads(checkpointing: bool, lora: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """The toolkit's HF model of tiny llama (``adapters/hf.build_model``, with adapters if ``lora``),
+    one training forward and backward: attention forwards per decoder layer, and the gradients."""
+    from toolkit.adapters.hf import build_model
+    from toolkit.adapters.lora import apply_lora
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"activation_checkpointing": checkpointing}, "lora": {"rank": RANK} if lora else {}})
+    plan = build_plan(cfg, [1], hf_config=tiny_config("llama"))
+    model = build_model(plan)
+    model = apply_lora(model, plan.lora, seed=1) if lora else model
+    layers = model.get_submodule("base_model.model.model.layers" if lora else "model.layers")
+    calls = []
+    for layer in layers:  # the layer's own hook does not see a recompute: it stops at the last saved tensor
+        layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+    [mb] = batches(model.config.vocab_size, n_micro=1, mbs=2)
+    model.train()(input_ids=mb["input_ids"], labels=mb["labels"]).loss.backward()
+    return len(calls) / len(layers), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_activation_checkpointing_is_applied(lora):
+    """``model.activation_checkpointing=true`` recomputes every decoder layer in backward (each runs
+    twice per forward and backward; once without) and changes no gradient. With the checkpointing
+    branch of ``adapters/hf.py`` removed every other recompute test passed (they only assert that
+    nothing changes); this one counts 1 forward (mutated once)."""
+    plain, want = _layer_forwards_and_grads(False, lora)
+    recomputed, got = _layer_forwards_and_grads(True, lora)
+    assert (plain, recomputed) == (1, 2)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
     """fp32, DP 2: the frozen base holds weights only; gradients and Adam state (m, v, fp32 master
