@@ -256,7 +256,8 @@ RUNS = {"zero2": ["zero.stage=2"],
         "zero3_offload": ["zero.ds_config=zero3_offload"],  # DeepSpeedCPUAdam on the host
         "zero2_recompute": ["zero.stage=2", "model.activation_checkpointing=true"],  # adapters inside recomputed layers
         "zero2_bf16": ["zero.stage=2", "model.dtype=bf16"],
-        "zero2_decay_clip": ["zero.stage=2", *DECAY_CLIP]}
+        "zero2_decay_clip": ["zero.stage=2", *DECAY_CLIP],
+        "zero3_random": ["zero.stage=3", "model.init=random"]}  # the base exists only in the engine
 """LoRA runs of the demo base through ``toolkit train``, each trained once per module."""
 
 
@@ -373,7 +374,7 @@ def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [r for r in RUNS if "bf16" not in r and "decay" not in r])
+@pytest.mark.parametrize("run", [r for r in RUNS if not any(k in r for k in ("bf16", "decay", "random"))])
 def test_losses_equal_a_single_process_peft_adamw_loop(run, lora_runs, demo_base, data_cache):
     save = ["lm_head"] if "lora.modules_to_save=[lm_head]" in RUNS[run] else []
     got, want = losses(lora_runs(run)), reference_losses(demo_base, data_cache, save)
@@ -475,6 +476,34 @@ def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, d
     assert not differs, differs[:5]
     assert any("lora" not in n and not torch.equal(merged_file[n], load_file(demo_base / "model.safetensors")[n])
                for n in merged_file)  # the merge changed the adapted weights
+
+
+def check_random_init_export(run_dir) -> None:
+    """``hf_final/`` of a LoRA run on a random-init base is peft's ``merge_and_unload()`` of the run's
+    ``adapter/`` onto that base, tensor for tensor. The base is the toolkit's seeded init (the same
+    on both backends), rebuilt here in one process from the run's plan.json. Without the merge
+    hf_final/ held the bare base and passed every other test (mutated once)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from toolkit.adapters.hf import build_model
+    from toolkit.plan import read_plan
+    base = build_model(read_plan(run_dir / "plan.json")).eval()
+    unmerged = {n: t.clone() for n, t in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload().state_dict()
+    final = load_file(run_dir / "hf_final" / "model.safetensors")
+    assert sorted(final) == sorted(merged)
+    differs = [n for n, t in final.items() if not torch.equal(t, merged[n])]
+    adapted = [n for n in merged if not torch.equal(merged[n], unmerged[n])]
+    print(f"\n{run_dir.name}: hf_final vs peft's merge onto the seeded base: {len(differs)} tensors differ; "
+          f"the merge changed {len(adapted)} of {len(merged)}")
+    assert not differs, differs[:5]
+    assert adapted and all("proj" in n for n in adapted)  # all-linear adapts every *_proj, nothing else
+
+
+@pytest.mark.slow
+def test_random_init_base_exports_peft_s_merge(lora_runs):
+    check_random_init_export(lora_runs("zero3_random"))
 
 
 @pytest.mark.slow

@@ -267,7 +267,8 @@ RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         # the LM head trained in full beside the adapters (its vocabulary rows split over TP)
         "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"],
         "dp2_bf16": [MEGATRON, "model.dtype=bf16", "lora.modules_to_save=[lm_head]"],
-        "tp2_decay_clip": [MEGATRON, "megatron.tp=2", *DECAY_CLIP]}
+        "tp2_decay_clip": [MEGATRON, "megatron.tp=2", *DECAY_CLIP],
+        "tp2_random": [MEGATRON, "megatron.tp=2", "model.init=random"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -336,6 +337,13 @@ def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(l
     peft loop (adapters left undecayed: the adapters off by ~2e-2, mutated once)."""
     from tests.test_lora import check_decay_and_clip_against_peft
     check_decay_and_clip_against_peft(lora_runs("tp2_decay_clip"), demo_base, data_cache, "megatron TP=2")
+
+
+@pytest.mark.slow
+def test_random_init_base_exports_peft_s_merge(lora_runs):
+    """TP=2 on a random-init base (``MergedLoraSource``: the base gathered from the engine)."""
+    from tests.test_lora import check_random_init_export
+    check_random_init_export(lora_runs("tp2_random"))
 
 
 @pytest.mark.slow
