@@ -581,6 +581,58 @@ def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(
         assert report.ok and report.tensors and report.logits_max_diff is not None, report.lines()
 
 
+@pytest.mark.slow
+def test_verify_fails_on_a_destination_that_is_not_the_source_s(lora_runs, tmp_path):
+    """``--verify`` of a LoRA conversion (ZeRO-2 run, step 6) against damaged destinations, each
+    refused naming the tensor: an HF-PEFT DST with one entry changed, or one tensor too many; a
+    merged HF DST with one weight changed, or one tensor too many (transformers skips it on load:
+    ``verify_adapter`` passed it before it read the names from the files, mutated once); a ZeRO and a
+    megatron checkpoint of another run's adapters (``compare_lora_sources``, the --to zero/megatron
+    check)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.convert import convert
+    from toolkit.convert.lora_ckpt import compare_lora_sources, open_lora_checkpoint
+    from toolkit.convert.peft import verify_adapter
+    run, other = lora_runs("zero2"), lora_runs("zero2_decay_clip")  # the same lora.* settings, other adapters
+    convert(run, tmp_path / "peft", to="peft")
+    convert(run, tmp_path / "hf", to="hf")
+
+    def damaged(kind: str, file: str, edit) -> Path:
+        out = tmp_path / f"{kind}_{edit.__name__}"
+        shutil.copytree(tmp_path / kind, out)
+        tensors = load_file(out / file)
+        edit(tensors)
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        return out
+
+    def changed(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] += 1e-3
+
+    def extra(tensors):
+        tensors["base_model.model.model.layers.0.mlp.extra.weight" if "base_model.model.model.layers.0.self_attn.q_proj"
+                ".lora_A.weight" in tensors else "model.layers.0.mlp.extra.weight"] = torch.ones(2, 2)
+
+    cases = {("peft", changed): "layers.0.mlp.down_proj.lora_A",  # the first name of each file
+             ("peft", extra): "unexpected ['base_model.model.model.layers.0.mlp.extra",
+             ("hf", changed): "lm_head.weight", ("hf", extra): "model.layers.0.mlp.extra.weight (only in DST)"}
+    for (kind, edit), named in cases.items():
+        file = "adapter_model.safetensors" if kind == "peft" else "model.safetensors"
+        report = verify_adapter(run, damaged(kind, file, edit), None)
+        print(f"\n{kind} {edit.__name__}: {report.lines()[0][:160]}")
+        assert not report.ok and report.lines()[-1] == "verify: MISMATCH", (kind, edit.__name__)
+        assert any(named in m for m in report.mismatched), report.mismatched
+    for to, extra_args in (("zero", {}), ("megatron", {"tp": 2})):
+        convert(other, tmp_path / f"other_{to}", to=to, **extra_args)
+        report = compare_lora_sources(open_lora_checkpoint(run), open_lora_checkpoint(tmp_path / f"other_{to}"))
+        print(f"\nanother run's adapters as {to}: {report.lines()[0][:120]}")
+        assert not report.ok and len(report.mismatched) >= report.tensors > 0
+
+
 def test_the_worked_example_plans(demo_base, tmp_path):
     """examples/lora/config.yaml validates and resolves (its base, the demo's hf_final, stands in)."""
     from tests.conftest import REPO, run_in_process
