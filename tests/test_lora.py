@@ -73,7 +73,8 @@ def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
         plan_for(family, target_modules=["down_proj"])
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe", "phi3", "qwen3", "gemma", "gemma2", "mistral",
+                                    "qwen3_moe"])
 def test_planned_trainable_count_is_peft_s(family):
     """The plan's count (estimate, dry-run, metrics) against peft's own count on the wrapped model."""
     from toolkit.adapters.lora import apply_lora
