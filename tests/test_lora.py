@@ -456,6 +456,57 @@ def test_resume_on_another_base_is_refused_naming_both(lora_runs, tmp_path, data
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.rank=0"], r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole model"),
+    (["lora.rank=8"], r"holds other LoRA adapters \(rank: checkpoint 4, this run 8\)"),
+    (["lora.target_modules=[q_proj,v_proj]"], r"holds other LoRA adapters \(targets: checkpoint \['down_proj'"),
+    (["lora.modules_to_save=[lm_head]"], r"holds other LoRA adapters \(modules_to_save: checkpoint \[\], this run "
+                                         r"\['lm_head'\]\)")], ids=["to-full", "rank", "targets", "modules_to_save"])
+def test_resume_with_other_lora_settings_is_refused_naming_them(overrides, message, lora_runs, tmp_path, data_cache,
+                                                                 demo_base):
+    import re
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_runs("zero2") / "checkpoints", run_dir / "checkpoints")
+    proc = train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", "train.steps=7", *overrides,
+                 check=False)
+    assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_full_checkpoint_never_resumes_as_lora_and_back(tmp_path):
+    """``check_same_lora`` on a full fine-tuning checkpoint's meta.json (no ``lora``) with a LoRA
+    run, and the other way round: refused naming the fix."""
+    from toolkit.checkpoint.reshard import check_same_lora
+    spec = {"rank": 4, "targets": ["q_proj"], "modules_to_save": []}
+    with pytest.raises(RuntimeError, match=r"is a full fine-tuning checkpoint and this run trains LoRA adapters "
+                                           r"\(lora.rank=4\); to fine-tune that model with LoRA, export it"):
+        check_same_lora(tmp_path, {"layout": {}}, spec, {"fingerprint": "sha256:x"})
+    with pytest.raises(RuntimeError, match=r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole"):
+        check_same_lora(tmp_path, {"lora": spec, "base_model": {"fingerprint": "sha256:x"}}, None, None)
+    check_same_lora(tmp_path, {"layout": {}}, None, None)  # full on full: nothing to check here
+
+
+@pytest.mark.slow
+def test_converter_refuses_a_changed_base_and_a_zero_0_checkpoint(lora_runs, demo_base, tmp_path):
+    """``--to hf`` merges onto a base only if its fingerprint is meta.json's (a base re-saved in bf16
+    is refused, naming both fingerprints; the fingerprint hashes the files' headers, not the
+    weights: ``storage/meta.base_model_record``); a ZeRO-0 LoRA checkpoint (no partitioned
+    optimizer files to read) is refused pointing at the run's exports."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert import ConvertError, convert
+    changed = tmp_path / "changed-base"
+    AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.bfloat16).save_pretrained(changed)
+    with pytest.raises(ConvertError, match=rf"the base {changed} has fingerprint sha256:\w+, the adapters were trained "
+                                           rf"on sha256:\w+ \({demo_base}\); merging onto another base would be wrong"):
+        convert(lora_runs("zero2"), tmp_path / "hf", to="hf", base=str(changed))
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConvertError, match="the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
+                                           ".*'zero_stage': 0.*; use its run's adapter/ and hf_final/"):
+        convert(lora_runs("zero0"), tmp_path / "peft", to="peft")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, demo_base):
     from peft import PeftModel
