@@ -359,6 +359,26 @@ def test_checkpoint_holds_adapters_only_keyed_by_peft_names(lora_runs, demo_base
 
 
 @pytest.mark.slow
+def test_checkpoint_read_by_torch_s_own_reader_holds_the_exported_adapters(lora_runs, tmp_path):
+    """The TP=2 checkpoint (megatron's torch_dist: torch's distributed checkpoint format) read by
+    torch's own DCP reader, not by the module that wrote it: at step 6 every adapter is whole, in
+    HF shapes under its HF-PEFT key, and equals adapter/'s (which peft loads, above) bit for bit;
+    so do its Adam moments' shapes."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    run = lora_runs("tp2")
+    dcp_to_torch_save(run / "checkpoints" / "step_00000006" / "engine", tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    stored = {k.replace(".default.", "."): v for k, v in state.items() if not k.startswith("optimizer.")}
+    assert sorted(stored) == sorted(adapter)
+    assert [n for n, t in adapter.items() if not torch.equal(stored[n], t)] == []
+    moments = {k: v for k, v in state.items() if k.startswith("optimizer.") and "exp_avg_sq" in k}
+    assert len(moments) == len(adapter), sorted(state)[:8]
+    assert sorted(tuple(v.shape) for v in moments.values()) == sorted(tuple(t.shape) for t in adapter.values())
+
+
+@pytest.mark.slow
 def test_kill_9_and_resume_auto_is_bitwise_exact(lora_runs, tmp_path, data_cache, demo_base):
     from tests.conftest import losses, resumes, train
     from tests.test_lora import LORA_RUN
