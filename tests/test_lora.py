@@ -530,6 +530,19 @@ def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, d
                for n in merged_file)  # the merge changed the adapted weights
 
 
+def peft_merge_gaps(run_dir, base_dir) -> list[str]:
+    """Names of hf_final/'s tensors that differ from peft's ``merge_and_unload()`` of the run's
+    ``adapter/`` onto the base as its files store it (fp32), bit for bit; the keys must be the same."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload().state_dict()
+    final = load_file(run_dir / "hf_final" / "model.safetensors")
+    assert sorted(final) == sorted(merged)
+    return [n for n, t in final.items() if not torch.equal(t, merged[n])]
+
+
 def check_random_init_export(run_dir) -> None:
     """``hf_final/`` of a LoRA run on a random-init base is peft's ``merge_and_unload()`` of the run's
     ``adapter/`` onto that base, tensor for tensor. The base is the toolkit's seeded init (the same
@@ -579,6 +592,7 @@ def test_bf16_run_exports_its_fp32_masters_merged_onto_the_base_as_stored(lora_r
         assert sorted(got) == sorted(want) and [n for n in want if not torch.equal(got[n], want[n])] == []
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any(not torch.equal(t, t.bfloat16().float()) for t in adapter.values())  # masters, not bf16 copies
+    assert peft_merge_gaps(run, demo_base) == []  # an independent merge: peft's
 
 
 def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_cache):
