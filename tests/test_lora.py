@@ -10,7 +10,12 @@ against references we did not write: HF + ``peft`` on the same weights and adapt
   here; kill -9 and ``--resume auto`` is bit-exact (the adapter Adam state is in the checkpoint);
   a resume on another base is refused naming both;
 - exports: ``adapter/`` loads with ``PeftModel.from_pretrained`` and gives ``hf_final/``'s logits;
-  ``hf_final/`` is peft's ``merge_and_unload()``.
+  ``hf_final/`` is peft's ``merge_and_unload()`` (on a pretrained base, bf16 runs included, and on
+  a random-init base rebuilt from the seed);
+- weight decay 1.0 and an engaged clip (0.05) against the peft loop: losses, grad norms, adapters;
+  activation checkpointing counted as applied;
+- refusals: resume with other lora.* settings, full <-> LoRA, a changed base, a ZeRO-0 converter
+  source, ``--verify`` against damaged destinations.
 """
 from __future__ import annotations
 
