@@ -221,7 +221,8 @@ def test_lora_model_state_against_what_real_engines_hold(tmp_path):
         full = memory(plan.config, plan.model, lay).model_state
         gap = measured - est
         print(f"LoRA {lay.describe():32s} rank {rank}: estimated {est / 2**20:7.2f} MiB (full fine-tuning's "
-              f"{full / 2**20:7.2f}), measured {measured / 2**20:7.2f} MiB ({measured / est:.3f}; {gap / 2**20:+.2f} MiB)")
+              f"{full / 2**20:7.2f}), measured {measured / 2**20:7.2f} MiB ({measured / est:.3f}; "
+              f"{gap / 2**20:+.2f} MiB)")
         if plan.config.backend == "megatron":
             split_half = plan.lora.trainable * (4 + 4 + 8) / 2  # weights, fp32 grads, Adam m and v (fp32 model)
             ok = -split_half <= gap <= 0

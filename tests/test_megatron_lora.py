@@ -247,7 +247,8 @@ def test_adapter_dropout_draws_peft_s_masks_and_is_off_in_eval(dropout_runs, bas
         moved = {n: (no_dropout[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
         worst = max(ratios, key=ratios.get)
         print(f"\nrecompute={recompute}: eval logit gap {logit_gap:.2e}; worst grad gap {ratios[worst]:.2e} ({worst}); "
-              f"dropout moved the grads >= {min(moved.values()):.2e}; layer forwards per micro-batch {d['layer_forwards']}")
+              f"dropout moved the grads >= {min(moved.values()):.2e}; layer forwards per micro-batch "
+              f"{d['layer_forwards']}")
         assert logit_gap <= LOGIT_TOL
         assert ratios[worst] <= GRAD_RTOL, worst
         assert min(moved.values()) > 100 * GRAD_RTOL  # the masks matter: a wrong draw cannot pass
