@@ -184,13 +184,13 @@ def test_throughput_model_fits_the_sequence_and_counts_flops_as_the_toolkit():
 @pytest.mark.slow
 def test_fixed_batch_catches_a_perturbed_backend(tmp_path):
     """Through ``toolkit train`` on both backends (one rank, fp32): with the wide init the check passes
-    unperturbed and fails when megatron's copy has layer 1's attention output projection scaled by
-    1.05; at HF's init (0.02: near-uniform logits, as the old step-1 check at 2% had) the same
-    perturbation stays far inside 2%."""
+    unperturbed and fails when megatron's copy has layer 1's attention switched off (its output
+    projection zeroed); at HF's init (0.02: near-uniform logits, as the old step-1 check at 2% had)
+    the same change stays far inside 2%."""
     (tmp_path / "logs").mkdir()
     clean = gpu_check.fixed_batch_losses(tmp_path, 32)
-    perturbed = gpu_check.fixed_batch_losses(tmp_path, 32, perturb={"megatron": 0.05})
-    old = gpu_check.fixed_batch_losses(tmp_path, 32, perturb={"megatron": 0.05}, init_range=0.02)
+    perturbed = gpu_check.fixed_batch_losses(tmp_path, 32, perturb={"megatron": -1.0})
+    old = gpu_check.fixed_batch_losses(tmp_path, 32, perturb={"megatron": -1.0}, init_range=0.02)
     print(f"\nclean {clean}\nperturbed {perturbed}\nold init, perturbed {old}")
     assert set(_fixed(gpu_check.fixed_batch_checks(clean, 2048, gpu_check.FIXED_BOUND)).values()) == {PASS}
     assert _fixed(gpu_check.fixed_batch_checks(perturbed, 2048, gpu_check.FIXED_BOUND))[
