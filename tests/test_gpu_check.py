@@ -60,12 +60,12 @@ def _tiny_wheel(folder: Path) -> Path:
     return folder / name
 
 
-def _run_check(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+def _run_check(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict, str]:
     out, work = tmp_path / "out", tmp_path / "work"
     _tiny_wheel(tmp_path / "wheels")
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(out), "--work", str(work),
                            "--rehearse", "--wheels", str(tmp_path / "wheels"), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=3000, env={**os.environ, **(env or {})})
     results = json.loads((out / "results.json").read_text())
     return proc, results, (out / "summary.md").read_text()
 
@@ -103,6 +103,20 @@ def test_a_phase_that_must_finish_aborts_the_rest(tmp_path):
     assert proc.returncode == 1 and phases["environment"]["status"] == "timeout"
     assert phases["doctor"] == {"status": "not run", "why": phases["doctor"]["why"]}
     assert phases["doctor"]["why"].startswith("aborted: environment failed (killed after 2 s")
+
+
+def test_a_process_left_on_the_gpu_fails_the_phase(tmp_path):
+    """A stand-in ``nvidia-smi`` that always lists a compute process: the phase that just ended is an
+    error naming it (the next phase would share the GPU with it), and the run fails."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho '4242, 1234'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    proc, results, _ = _run_check(tmp_path, "--only", "environment", "--no-fused-adam", "--gpu-clear-wait-s", "1",
+                                  env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    entry = results["phases"]["environment"]
+    assert proc.returncode == 1 and entry["status"] == "error"
+    assert entry["why"] == "still on the GPU after the phase: [{'pid': 4242, 'mib': 1234.0}]"
 
 
 def test_verdict_passes_with_skips_and_fails_on_any_failure_or_unfinished_phase():

@@ -34,6 +34,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 on D
 SMALL = ["--nproc", "1", "--set", "data.seq_len=128", "--set", "train.global_batch_size=8",
          "--set", "train.micro_batch_size=4", "--set", "train.eval_every=4", "--set", "train.log_every=1",
          "--set", "train.warmup_steps=2"]
+FAMILIES = ["llama", "qwen2", "gpt2", "qwen3", "gemma", "gemma2", "phi3"]
 MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64,
            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "vocab_size": 2048, "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -130,7 +131,7 @@ def _parity(family: str, dtype: str) -> dict:
             "mg_grads": {n: rel(mg_grads[n], g) for n, g in ref_grads.items()}}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "qwen3", "gemma", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_logits_and_grads_match_hf_fp32(family, tmp_path):
     r = in_fresh_process(_parity, family, "fp32", tmp_path=tmp_path)
     assert r["on_host"] == []  # torch norms are made on the default device: the build moves them
@@ -141,7 +142,7 @@ def test_megatron_logits_and_grads_match_hf_fp32(family, tmp_path):
     assert worst < 1e-4, {n: v for n, v in r["mg_grads"].items() if v >= 1e-4}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_bf16_is_as_close_to_fp32_as_hf_bf16(family, tmp_path):
     """bf16 has no exact answer; megatron's bf16 must be about as far from the fp32 result as HF's own
     bf16 is (both keep fp32 master weights' values; megatron reduces grads in fp32)."""
@@ -283,6 +284,37 @@ def test_megatron_fp16_skips_and_trains_on(tmp_path):
     assert r[26]["skipped"] and r[27]["skipped"]
     check_scales(r, megatron_scales)
     assert all(math.isfinite(r[s]["loss"]) for s in r) and r[30]["loss"] < r[1]["loss"]
+
+
+# --- packed documents end to end (compiled flex on the device) -------------------------------------
+
+PACKED = ("data.seq_len=128", "train.steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=0",
+          "train.min_lr=0", "train.warmup_steps=0", "train.eval_every=0", "train.log_every=1", "checkpoint.every=100",
+          "train.export_hf=false", "data.eval_fraction=0", "data.format=json", "data.template=instruction",
+          "model.tf32=false")
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+def test_packed_documents_give_the_losses_of_pad_end_to_end(backend, tmp_path):
+    """tests/test_packing_train.py on the device: weights fixed (lr=0), one instruction repeated, so
+    every document's loss is the same whatever shares its row: ``documents`` (flex_attention with a
+    block mask, compiled, on CUDA) must give the losses of ``pad`` (one document per row, no mask);
+    ``concat`` (documents see their predecessors) must differ."""
+    data = tmp_path / "same.jsonl"
+    row = {"prompt": "Reverse the words: one two three four", "response": "four three two one"}
+    data.write_text((json.dumps(row) + "\n") * 64)
+    loss = {}
+    for mode in ("documents", "pad", "concat"):
+        run_dir = tmp_path / mode
+        args = ["train", "--run-dir", str(run_dir), "--nproc", "1"]
+        for s in (*PACKED, f"backend={backend}", f"data.path={data}", f"data.packing={mode}"):
+            args += ["--set", s]
+        run_cli(args, timeout=900)
+        loss[mode] = [records(run_dir)[s]["loss"] for s in (1, 2)]
+    assert all(math.isfinite(x) for xs in loss.values() for x in xs), loss
+    gap = measure("documents vs pad, max rel", max(abs(a - b) / b for a, b in zip(loss["documents"], loss["pad"])), 1e-5)
+    concat = measure("concat vs pad, min rel", min(abs(a - b) / b for a, b in zip(loss["concat"], loss["pad"])), 1e-3)
+    assert gap < 1e-5 and concat > 1e-3, loss  # CPU: 4.7e-8 (DeepSpeed), 1.2e-7 (megatron); concat 5.3e-3
 
 
 # --- the converter on GPU-written checkpoints, MoE without Transformer Engine --------------------------
