@@ -85,6 +85,10 @@ OVERRIDES = {
     "huggingface-hub": ">=1.5.0,<2.0",
     # pydantic-core 2.46 needs typing-extensions>=4.14.1; the machine's own version is not known.
     "typing-extensions": ">=4.14.1",
+    # The carried transformers 5.24 checks regex>=2025.10.22 at import, megatron-core 0.16 needs
+    # packaging>=24.2; the machine's versions are not known (small wheels: carried rather than assumed).
+    "regex": ">=2025.10.22",
+    "packaging": ">=24.2",
 }
 
 # Carried at the pins of requirements/constraints.txt although the GPU machine has other versions,
