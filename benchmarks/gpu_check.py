@@ -113,7 +113,7 @@ PHASES = [
     Phase("throughput_hf", 100, 120),
     Phase("throughput_deepspeed", 120, 180, trains=True),
     Phase("throughput_megatron", 120, 180, trains=True),
-    Phase("multi_rank", 150, 60, trains=True),
+    Phase("multi_rank", 150, 300, trains=True),
 ]
 
 
@@ -459,12 +459,16 @@ def verdict(results: dict) -> str:
     return PASS
 
 
-def _fmt(value) -> str:
+def _fmt(value, width: int = 90) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
         return f"{value:.3g}"
-    return json.dumps(value)[:60] if not isinstance(value, str) else value[:60]
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {_fmt(v, 30)}" for k, v in value.items())[:width]
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v, 20) for v in value)[:width] + "]"
+    return str(value)[:width]
 
 
 def table(results: dict) -> str:
@@ -483,11 +487,14 @@ def table(results: dict) -> str:
                      f"{env.get('transformers')}, peft {env.get('peft')}, CUDA {env.get('cuda')}, "
                      f"Python {env.get('python')} (the machine's versions, not requirements/constraints.txt)")
     for name in ("throughput_hf", "throughput_deepspeed", "throughput_megatron"):
-        info = (results["phases"].get(name) or {}).get("info")
+        entry = results["phases"].get(name) or {}
+        info = entry.get("info")
         if info:
+            memory = info.get("peak_gpu_mib") or entry.get("peak_gpu_mib")
             lines.append(f"{name}: {info.get('tokens_per_s')} tokens/s, MFU {info.get('mfu_spec')} of the spec "
                          f"peak, {info.get('mfu_measured')} of the measured matmul peak, peak GPU memory "
-                         f"{info.get('peak_gpu_mib')} MiB")
+                         f"{memory} MiB (torch's peak allocation where known, else nvidia-smi's), peak host "
+                         f"RSS {entry.get('peak_rss_mib')} MiB")
     return "\n".join(lines)
 
 
@@ -845,6 +852,12 @@ def _throughput_summary(ctx: Ctx, tokens_per_s: float, losses: list[float], peak
                     mfu_measured=round(tokens_per_s * fpt / measured, 4) if measured else None,
                     first_losses=[round(x, 5) for x in losses[:3]], last_loss=round(losses[-1], 5) if losses else None)
     ok = bool(losses) and all(math.isfinite(x) for x in losses)
+    mfu_measured = ctx.info["mfu_measured"]
+    # Above the matmul rate measured a minute ago, tokens/s or the FLOP count is wrong (on a CPU
+    # rehearsal the tiny matmul's rate says nothing).
+    ctx.add("MFU against the measured matmul peak <= 1", None if ctx.rehearse or mfu_measured is None
+            else mfu_measured <= 1.0, measured=mfu_measured, bound=1.0,
+            why="CPU rehearsal" if ctx.rehearse else "" if mfu_measured is not None else "no matmul_peak result")
     ctx.add("losses finite", ok, measured=ctx.info["last_loss"])
     ctx.add("loss falls (last < first)", ok and losses[-1] < losses[0], measured=[ctx.info["first_losses"][:1],
                                                                                ctx.info["last_loss"]])
@@ -916,6 +929,10 @@ def phase_throughput(ctx: Ctx, backend: str) -> None:
     _throughput_summary(ctx, statistics.median(r["tokens_per_s"] for r in timed), [r["loss"] for r in rows], peak)
     reported = [r["mfu"] for r in timed if r.get("mfu") is not None]
     ctx.info["mfu_reported_by_toolkit"] = round(statistics.median(reported), 4) if reported else None
+    ours, theirs = ctx.info["mfu_spec"], ctx.info["mfu_reported_by_toolkit"]
+    agree = None if ours is None or theirs is None else abs(ours - theirs) <= 0.02 * ours
+    ctx.add("toolkit's logged MFU = tokens/s x FLOPs / spec peak (rel 2%)", agree, measured=theirs, bound=ours,
+            why="" if agree is not None else "no MFU (the toolkit logs it on GPUs only)")
 
 
 def _peak_gpu_mib_from(rows: list[dict]) -> float | None:
