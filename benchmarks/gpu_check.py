@@ -990,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_check_work"),
                    help="scratch: installed wheels, runs, models (default /tmp/gpu_check_work)")
     p.add_argument("--rehearse", action="store_true", help="on a CPU machine: every phase, tiny shapes")
-    p.add_argument("--budget-s", type=float, default=540, help="no phase starts or runs past this (seconds)")
+    p.add_argument("--budget-s", type=float, default=570, help="no phase starts or runs past this (seconds)")
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="the carried wheels (default .whl/)")
     p.add_argument("--machine-transformers", action="store_true",
                    help="install no carried transformers/peft: run the machine's own")
