@@ -1,10 +1,11 @@
 """GPU check: one command on a single-GPU machine that reaches no package registry, a PASS/FAIL verdict.
 
-    python3 benchmarks/gpu_wheels.py install /tmp/site && python3 benchmarks/gpu_check.py --out $OUT
+    python3 benchmarks/gpu_check.py --out $OUT                # the GPU machine, carrying .whl/ (570 s budget)
     python3 benchmarks/gpu_check.py --out OUT --rehearse      # a CPU machine: every phase, tiny shapes
 
-(``gpu_check.py`` installs ``.whl/`` itself when ``--site`` is not importable yet; the first form
-only makes the install visible in the command's own output.)
+It first installs the carried wheels (``.whl/``, ``benchmarks/gpu_wheels.py install``) into
+``WORK/site`` and puts that first on every phase's PYTHONPATH (on a CPU with another Python than
+3.12 the rehearsal runs ``gpu_wheels.py check`` instead: cp312 wheels do not install there).
 
 The parent process uses the standard library only. Each phase runs as ``gpu_check.py --phase NAME``
 in its own process session (``start_new_session``) under a hard timeout: on timeout the session gets
