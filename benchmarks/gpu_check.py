@@ -480,8 +480,8 @@ def table(results: dict) -> str:
             lines.append(f"| {name} | (phase) | {FAIL if entry['status'] != 'ok' else PASS} | "
                          f"{entry['status']} | | {entry.get('why', '')} |")
         for r in entry.get("checks", []):
-            lines.append(f"| {name} | {r['check']} | {r['status']} | {_fmt(r.get('measured'))} | "
-                         f"{_fmt(r.get('bound'))} | {r.get('why', '')} |")
+            cells = [name, r["check"], r["status"], _fmt(r.get("measured")), _fmt(r.get("bound")), r.get("why", "")]
+            lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     env = (results["phases"].get("environment") or {}).get("info", {})
     if env:
         lines.append(f"\n{env.get('gpu')} x{env.get('device_count')}, torch {env.get('torch')}, transformers "

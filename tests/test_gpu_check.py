@@ -124,6 +124,9 @@ def test_verdict_passes_with_skips_and_fails_on_any_failure_or_unfinished_phase(
     assert gpu_check.verdict({"phases": {"x": ok}}) == PASS
     assert gpu_check.verdict({"phases": {"x": ok, "y": {"status": "ok", "checks": [gpu_check.check("c", False)]}}}) == FAIL
     assert gpu_check.verdict({"phases": {"x": ok, "y": {"status": "not run", "why": "no time left"}}}) == FAIL
+    row = gpu_check.check("max |a - b|", False, measured={"max |a - b|": 0.5}, bound=0.1, why="two\nlines")
+    text = gpu_check.table({"verdict": FAIL, "mode": "test", "phases": {"x": {"status": "ok", "checks": [row]}}})
+    assert "| x | max \\|a - b\\| | FAIL | max \\|a - b\\|: 0.5 | 0.1 | two lines |" in text  # one table row
 
 
 # --- checks that can fail -------------------------------------------------------------------------
