@@ -383,9 +383,12 @@ class Run:
             cmd = [sys.executable, "-c", HANG]
         s = Session(cmd, self.logs / f"{phase.name}.log", self.env)
         code = s.wait(timeout, gpu=self.gpu)
-        left = s.stop() if code is None else s.stop(grace=2)  # ranks a finished phase left behind, too
+        strays = s._alive() if code is not None else []  # what a finished phase left running (ranks, say)
+        left = s.stop() if code is None else s.stop(grace=2)  # ended here, strays too
         entry = {"seconds": s.seconds(), "exit": code, "timeout_s": round(timeout),
                  "peak_rss_mib": round(s.peak_rss / 2**20), "left_behind": left}
+        if strays:
+            entry["strays_ended"] = strays
         if self.gpu:
             entry["peak_gpu_mib"] = s.peak_gpu_mib
         if code is None:
