@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
+from toolkit.adapters.compiled import compile_works
 from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
 from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
@@ -54,7 +55,7 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     if not torch.cuda.is_available():
         from toolkit.compat import megatron_cpu
         kw.update(megatron_cpu.TRANSFORMER_CONFIG)
-    elif cfg.megatron.fused_kernels:
+    elif cfg.megatron.fused_kernels and compile_works("cuda"):  # torch.compile'd: off where it fails (one line)
         kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
 
