@@ -559,6 +559,7 @@ def phase_preflight(ctx: Ctx) -> None:
             ctx.add(f"import {name}", False, why=f"{type(exc).__name__}: {exc}"[:300], critical=True)
             (ctx.work / "logs" / f"import_{name}.txt").write_text(traceback.format_exc())
     _compile_probe(ctx)
+    _toolkit_probe(ctx)
     _flex_probe(ctx, strict=False)
     _flex_probe(ctx, strict=True)
 
@@ -585,6 +586,19 @@ def _compile_probe(ctx: Ctx) -> None:
         ctx.add("torch.compile forward + backward (rel to eager)", err < 1e-5, measured=err, bound=1e-5)
     except Exception as exc:  # noqa: BLE001
         ctx.add("torch.compile forward + backward", False, why=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _toolkit_probe(ctx: Ctx) -> None:
+    """The toolkit's own compile probe (``toolkit.adapters.compiled.compile_failure``, which decides its
+    fallbacks: sdpa or math for flex, megatron's fusions off); SKIP where this toolkit has none."""
+    try:
+        from toolkit.adapters.compiled import compile_failure
+    except ImportError as exc:
+        ctx.add("the toolkit's compile probe", None, why=f"not in this toolkit ({exc})")
+        return
+    why = compile_failure(ctx.device())
+    ctx.add("the toolkit's compile probe finds torch.compile working (no fallback)", why is None,
+            why=why or "")
 
 
 def _flex_probe(ctx: Ctx, strict: bool) -> None:
