@@ -70,6 +70,10 @@ PREINSTALLED: dict[str, str | None] = {
     "certifi": None, "click": None, "shellingham": None,
     # pytest 9, pytest-xdist
     "iniconfig": None, "pluggy": None, "pygments": None, "execnet": None,
+    # the device tool's list of the machine image's packages (/work/.library/device/KINDS.md, read on
+    # 2026-11-17): what datasets and DeepSpeed need beyond the above (pandas alone is 11.5 MiB)
+    "pandas": None, "python-dateutil": None, "six": None, "msgpack": None, "xxhash": None,
+    "py-cpuinfo": None, "einops": None, "nvidia-ml-py": None,
 }
 
 # Carried although the GPU machine has them: a carried package needs a newer one than it may have.
@@ -79,7 +83,19 @@ OVERRIDES = {
     # 1.5.0 `import datasets` fails); transformers 5.17 accepts >=1.5.0,<2.0, so the machine may
     # have any of those. The carried one shadows it on PYTHONPATH.
     "huggingface-hub": ">=1.5.0,<2.0",
+    # pydantic-core 2.46 needs typing-extensions>=4.14.1; the machine's own version is not known.
+    "typing-extensions": ">=4.14.1",
+    # The carried transformers 5.24 checks regex>=2025.10.22 at import, megatron-core 0.16 needs
+    # packaging>=24.2; the machine's versions are not known (small wheels: carried rather than assumed).
+    "regex": ">=2025.10.22",
+    "packaging": ">=24.2",
 }
+
+# Carried at the pins of requirements/constraints.txt although the GPU machine has other versions,
+# so the check runs the tested transformers and peft (the machine's transformers 5.17 gives gemma2
+# sdpa attention, which 5.24 does not). `install --without transformers,peft` leaves them out to
+# run on the machine's own (benchmarks/gpu_check.py --machine-transformers).
+TESTED = ("transformers", "peft")
 
 # Where the wheels must install: CPython 3.12, x86_64 Linux, glibc 2.28, which runs every manylinux
 # tag up to 2_28. Each is named: pip expands only the legacy manylinux2014 to older tags, not 2_28.
@@ -173,7 +189,7 @@ def admits(spec, version: str) -> bool:
 
 def carried(name: str) -> bool:
     """Whether the bundle carries ``name``: not on the GPU machine, or an OVERRIDE."""
-    return name not in PREINSTALLED or name in OVERRIDES
+    return name not in PREINSTALLED or name in OVERRIDES or name in TESTED
 
 
 def demands(wheels: dict[str, list[Wheel]]) -> dict[str, list[tuple[str, object]]]:
@@ -182,6 +198,8 @@ def demands(wheels: dict[str, list[Wheel]]) -> dict[str, list[tuple[str, object]
     asked = {norm(r): [("ROOTS", Requirement(r).specifier)] for r in ROOTS if carried(norm(r))}
     for name, spec in OVERRIDES.items():
         asked.setdefault(name, []).append(("OVERRIDES", _spec(spec)))
+    for name in TESTED:
+        asked.setdefault(name, []).append(("TESTED", _spec("")))
     for ws in wheels.values():
         for w in ws:
             for r in w.needs():
@@ -336,6 +354,7 @@ def bundle_problems(wheels: dict[str, list[Wheel]], folder: Path) -> list[str]:
     problems += [f"{n}: carried but PREINSTALLED (it would shadow the GPU machine's copy); drop it"
                  for n in wheels if not carried(n)]
     problems += [f"{n}: an OVERRIDE, but not carried" for n in OVERRIDES if n not in wheels]
+    problems += [f"{n}: TESTED, but not carried" for n in TESTED if n not in wheels]
     problems += [f"{n} {wheels[n][0].version} is outside {spec}, what the GPU machine's packages accept"
                  for n, spec in OVERRIDES.items()
                  if n in wheels and not admits(_spec(spec), wheels[n][0].version)]
@@ -393,7 +412,8 @@ def check(args) -> int:
 
 def install(args) -> int:
     """pip-install every wheel of the bundle into TARGET only (never the system site-packages)."""
-    wheels = sorted(args.dir.glob("*.whl"))
+    left_out = {norm(n) for n in args.without.split(",") if n}
+    wheels = [w.path for ws in bundle(args.dir).values() for w in ws if w.name not in left_out]
     target = Path(args.target).resolve()
     system = {Path(sysconfig.get_path(k)).resolve() for k in ("purelib", "platlib")}
     if not wheels:
@@ -410,20 +430,21 @@ def install(args) -> int:
               f"{r.returncode}, above). The bundle is for CPython 3.12 on x86_64 Linux; this is "
               f"{sys.implementation.name} {sys.version.split()[0]}.", file=sys.stderr)
         return 1
-    for line in machine_gaps(args.dir):
+    for line in machine_gaps(args.dir, left_out):
         print(f"warning: {line}")
     print(f"installed {len(wheels)} wheels into {target}; use them with:")
     print(f"export PYTHONPATH={target}:$PYTHONPATH")
     return 0
 
 
-def machine_gaps(folder: Path) -> list[str]:
+def machine_gaps(folder: Path, left_out: set[str] = frozenset()) -> list[str]:
     """What the carried wheels need from this machine that it lacks, or has at another version.
 
     Run where the wheels are installed, so the ranges `check` could only assume are checked here.
     """
     from importlib.metadata import PackageNotFoundError, version
-    wheels, gaps = bundle(folder), []
+    wheels = {n: ws for n, ws in bundle(folder).items() if n not in left_out}
+    gaps = []
     for ws in wheels.values():
         for w in ws:
             for r in (r for r in w.needs() if norm(r.name) not in wheels):
@@ -443,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", help="online: download and build the bundle into the folder")
     sub.add_parser("check", help="offline: the bundle is complete and installs on CPython 3.12")
-    sub.add_parser("install", help="on the GPU machine: install into TARGET").add_argument("target")
+    inst = sub.add_parser("install", help="on the GPU machine: install into TARGET")
+    inst.add_argument("target")
+    inst.add_argument("--without", default="", help="comma-separated names not to install (e.g. "
+                      "transformers,peft: use the machine's own)")
     args = parser.parse_args(argv)
     return {"fetch": fetch, "check": check, "install": install}[args.cmd](args)
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.test_attention import CASES, D, DOCS, qkv, reference_attention, reference_mask
+from tests.gpu.measure import measure
+from toolkit.adapters import attention as attention_module
 from toolkit.adapters.megatron.attention import TokenLayout, attend, choose_kernel
 
 REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
@@ -49,17 +51,30 @@ def _compare(mode: str, case: str) -> float:
     return worst
 
 
+def expected_kernel(case: str) -> str:
+    """``auto`` on CUDA without dropout: flex for a mask (documents, window) or a softcap, else sdpa."""
+    docs, window, softcap = CASES[case]
+    return "flex" if docs is not None or window is not None or softcap is not None else "sdpa"
+
+
 @needs_cuda
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_flex_trains_as_the_reference(case):
-    assert choose_kernel("auto", "cuda", masked=CASES[case][0] is not None or CASES[case][1] is not None,
-                         softcap=CASES[case][2] is not None, dropout=False) in ("flex", "sdpa")
-    assert _compare("flex", case) < 1e-4
+def test_flex_trains_as_the_reference(case, monkeypatch):
+    docs, window, softcap = CASES[case]
+    chosen = choose_kernel("auto", "cuda", masked=docs is not None or window is not None,
+                           softcap=softcap is not None, dropout=False)
+    assert chosen == expected_kernel(case)
+    calls = []
+    real_flex = attention_module._flex
+    monkeypatch.setattr(attention_module, "_flex", lambda *a, **k: calls.append(1) or real_flex(*a, **k))
+    worst = measure("max abs diff vs float64 (output, q/k/v grads)", _compare("auto", case), 1e-4)
+    assert len(calls) == (1 if chosen == "flex" else 0)  # auto ran the kernel it chose
+    assert worst < 1e-4
 
 
 @pytest.mark.parametrize("case", ["causal", "documents_and_window"])
 def test_sdpa_trains_as_the_reference(case):
-    assert _compare("sdpa", case) < 1e-4
+    assert measure("max abs diff vs float64 (output, q/k/v grads)", _compare("sdpa", case), 1e-4) < 1e-4
 
 
 @needs_cuda
@@ -79,5 +94,6 @@ def test_megatron_fusions_equal_the_unfused_ops():
     swiglu = max((fused - plain).abs().max().item(), (x.grad - x2.grad).abs().max().item())
     out, bias, residual = (torch.randn(64, 2, 256, device="cuda", generator=g) for _ in range(3))
     bda = (get_bias_dropout_add(True, True)((out, bias), residual, 0.0) - (residual + (out + bias))).abs().max().item()
-    print(f"fused vs unfused max abs diff: swiglu (output and grad) {swiglu:.2e}, bias-dropout-add {bda:.2e}")
+    measure("swiglu fused vs unfused, max abs (output and grad)", swiglu, 1e-5)
+    measure("bias-dropout-add fused vs unfused, max abs", bda, 1e-6)
     assert swiglu < 1e-5 and bda < 1e-6

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.measure import measure
 from tests.gpu.test_attention_gpu import DEVICE, pytestmark, strict_fp32  # noqa: F401 - gpu mark, fp32 fixture
 from tests.test_families import tiny_model
 from tests.test_packing import micro_batch, packed, random_documents
@@ -44,5 +45,6 @@ def test_packed_documents_equal_alone_and_padded_grads_on_the_device(family):
         grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     gap = max(((grads["documents"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item()
               for n, g in grads["pad"].items())
-    print(f"{family} on {DEVICE} ({expected}): logits vs alone {worst:.2e}, grads packed vs padded {gap:.2e}")
+    measure(f"{expected}: logits packed vs alone, max abs", worst, 1e-4)
+    measure(f"{expected}: grads packed vs padded, max rel", gap, 1e-4)
     assert worst < 1e-4 and gap < 1e-4
