@@ -114,12 +114,25 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
         # the toolkit's ToolkitNorm and post-norms) on the default device: all of it to the rank's
         _on_rank_device(chunks[-1])
+        _in_model_dtype(chunks[-1], tconfig.params_dtype)
         if family.embedding_scale and chunks[-1].pre_process:
             _scale_embedding(chunks[-1].embedding, family.embedding_scale(hf_config))
         cap = family.logit_softcap(hf_config) if family.logit_softcap else None
         if cap and chunks[-1].post_process:
             _softcap_logits(chunks[-1].output_layer, cap)
     return chunks
+
+
+def _in_model_dtype(chunk, dtype: torch.dtype) -> None:
+    """Every floating parameter in the model dtype, as megatron's ``Float16Module`` leaves a bf16 /
+    fp16 model (HF's bf16 model too): megatron makes its linear layers in ``params_dtype`` but torch
+    norms (``WrappedTorchNorm``, ``ToolkitNorm``, post-norms) in fp32, which torch runs unfused
+    against bf16 activations (and some versions promote the activations to fp32). The distributed
+    optimizer keeps fp32 masters of them, as of every bf16 parameter."""
+    with torch.no_grad():
+        for param in chunk.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 def _softcap_logits(output_layer, cap: float) -> None:
