@@ -13,7 +13,10 @@ from tests.conftest import losses, resumes, train
 from toolkit.plan.flops import peak_flops
 
 FP16 = ("backend=megatron", "model.dtype=fp16", "train.steps=26")
-FORCED = 21  # a step after the scale has settled (megatron starts at 2^32, halving on each overflow)
+FORCED = 21  # a step well after the start (the scale starts at 2^16, as DeepSpeed's presets)
+EARLY_SKIPS = 2
+"""Overflowing steps allowed among the first 13: measured 1 (step 3, the scale then still 2^16: the
+first overflow only spends megatron's hysteresis). megatron-core's own 2^32 start skipped all 13."""
 
 
 def records(run_dir) -> dict[int, dict]:
@@ -25,7 +28,8 @@ def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_
     run = tmp_path / "fp16"
     train(run, data_cache, *FP16, "checkpoint.every=100", nproc=1, env={"TOOLKIT_FAULT": f"overflow:step={FORCED}"})
     r = records(run)
-    assert r[1]["skipped"] and r[1]["loss_scale"] == 2.0**32  # megatron's default initial scale
+    assert r[1]["loss_scale"] == 2.0**16  # megatron.initial_loss_scale's default, DeepSpeed's start
+    assert sum(r[s]["skipped"] for s in range(1, 14)) <= EARLY_SKIPS, [r[s]["skipped"] for s in range(1, 14)]
     forced, before = r[FORCED], r[FORCED - 1]
     assert not before["skipped"] and forced["skipped"] and forced["grad_norm"] is None
     assert forced["loss_scale"] == before["loss_scale"] / 2
@@ -45,6 +49,29 @@ def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_
     assert resumes(again) == [("step_00000004", 4, "as saved")]
     assert losses(again) == losses(run)
     assert records(again)[26]["skipped_steps"] == r[26]["skipped_steps"]  # counted across the restart
+
+
+def _loss_scale_of_engine(rank, world, initial):
+    from tests.conftest import megatron_engine
+    from tests.test_families import tiny_model
+    from toolkit.config import validate
+    cfg = validate({"backend": "megatron", "model": {"dtype": "fp16"}, "megatron": {"initial_loss_scale": initial},
+                    "train": {"global_batch_size": 1, "micro_batch_size": 1}})
+    engine = megatron_engine(cfg, tiny_model("llama"))
+    return float(engine.optimizer.get_loss_scale())
+
+
+def test_initial_loss_scale_reaches_megatrons_scaler(tmp_path):
+    from tests.test_megatron_compat import run_ranks
+    assert run_ranks(_loss_scale_of_engine, 1, tmp_path, 2.0**10) == [2.0**10]
+
+
+def test_initial_loss_scale_below_one_is_refused():
+    import pytest
+
+    from toolkit.config import validate
+    with pytest.raises(ValueError, match="megatron.initial_loss_scale=0.5 must be >= 1"):
+        validate({"megatron": {"initial_loss_scale": 0.5}})
 
 
 def test_mfu_peaks_follow_tf32():

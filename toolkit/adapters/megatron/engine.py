@@ -108,7 +108,8 @@ class MegatronEngine:
         ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                                clip_grad=t.grad_clip, use_distributed_optimizer=True,
-                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype])
+                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype],
+                               initial_loss_scale=self.cfg.megatron.initial_loss_scale)
         return get_megatron_optimizer(ocfg, self.model)
 
     def _setup_routers(self) -> None:
@@ -209,7 +210,7 @@ class MegatronEngine:
         totals = self.forward_backward(micro_batches, loss_tokens)
         compute.stop()  # includes pipeline waits: megatron interleaves them with compute
         # fp16: megatron's dynamic scaler skips the update on inf/nan gradients and lowers the scale
-        # (from 2^32 with hysteresis 2, its default, the first steps are usually skipped)
+        # (from megatron.initial_loss_scale, with hysteresis 2)
         ok, grad_norm, _ = self.optimizer.step()
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
         extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
