@@ -277,3 +277,148 @@ def _checked_collective(name: str, original):
                     "device=toolkit.device.rank_device() or move it with toolkit.device.to_device")
         return original(*args, **kwargs)
     return collective
+
+
+# --- host syncs ---------------------------------------------------------------------------------------
+
+# Calls after which the host holds a value computed on the device, so it waits for every queued
+# kernel: a read of values, or an output whose size depends on them (nonzero and its kin).
+_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+                    torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.__format__,
+                    torch.Tensor.numpy,
+                    torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.is_nonzero})
+_DATA_SIZED = frozenset({torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
+                         torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
+                         torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.bincount,
+                         torch.Tensor.bincount})
+_INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+                       torch.Tensor.index_put, torch.index_put})
+
+
+_TO_DEVICE = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_})  # the result's place is named
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts, by call site, the calls that make the host wait for the device (a device-to-host
+    sync on a GPU): reading a value (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``,
+    ``torch.equal``), an output sized by the data (``nonzero``, ``masked_select``, ``unique``,
+    ``bincount``, ``repeat_interleave`` without ``output_size``, indexing with a boolean tensor), a
+    device tensor copied to the host (``.cpu()``, ``.to("cpu")``), and a tensor made from Python
+    numbers on the device (``torch.tensor(x, device=...)``: a blocking copy that waits for the
+    stream). Any caller counts: toolkit code, megatron, DeepSpeed. On the CPU, a tensor strict mode
+    marked as made on the host is not a device tensor. Calls a torch function makes inside itself
+    are not seen (a mode sees only the outermost call); compiled regions are not counted.
+
+    ``with count_syncs() as syncs: ...``; then ``syncs.total`` and ``syncs.sites``."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        if not _waits_for_device(func, args, kwargs) or _in_torch_optim():
+            out = func(*args, **kwargs)
+            origin = next((host_origin(t) for t in _tensors([*args, *kwargs.values()]) if host_origin(t)), None)
+            if origin is not None and func not in _TO_DEVICE:  # computed from host tensors: on the host
+                for t in _tensors([out]):
+                    _mark(t, origin)
+            return out
+        site = _outer_caller()
+        self.sites[site] = self.sites.get(site, 0) + 1
+        out = func(*args, **kwargs)
+        if func in (torch.Tensor.cpu, torch.Tensor.to):
+            for t in _tensors([out]):  # a copy on the host now: reading it later waits for nothing
+                _mark(t, f"a copy to the host at {site}")
+        return out
+
+
+def count_syncs() -> SyncCounter:
+    """A ``SyncCounter`` to enter around the code to count (this thread only)."""
+    return SyncCounter()
+
+
+def strict_sync_counter():
+    """In strict mode, a ``SyncCounter`` for one training step (the trainer records its total as
+    the step's ``host_syncs`` in metrics.jsonl); otherwise a context that counts nothing (None)."""
+    import contextlib
+    return SyncCounter() if _strict["on"] else contextlib.nullcontext()
+
+
+def _waits_for_device(func, args, kwargs) -> bool:
+    if func in _READS or func in _DATA_SIZED:
+        return any(_on_device(t) for t in _tensors(args[:1]))
+    if func in _INDEXING:
+        if not _on_device(args[0]):
+            return False
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+        masks = [t for t in _tensors([index]) if t.dtype in (torch.bool, torch.uint8)]
+        if func is torch.Tensor.__getitem__ or not masks:
+            return bool(masks)
+        # ``t[mask] = scalar`` runs as masked_fill_ (torch's canDispatchToMaskedFill): no sync
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        scalar = not isinstance(value, torch.Tensor) or value.numel() == 1
+        return not (len(masks) == 1 and isinstance(index, torch.Tensor) and scalar)
+    if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):  # tensor repeats: output sized by them
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if func in (torch.Tensor.cpu, torch.Tensor.to):
+        return _copies_to_host(func, args, kwargs)
+    if func in (torch.tensor, torch.as_tensor):
+        data, where = args[0] if args else kwargs.get("data"), kwargs.get("device")
+        return not isinstance(data, torch.Tensor) and where is not None and not _is_host(where)
+    return False
+
+
+def _on_device(t) -> bool:
+    """A tensor on the rank's device: with a GPU, a CUDA tensor; on a CPU machine, any tensor but a
+    host tensor (strict mode's marks, and the copies the counter saw made)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if torch.cuda.is_available():
+        return t.device.type != "cpu"
+    return host_origin(t) is None
+
+
+def _in_torch_optim() -> bool:
+    """Called from torch's optimizers, which keep their step counts on the host (unless
+    ``capturable`` or fused, then on the device): reading them waits for nothing."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_name == "__torch_function__"
+                                 or frame.f_globals.get("__name__", "") in ("torch.overrides", "torch._tensor")):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("torch.optim")
+
+
+def _copies_to_host(func, args, kwargs) -> bool:
+    """``.cpu()`` / ``.to(<host device>)`` of a tensor that is not itself on the host."""
+    if not _on_device(args[0]):
+        return False
+    if func is torch.Tensor.cpu:
+        return True
+    where = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+    return where is not None and _is_host(where)
+
+
+def _is_host(where) -> bool:
+    """A host device argument: the CPU, except this rank's device object on a CPU machine."""
+    if where is _CPU_RANK_DEVICE or isinstance(where, (int, bool)):
+        return False
+    return torch.device(where).type == "cpu"
+
+
+def _outer_caller() -> str:
+    """``file:line`` of the first frame outside torch (the code that asked for the sync)."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_name == "__torch_function__"
+                                 or frame.f_globals.get("__name__", "").startswith("torch.")):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_code.co_filename.rsplit('site-packages/', 1)[-1]}:{frame.f_lineno}"

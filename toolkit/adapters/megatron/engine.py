@@ -125,9 +125,13 @@ class MegatronEngine:
     def _set_aux_scale(self, micro_batches: int) -> None:
         """Weight of each micro-batch's layer aux loss so that, after the DP sum, the objective gets
         ``coeff`` x the mean over MoE layers and the global batch's micro-batches (``toolkit/adapters/moe.py``)."""
+        if not self.routers:
+            return
         per = self.aux_coeff / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
-        if self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
-            per *= float(self.optimizer.get_loss_scale())
+        if not per:
+            per = None
+        elif self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
+            per = per * self.optimizer.get_loss_scale()  # a device tensor: not read on the host
         for router in self.routers:
             router.aux_scale = per
 

@@ -251,8 +251,8 @@ def load_balanced_router_class():
 
     Per training forward of a micro-batch and layer: ``aux`` from this rank's logits and the tokens
     per expert of the whole sequence (summed over the TP group under sequence parallelism, where
-    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``,
-    which the engine sets each step. Not in eval, and once per micro-batch under recomputation
+    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``
+    (None: not attached), which the engine sets each step. Not in eval, and once per micro-batch under recomputation
     (the recomputing forward is the one with gradients)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
@@ -260,7 +260,7 @@ def load_balanced_router_class():
     from toolkit.adapters import moe
 
     class LoadBalancedRouter(TopKRouter):
-        aux_scale: float = 0.0
+        aux_scale: "float | torch.Tensor | None" = None
         stats: "moe.RouterStats | None" = None
 
         def routing(self, logits, padding_mask=None):
@@ -271,21 +271,32 @@ def load_balanced_router_class():
             probs, routing_map = super().routing(logits, padding_mask)
             if not (self.training and torch.is_grad_enabled()):
                 return probs, routing_map
-            routed = routing_map
-            if padding_mask is not None:
-                flat, routed = flat[~padding_mask], routing_map[~padding_mask]
-            counts = routed.sum(dim=0)
-            tokens = torch.tensor(float(flat.shape[0]), dtype=torch.float64, device=counts.device)
-            if self.config.sequence_parallel:
-                dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
-                dist.all_reduce(tokens, group=ps.get_tensor_model_parallel_group())
-            aux = moe.load_balancing_loss(flat, counts, tokens.clamp(min=1))
+            real = None if padding_mask is None else ~padding_mask
+            counts, tokens = self._counts_and_tokens(routing_map, real)
+            aux = moe.load_balancing_loss(flat, counts, tokens, real)
             if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
                 self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
                                aux.detach())
-            if self.aux_scale:
+            if self.aux_scale is not None:
                 probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
             return probs, routing_map
+
+        def _counts_and_tokens(self, routing_map, real):
+            """Tokens per expert ``[E]`` and the token count of the whole sequence (summed over the
+            TP group under sequence parallelism, in one all-reduce), kept on the device: masks, not
+            boolean indexing, which would wait for the device to size its output."""
+            rows, tp = routing_map.shape[0], ps.get_tensor_model_parallel_world_size()
+            if real is not None:
+                routing_map = routing_map & real.unsqueeze(-1)
+            counts = routing_map.sum(dim=0)
+            if real is None:  # every row a token: the count is known on the host
+                if self.config.sequence_parallel:
+                    dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+                return counts, rows * (tp if self.config.sequence_parallel else 1)
+            both = torch.cat([counts, real.sum().reshape(1)])
+            if self.config.sequence_parallel:
+                dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            return both[:-1], both[-1].clamp(min=1)
 
     def _local_rows(padding_mask, rows: int):
         """The mask flattened over this rank's ``rows`` tokens (s-major, as the logits). GPTModel scatters
