@@ -23,7 +23,8 @@ from toolkit.adapters.megatron import export, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
                                              transformer_config)
-from toolkit.adapters.megatron.weights import check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk
+from toolkit.adapters.megatron.weights import (check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk,
+                                               release_storage)
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, IGNORE_INDEX, StepStats
@@ -55,15 +56,19 @@ class MegatronEngine:
         self.tconfig = transformer_config(self.cfg, self.lay, self.hf_config, self.family)
         self.attention = attention_options(self.cfg, self.hf_config, self.family, self.tconfig)
         chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig, self.attention)
-        for c in chunks:
-            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
-        del hf_state
+        for c in chunks:  # the weights are loaded into DDP's buffer, not copied there (weights.py)
+            release_storage(c)
+        if torch.cuda.is_available():  # the released blocks back to the driver: DDP's buffer is one block
+            torch.cuda.empty_cache()
         self.lora = plan.lora
         if self.lora is not None:
             self._attach_lora(chunks, adapters)
         for c in chunks:
             device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
+        for c in chunks:
+            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
+        del hf_state
         self.optimizer = self._build_optimizer()
         self._configure_schedule()
         self._setup_routers()

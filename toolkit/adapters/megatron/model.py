@@ -26,10 +26,8 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     # perform_initialization stays on although every weight is then overwritten from the HF
     # tensors: megatron marks TP-split weights (tensor_model_parallel, partition_dim) only in its
     # init path, and the grad norm counts unmarked weights once per TP group, not per shard. Its
-    # init methods draw nothing (``weights.py`` fills every parameter, seeded or pretrained): a
-    # draw would be wasted, and without CUDA megatron draws each TP-split weight whole in fp32
-    # before keeping its slice (``_initialize_affine_weight_cpu``), whose pages an empty tensor
-    # never touches.
+    # init methods draw nothing (``weights.py`` fills every parameter, seeded or pretrained, once
+    # DDP has made it a view of its buffer): a draw would be wasted.
     kw.update(init_method=_filled_by_loader, output_layer_init_method=_filled_by_loader,
               embedding_init_method=_filled_by_loader)
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
@@ -52,8 +50,11 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                   moe_permute_fusion=False, moe_router_fusion=False)
     if not torch.cuda.is_available():
-        from toolkit.compat import megatron_cpu
-        kw.update(megatron_cpu.TRANSFORMER_CONFIG)
+        # Not megatron_cpu.TRANSFORMER_CONFIG's CPU initialization: it writes every weight (its
+        # slice of a whole fp32 master, ``_initialize_affine_weight_cpu``), pages that
+        # ``release_storage`` then frees but glibc keeps (the shard twice again at DDP's buffer).
+        # megatron's device path with the no-op init leaves them untouched.
+        kw.update(use_cpu_initialization=False)
     elif cfg.megatron.fused_kernels:
         kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
