@@ -37,14 +37,16 @@ def test_counter_counts_reads_data_sized_outputs_and_copies_to_the_host():
         x[x > 0], x.nonzero(), torch.bincount(torch.arange(3)), torch.repeat_interleave(torch.arange(3))  # 4
         host = x.cpu()  # 1: a device tensor copied to the host
         torch.tensor(1.0, device=device.rank_device())  # 1: a blocking copy of a Python number
-    assert syncs.total == 11, syncs.sites
+        host.to(device.rank_device()).sum().item()  # 1: back on the device, read again
+        x.sum().item()  # 1: x stays a device tensor (the CPU's .cpu() returned x itself)
+    assert syncs.total == 13, syncs.sites
 
 
 def test_counter_skips_what_waits_for_nothing():
     x = torch.randn(8)
     with device.count_syncs() as syncs:
         host = x.cpu()
-        host.sum().item(), host.tolist(), host[host > 0]  # already on the host
+        host.sum().item(), host.tolist(), host[host > 0], host.double().sum().item()  # already on the host
         y = x.clone()
         y[x > 0] = 0.0  # masked_fill_: no output sized by the data
         torch.topk(x, 2), x[torch.tensor([0, 2])], x[1:3], torch.tensor(1.0)  # a host tensor

@@ -18,10 +18,12 @@ data pipeline's prefetch thread marks its batches itself.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -285,8 +287,7 @@ def _checked_collective(name: str, original):
 # kernel: a read of values, or an output whose size depends on them (nonzero and its kin).
 _READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
                     torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.__format__,
-                    torch.Tensor.numpy,
-                    torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.is_nonzero})
+                    torch.Tensor.numpy, torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.is_nonzero})
 _DATA_SIZED = frozenset({torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
                          torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
                          torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.bincount,
@@ -295,48 +296,90 @@ _INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch
                        torch.Tensor.index_put, torch.index_put})
 
 
-_TO_DEVICE = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_})  # the result's place is named
-
-
 class SyncCounter(TorchFunctionMode):
     """Counts, by call site, the calls that make the host wait for the device (a device-to-host
     sync on a GPU): reading a value (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``,
     ``torch.equal``), an output sized by the data (``nonzero``, ``masked_select``, ``unique``,
     ``bincount``, ``repeat_interleave`` without ``output_size``, indexing with a boolean tensor), a
-    device tensor copied to the host (``.cpu()``, ``.to("cpu")``), and a tensor made from Python
-    numbers on the device (``torch.tensor(x, device=...)``: a blocking copy that waits for the
-    stream). Any caller counts: toolkit code, megatron, DeepSpeed. On the CPU, a tensor strict mode
-    marked as made on the host is not a device tensor. Calls a torch function makes inside itself
-    are not seen (a mode sees only the outermost call); compiled regions are not counted.
+    device tensor copied to the host (``.cpu()``; ``.to("cpu")`` in toolkit code), and a tensor made
+    from Python numbers on the device (``torch.tensor(x, device=...)``: a blocking copy that waits
+    for the stream). Any caller counts: toolkit code, megatron, DeepSpeed; not torch's optimizers,
+    whose step counts live on the host.
+
+    On a GPU a host tensor is a CPU tensor. On the CPU it is one strict mode marked as made on the
+    host, or one this counter saw copied there (or computed from one); the counter keeps its own
+    record of those, so strict mode's checks are unchanged. A mode sees only the outermost torch
+    call (not what a torch function calls inside itself); compiled regions are not counted.
 
     ``with count_syncs() as syncs: ...``; then ``syncs.total`` and ``syncs.sites``."""
 
     def __init__(self):
         super().__init__()
         self.sites: dict[str, int] = {}
+        self._host: dict[int, weakref.ref] = {}  # CPU machine: tensors seen copied to the host, by id
 
     @property
     def total(self) -> int:
         return sum(self.sites.values())
 
+    def on_device(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if torch.cuda.is_available():
+            return t.device.type != "cpu"
+        return host_origin(t) is None and not self._is_copy(t)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if not _waits_for_device(func, args, kwargs) or _in_torch_optim():
+        if not self._waits(func, args, kwargs) or _in_torch_optim():
             out = func(*args, **kwargs)
-            origin = next((host_origin(t) for t in _tensors([*args, *kwargs.values()]) if host_origin(t)), None)
-            if origin is not None and func not in _TO_DEVICE:  # computed from host tensors: on the host
-                for t in _tensors([out]):
-                    _mark(t, origin)
+            if self._host and any(self._is_copy(t) for t in _tensors([*args, *kwargs.values()])):
+                self._follow_host(func, args, kwargs, out)
             return out
         site = _outer_caller()
         self.sites[site] = self.sites.get(site, 0) + 1
         out = func(*args, **kwargs)
-        if func in (torch.Tensor.cpu, torch.Tensor.to):
-            for t in _tensors([out]):  # a copy on the host now: reading it later waits for nothing
-                _mark(t, f"a copy to the host at {site}")
+        if func in (torch.Tensor.cpu, torch.Tensor.to) and not torch.cuda.is_available():
+            if out is args[0]:  # the CPU's no-op move: a copy, as on a GPU, so the source stays a device tensor
+                out = out.clone()
+            self._add_copy(out)
         return out
+
+    def _is_copy(self, t: torch.Tensor) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def _add_copy(self, t: torch.Tensor) -> None:
+        self._host[id(t)] = weakref.ref(t, lambda _, key=id(t): self._host.pop(key, None))
+
+    def _follow_host(self, func, args, kwargs, out) -> None:
+        """What is computed from a host copy stays on the host, unless moved to the device."""
+        if _placed_on_device(func, args, kwargs):
+            if func is not torch.Tensor.copy_ and self._is_copy(out):
+                del self._host[id(out)]  # the CPU's no-op move returned the tensor itself
+            return
+        for t in _tensors([out]):
+            self._add_copy(t)
+
+    def _waits(self, func, args, kwargs) -> bool:
+        if func in _READS or func in _DATA_SIZED:
+            return any(self.on_device(t) for t in _tensors(args[:1]))
+        if func in _INDEXING:
+            return self.on_device(args[0]) and _mask_indexing_syncs(func, args, kwargs)
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):  # tensor repeats size the output
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
+            return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+        if func is torch.Tensor.cpu:
+            return self.on_device(args[0])
+        if func is torch.Tensor.to:  # on the CPU, libraries name their device "cpu": toolkit code only
+            to_host = _names_host(args, kwargs) and (torch.cuda.is_available() or _toolkit_caller() is not None)
+            return to_host and self.on_device(args[0])
+        if func in (torch.tensor, torch.as_tensor):
+            data, where = args[0] if args else kwargs.get("data"), kwargs.get("device")
+            return not isinstance(data, torch.Tensor) and where is not None and not _is_host(where)
+        return False
 
 
 def count_syncs() -> SyncCounter:
@@ -347,43 +390,7 @@ def count_syncs() -> SyncCounter:
 def strict_sync_counter():
     """In strict mode, a ``SyncCounter`` for one training step (the trainer records its total as
     the step's ``host_syncs`` in metrics.jsonl); otherwise a context that counts nothing (None)."""
-    import contextlib
     return SyncCounter() if _strict["on"] else contextlib.nullcontext()
-
-
-def _waits_for_device(func, args, kwargs) -> bool:
-    if func in _READS or func in _DATA_SIZED:
-        return any(_on_device(t) for t in _tensors(args[:1]))
-    if func in _INDEXING:
-        if not _on_device(args[0]):
-            return False
-        index = args[1] if len(args) > 1 else kwargs.get("indices")
-        masks = [t for t in _tensors([index]) if t.dtype in (torch.bool, torch.uint8)]
-        if func is torch.Tensor.__getitem__ or not masks:
-            return bool(masks)
-        # ``t[mask] = scalar`` runs as masked_fill_ (torch's canDispatchToMaskedFill): no sync
-        value = args[2] if len(args) > 2 else kwargs.get("values")
-        scalar = not isinstance(value, torch.Tensor) or value.numel() == 1
-        return not (len(masks) == 1 and isinstance(index, torch.Tensor) and scalar)
-    if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):  # tensor repeats: output sized by them
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
-        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
-    if func in (torch.Tensor.cpu, torch.Tensor.to):
-        return _copies_to_host(func, args, kwargs)
-    if func in (torch.tensor, torch.as_tensor):
-        data, where = args[0] if args else kwargs.get("data"), kwargs.get("device")
-        return not isinstance(data, torch.Tensor) and where is not None and not _is_host(where)
-    return False
-
-
-def _on_device(t) -> bool:
-    """A tensor on the rank's device: with a GPU, a CUDA tensor; on a CPU machine, any tensor but a
-    host tensor (strict mode's marks, and the copies the counter saw made)."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    if torch.cuda.is_available():
-        return t.device.type != "cpu"
-    return host_origin(t) is None
 
 
 def _in_torch_optim() -> bool:
@@ -396,14 +403,34 @@ def _in_torch_optim() -> bool:
     return frame is not None and frame.f_globals.get("__name__", "").startswith("torch.optim")
 
 
-def _copies_to_host(func, args, kwargs) -> bool:
-    """``.cpu()`` / ``.to(<host device>)`` of a tensor that is not itself on the host."""
-    if not _on_device(args[0]):
-        return False
-    if func is torch.Tensor.cpu:
-        return True
-    where = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+def _mask_indexing_syncs(func, args, kwargs) -> bool:
+    """Indexing with a boolean mask sizes its output by the mask, except ``t[mask] = scalar``,
+    which torch runs as ``masked_fill_`` (its canDispatchToMaskedFill)."""
+    index = args[1] if len(args) > 1 else kwargs.get("indices")
+    masks = [t for t in _tensors([index]) if t.dtype in (torch.bool, torch.uint8)]
+    if func is torch.Tensor.__getitem__ or not masks:
+        return bool(masks)
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    scalar = not isinstance(value, torch.Tensor) or value.numel() == 1
+    return not (len(masks) == 1 and isinstance(index, torch.Tensor) and scalar)
+
+
+def _device_argument(args, kwargs):
+    return kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, int, torch.device))), None))
+
+
+def _names_host(args, kwargs) -> bool:
+    where = _device_argument(args, kwargs)
     return where is not None and _is_host(where)
+
+
+def _placed_on_device(func, args, kwargs) -> bool:
+    """A call whose result is on the device whatever its inputs: a move there, or a copy into a
+    device tensor."""
+    if func in (torch.Tensor.cuda, torch.Tensor.copy_):
+        return True
+    where = _device_argument(args, kwargs) if func is torch.Tensor.to else None
+    return where is not None and not _is_host(where)
 
 
 def _is_host(where) -> bool:
