@@ -49,6 +49,7 @@ def test_counter_skips_what_waits_for_nothing():
         host.sum().item(), host.tolist(), host[host > 0], host.double().sum().item()  # already on the host
         y = x.clone()
         y[x > 0] = 0.0  # masked_fill_: no output sized by the data
+        y.view(4, 2)[(x > 0)[:4], :] = 0.0  # megatron's embedding mask (TP): masked_fill_ too
         torch.topk(x, 2), x[torch.tensor([0, 2])], x[1:3], torch.tensor(1.0)  # a host tensor
         p = torch.nn.Parameter(torch.randn(3))
         p.grad = torch.ones(3)
@@ -102,17 +103,17 @@ def packed(micro_batches):
     return micro_batches
 
 
-def _step_syncs(rank, world, family):
+def _step_syncs(rank, world, family, layouts=LAYOUTS, megatron=None, hf_changes=None):
     """{(layers, micro-batches): the second training step's syncs by site}."""
     from megatron.core import parallel_state
 
     from tests.conftest import megatron_engine
     out = {}
-    for layers, n_micro in LAYOUTS:
-        model = tiny_model(family, num_hidden_layers=layers)
+    for layers, n_micro in layouts:
+        model = tiny_model(family, num_hidden_layers=layers, **(hf_changes or {}))
         micro = packed(batches(model.config.vocab_size, n_micro=n_micro))
-        cfg = validate({"backend": "megatron", "train": {"global_batch_size": n_micro, "micro_batch_size": 1,
-                                                         "moe_aux_loss_coeff": 0.01}})
+        cfg = validate({"backend": "megatron", "megatron": megatron or {},
+                        "train": {"global_batch_size": n_micro, "micro_batch_size": 1, "moe_aux_loss_coeff": 0.01}})
         engine = megatron_engine(cfg, model)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         engine.train_step(micro, tokens, 1e-3)  # the first step allocates megatron's optimizer state
@@ -130,6 +131,16 @@ def _without(sites: dict, prefix: str) -> int:
 def test_megatron_dense_step_syncs_do_not_grow_with_layers_or_micro_batches(tmp_path):
     counts = run_ranks(_step_syncs, 1, tmp_path, "llama")[0]
     print("\nmegatron llama syncs per step by (layers, micro-batches):", counts)
+    totals = {k: sum(sites.values()) for k, sites in counts.items()}
+    assert set(totals.values()) == {DENSE_SYNCS}, totals
+
+
+def test_megatron_tp2_sequence_parallel_dropout_step_syncs_do_not_grow(tmp_path):
+    """TP: megatron's embedding masks its vocabulary range (a masked fill, no sync) and its RNG
+    tracker forks per dropout region (comparing host generator states, no sync either)."""
+    counts = run_ranks(_step_syncs, 2, tmp_path, "llama", [(2, 1), (4, 4)], {"tp": 2, "sequence_parallel": True},
+                       {"attention_dropout": 0.1})[0]
+    print("\nmegatron llama TP2 SP dropout syncs per step by (layers, micro-batches):", counts)
     totals = {k: sum(sites.values()) for k, sites in counts.items()}
     assert set(totals.values()) == {DENSE_SYNCS}, totals
 

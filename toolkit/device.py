@@ -296,6 +296,11 @@ _INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch
                        torch.Tensor.index_put, torch.index_put})
 
 
+# Library code whose tensors live on the host on any machine, which the CPU cannot tell apart:
+# megatron's RNG tracker compares CPU generator states (torch.get_rng_state) around each fork.
+_HOST_ONLY_SITES = ("megatron/core/tensor_parallel/random.py",)
+
+
 class SyncCounter(TorchFunctionMode):
     """Counts, by call site, the calls that make the host wait for the device (a device-to-host
     sync on a GPU): reading a value (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``,
@@ -339,6 +344,8 @@ class SyncCounter(TorchFunctionMode):
                 self._follow_host(func, args, kwargs, out)
             return out
         site = _outer_caller()
+        if site.startswith(_HOST_ONLY_SITES):
+            return func(*args, **kwargs)
         self.sites[site] = self.sites.get(site, 0) + 1
         out = func(*args, **kwargs)
         if func in (torch.Tensor.cpu, torch.Tensor.to) and not torch.cuda.is_available():
@@ -404,15 +411,17 @@ def _in_torch_optim() -> bool:
 
 
 def _mask_indexing_syncs(func, args, kwargs) -> bool:
-    """Indexing with a boolean mask sizes its output by the mask, except ``t[mask] = scalar``,
+    """Indexing with a boolean mask sizes its output by the mask, except ``t[mask] = scalar`` and
+    ``t[mask, :] = scalar`` (one mask, no other tensor index, a number or a one-element host tensor),
     which torch runs as ``masked_fill_`` (its canDispatchToMaskedFill)."""
     index = args[1] if len(args) > 1 else kwargs.get("indices")
-    masks = [t for t in _tensors([index]) if t.dtype in (torch.bool, torch.uint8)]
+    tensors = list(_tensors([index]))
+    masks = [t for t in tensors if t.dtype in (torch.bool, torch.uint8)]
     if func is torch.Tensor.__getitem__ or not masks:
         return bool(masks)
     value = args[2] if len(args) > 2 else kwargs.get("values")
-    scalar = not isinstance(value, torch.Tensor) or value.numel() == 1
-    return not (len(masks) == 1 and isinstance(index, torch.Tensor) and scalar)
+    scalar = not isinstance(value, torch.Tensor) or (value.numel() == 1 and value.device.type == "cpu")
+    return not (len(tensors) == 1 and scalar)
 
 
 def _device_argument(args, kwargs):
