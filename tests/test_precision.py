@@ -39,6 +39,10 @@ def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_
     assert r[26]["skipped_steps"] == sum(x["skipped"] for x in r.values())
     assert all(math.isfinite(x["loss"]) for x in r.values())
     assert r[26]["loss"] < r[1]["loss"] - 0.3  # it learns once the scale fits
+    # host syncs (strict mode): megatron's found-inf read, grad norm (3), the loss scale and the loss;
+    # a skipped step computes no grad norm
+    assert {x["host_syncs"] for x in r.values() if not x["skipped"]} == {6}
+    assert {x["host_syncs"] for x in r.values() if x["skipped"]} == {3}
 
     # Killed after the step-4 checkpoint, written before any update succeeded (megatron's optimizer
     # has no state to save then): the restarted run continues the uninterrupted, never-saved curve
