@@ -383,3 +383,126 @@ def test_packed_rows_match_hf_logits_and_gradients(packed, family, layout):
     assert not bad, bad
     if "ref_counts" in d:
         assert torch.equal(sum(d["counts"]), d["ref_counts"])
+
+
+# --- flex_attention's block mask, from document boundaries -----------------------------------------------
+
+def random_documents(b: int, s: int, seed: int) -> torch.Tensor:
+    """[b, s] document labels: runs of 1 to 400 tokens, some labels skipped."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        row, label = [], 0
+        while len(row) < s:
+            row += [label] * [1, 3, 50, 127, 129, 400][int(torch.randint(6, (1,), generator=g))]
+            label += int(torch.randint(1, 3, (1,), generator=g))
+        rows.append(row[:s])
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("s", [77, 128, 300, 512])
+@pytest.mark.parametrize("window", [None, 5, 130])
+@pytest.mark.parametrize("documents", [False, True])
+def test_block_mask_is_create_block_masks(s, window, documents):
+    """The tiles computed from document boundaries are those torch's ``create_block_mask``
+    finds by evaluating the mask at every (query, key): partial and full, counts and order, both
+    directions (a sequence not a multiple of the 128 tile included)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from toolkit.adapters.attention import visibility
+    docs = random_documents(3, s, seed=s) if documents else None
+    layout = TokenLayout.of(torch.zeros(3, s, dtype=torch.long), document_ids=docs)
+    mine = layout.block_mask(window)
+    ref = create_block_mask(visibility(layout.document_ids, window), 3 if documents else None, None, s, s, device="cpu")
+    assert torch.equal(mine.to_dense(), ref.to_dense())
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        n = getattr(ref, counts)
+        assert torch.equal(getattr(mine, counts), n), counts
+        used = torch.arange(getattr(ref, indices).shape[-1]) < n[..., None]  # entries past the count are unused
+        assert torch.equal(getattr(mine, indices)[used], getattr(ref, indices)[used]), indices
+    assert mine.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(s - 1), torch.tensor(s - 2)) == \
+        bool(layout.allowed(window)[0, 0, s - 1, s - 2])
+
+
+def test_block_mask_materializes_no_s_by_s_tensor():
+    """Per micro-batch the block mask costs O(b * s) memory, not the [b, 1, s, s] mask torch's
+    ``create_block_mask`` evaluates (measured: its largest allocation 16 MiB at b=2, s=1024, an
+    int64 [b, 1, s, s]; from the boundaries 16 KiB, the [b, s] int64 starts)."""
+    from torch.profiler import ProfilerActivity, profile
+    b, s = 2, 1024
+    layout = TokenLayout.of(torch.zeros(b, s, dtype=torch.long), document_ids=random_documents(b, s, seed=1))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        layout.block_mask(None)
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert max(sizes) <= 8 * b * s, f"largest allocation {max(sizes)} bytes; b * s * s = {b * s * s}"
+
+
+# --- without a working torch.compile -------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_probe():
+    """The compile probe forgets its answers before and after (it is cached per process)."""
+    from toolkit.adapters import compiled
+    compiled.compile_failure.cache_clear()
+    yield compiled
+    compiled.compile_failure.cache_clear()
+
+
+def test_compile_probe_fails_without_a_c_compiler(fresh_probe, monkeypatch, capsys):
+    """The probe compiles a tiny function for real: with inductor's C++ compiler missing (as
+    Triton's C compiler can be on a GPU machine) it reports why, and prints it once."""
+    import torch._dynamo
+    import torch._inductor.config
+    assert fresh_probe.compile_works("cpu")
+    fresh_probe.compile_failure.cache_clear()
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/bin/cc",))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    reason = fresh_probe.compile_failure("cpu")
+    assert reason is not None and not fresh_probe.compile_works("cpu")
+    out = capsys.readouterr().out
+    assert out.count("torch.compile does not work on cpu here") == 1 and "falls back to sdpa" in out
+    torch._dynamo.reset()
+
+
+def test_compile_probe_can_be_switched_off(fresh_probe, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_COMPILE", "0")
+    assert fresh_probe.compile_failure("cpu") == "TOOLKIT_COMPILE=0"
+
+
+def test_without_compile_the_gpu_takes_the_cpus_kernels(monkeypatch):
+    """Where torch.compile fails on the GPU, ``auto`` falls back to sdpa with a boolean mask (math
+    with a softcap), flex asked for by name is refused naming the cause, and the logged lines say
+    so; with compile working, flex as before."""
+    from toolkit.adapters import attention, compiled, hf_attention
+    pick = choose_kernel
+    assert pick("auto", "cuda", masked=True, softcap=False, dropout=False, no_compile="no cc") == "sdpa"
+    assert pick("auto", "cuda", masked=False, softcap=True, dropout=False, no_compile="no cc") == "math"
+    assert pick("auto", "cuda", masked=True, softcap=True, dropout=False, no_compile=None) == "flex"
+    with pytest.raises(ConfigError, match=r"megatron.attention=flex needs torch.compile, which fails here \(no cc\)"):
+        pick("flex", "cuda", masked=True, softcap=False, dropout=False, no_compile="no cc")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compiled, "compile_failure", lambda device_type: "no cc")
+    assert attention.flex_unavailable("cuda") == "no cc" and attention.flex_unavailable("cpu") is None
+    assert "documents -> sdpa" in hf_attention.describe("cuda", dropout=False)
+    assert "documents -> math" in hf_attention.describe("cuda", dropout=False, softcap=True)
+    assert "documents/windows -> sdpa with a boolean mask" in describe_kernels("auto", "cuda", "bf16", rope=True)
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_megatron_fusions_need_a_working_compile(monkeypatch, compiles):
+    """megatron's fused bias-dropout-add and SwiGLU (torch.compile'd, on by default on GPUs) are
+    off where the compile probe fails, on where it works (a GPU is pretended: the fusions are GPU only)."""
+    from tests.test_families import tiny_config
+    from toolkit.adapters.megatron import model as megatron_model
+    from toolkit.config import validate
+    from toolkit.families import get_family
+    from toolkit.plan import build_plan
+    cfg = validate({"backend": "megatron", "train": {"global_batch_size": 2, "micro_batch_size": 1}})
+    hf_config = tiny_config("llama")
+    layout = build_plan(cfg, [1], hf_config=hf_config).layout(1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_model, "compile_works", lambda device_type: compiles)
+    tc = megatron_model.transformer_config(cfg, layout, hf_config, get_family("llama"))
+    assert (tc.bias_dropout_fusion, tc.bias_activation_fusion) == (compiles, compiles)

@@ -104,3 +104,46 @@ def test_moves_to_the_host_dtype_casts_views_and_torch_functions_keep_the_mark(s
     as_toolkit_code("t = torch.zeros(2).to(device.rank_device())\ndist.all_reduce(t)")  # moved: fine
     # copying host data into a device tensor (loading weights) is a hand-off, not a host tensor
     as_toolkit_code("t = device.zeros(2, dtype=torch.float32)\nt.copy_(torch.ones(2))\ndist.all_reduce(t)")
+
+
+# --- strict mode and compiled code --------------------------------------------------------------------
+
+def test_compiled_flex_attention_runs_under_strict_mode(strict_group, capsys, monkeypatch):
+    """dynamo traces an active torch-function mode into what it compiles: strict mode used to make
+    ``torch.compile(flex_attention)`` fail (InternalTorchDynamoError: too many values to unpack),
+    and graph-break every other compiled function on ``sys._getframe``. Compiled flex (forward: the
+    CPU has no flex backward) with a document block mask equals sdpa with the boolean mask; a second
+    shape compiles a second kernel, past dynamo's default recompile limit (set to 1 here), and says so."""
+    from torch._dynamo.utils import counters
+
+    from toolkit.adapters.attention import TokenLayout, compiled_flex
+    torch._dynamo.reset()  # no kernel left from an earlier test of this process
+    flex = compiled_flex()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    breaks, kernels = sum(counters["graph_break"].values()), flex.kernels()
+    for s in (128, 192):
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(2, 4, s, 16, generator=g) for _ in range(3))
+        docs = torch.tensor([[0] * (s // 3) + [1] * (s - s // 3), [0] * s])
+        layout = TokenLayout.of(torch.zeros(2, s, dtype=torch.long), document_ids=docs)
+        with torch.no_grad():
+            got = flex(q, k, v, block_mask=layout.block_mask(None), scale=0.25, enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.allowed(None), scale=0.25)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    assert flex.kernels() == kernels + 2
+    assert f"compiled flex_attention: kernel {kernels + 2} (of at most 64)" in capsys.readouterr().out
+    assert sum(counters["graph_break"].values()) == breaks
+
+
+@pytest.mark.slow
+def test_a_real_rank_runs_strict(tmp_path, data_cache):
+    """Every rank the suite starts runs in strict mode (tests/conftest.py -> toolkit.train.worker):
+    a tensor toolkit code leaves on the host (here a fault after step 1, an all-reduce of
+    ``torch.zeros(1)``, on both ranks so that without strict mode the job simply goes on) fails
+    the job, as NCCL would on a GPU."""
+    from tests.conftest import train
+    fault = "host_collective:step=1:rank=0;host_collective:step=1:rank=1"
+    proc = train(tmp_path / "run", data_cache, env={"TOOLKIT_FAULT": fault}, check=False)
+    assert proc.returncode != 0, "the job finished: its ranks did not run in strict device mode"
+    assert "DeviceError: torch.distributed.all_reduce of a host tensor made at" in proc.stdout + proc.stderr
+    assert "faults.py" in proc.stdout + proc.stderr

@@ -117,3 +117,55 @@ def test_packed_runs_report_efficiency_documents_per_row_and_overflow(tmp_path):
     text = summary(read_run(run_dir), run_dir, [])
     assert ("- packing documents: 85.0% of row tokens are document tokens (packing efficiency), 3.50 documents "
             "per row; 3 documents longer than data.seq_len (split)") in text
+
+
+# --- reports of real runs: every packing mode, both backends ----------------------------------------
+
+REAL_RUNS = {"deepspeed-concat": ["backend=deepspeed", "zero.stage=1", "data.packing=concat"],
+             "megatron-documents": ["backend=megatron", "data.packing=documents"],
+             "deepspeed-pad": ["backend=deepspeed", "zero.stage=1", "data.packing=pad"],
+             "megatron-concat": ["backend=megatron", "data.packing=concat"]}
+"""A covering set: each packing mode and each backend, and concat (the default for plain text, the
+demo's: its report raised KeyError 'documents_per_row') on both."""
+DOCUMENTS = 48
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory, data_cache):
+    """2-step one-rank runs on short instruction documents (several fit a row of 64 tokens)."""
+    from tests.conftest import train
+    root = tmp_path_factory.mktemp("report_runs")
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {n}:", "response": " ".join(map(str, range(n % 7 + 1)))})
+                            + "\n" for n in range(DOCUMENTS)))
+    base = ["data.seq_len=64", "train.steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "train.warmup_steps=0", "train.eval_every=0", "train.log_every=1", "checkpoint.every=100",
+            "train.export_hf=false", "data.eval_fraction=0", "data.format=json", "data.template=instruction",
+            f"data.path={data}"]
+    for name, overrides in REAL_RUNS.items():
+        train(root / name, data_cache, *base, *overrides, nproc=1, base=[])
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REAL_RUNS))
+def test_report_of_a_real_run_of_each_packing_mode_and_backend(name, real_runs):
+    backend, packing = name.split("-")
+    run_dir = real_runs / name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    [event] = [r for r in rows if r.get("event") == "packing"]
+    proc = run_in_process(["report", str(run_dir)])
+    assert f"report written to {run_dir}/report/report.md" in proc.stdout
+    md = (run_dir / "report" / "report.md").read_text()
+    layout = "ZeRO-1" if backend == "deepspeed" else "tp=1 pp=1"
+    assert f"- backend {backend} ({layout}), 1 rank(s) per node" in md and "- steps logged: 2 (last 2 of 2)" in md
+    efficiency = 100 * sum(r["packing_efficiency"] for r in steps) / len(steps)
+    line = f"- packing {packing}: {efficiency:.1f}% of row tokens are document tokens (packing efficiency), "
+    if packing == "concat":  # rows cut from one stream: 100% document tokens, no per-row count
+        assert efficiency == 100.0 and "documents_per_row" not in steps[0]
+        assert line + f"{DOCUMENTS} documents concatenated into {event['train_rows']} rows" in md, md
+    else:
+        per_row = sum(r["documents_per_row"] for r in steps) / len(steps)
+        assert per_row == 1.0 if packing == "pad" else per_row > 1.5  # a padded row holds one document
+        assert line + f"{per_row:.2f} documents per row" in md, md

@@ -149,9 +149,6 @@ def cmd_train(args) -> int:
         run_worker(build_plan(cfg, [int(os.environ.get("WORLD_SIZE", "1"))]), record_plan=True)
         return 0
     plan = build_plan(cfg, [cfg.nproc * n for n in range(_min_nnodes(args), args.nnodes + 1)])
-    if args.dry_run:
-        from toolkit.plan.estimate import dry_run
-        return dry_run(plan, args.nnodes)
     if cfg.metrics.wandb_project:
         from toolkit.observe.metrics import wandb_missing
         if problem := wandb_missing():
@@ -159,7 +156,11 @@ def cmd_train(args) -> int:
     if plan.config.backend == "megatron":
         from toolkit.adapters.megatron import check_machine
         check_machine(plan)
-    _check_data_before_launch(plan.config)
+    data = _check_data_before_launch(plan.config)
+    if args.dry_run:  # after every check the launch makes: a dry run that passes, launches
+        from toolkit.plan.estimate import dry_run
+        print(_data_line(plan.config, data))
+        return dry_run(plan, args.nnodes)
     run_dir = Path(plan.config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(plan.config, run_dir / "config.yaml")  # for people; the ranks read the plan
@@ -182,10 +183,18 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _check_data_before_launch(cfg: RunConfig) -> None:
+def _check_data_before_launch(cfg: RunConfig):
     """Tokenize and pack once here: bad data fails before any process group, and ranks hit the cache."""
     from toolkit.data import load_tokenizer, prepare_data
-    prepare_data(cfg, load_tokenizer(cfg))
+    return prepare_data(cfg, load_tokenizer(cfg))
+
+
+def _data_line(cfg: RunConfig, data) -> str:
+    from toolkit.data.base import data_cache_dir
+    evals = f", {len(data.eval)} eval rows" if data.eval is not None else ""
+    return (f"# data: {cfg.data.path} - {data.num_documents} documents, {data.num_tokens} tokens -> "
+            f"{len(data.train)} train rows of {cfg.data.seq_len} ({data.packing}){evals}; tokenized and packed "
+            f"into {data_cache_dir(cfg)}, where the run reads them")
 
 
 def _launch(cfg: RunConfig, args, plan_path: Path) -> int:

@@ -14,7 +14,9 @@ and megatron's CPU layer (``compat/megatron_cpu.py``) hides more. Strict mode
   functions (``require_on_device``) refuse a host tensor, naming where it was made.
 
 Strict mode tracks only the main thread's toolkit code (torch-function modes are per thread); the
-data pipeline's prefetch thread marks its batches itself.
+data pipeline's prefetch thread marks its batches itself. It steps aside while dynamo traces
+(``torch.compile``: compiled flex_attention, megatron's fused kernels), so compiled code runs as it
+would without it; what goes into and comes out of compiled code is still checked where it is used.
 """
 from __future__ import annotations
 
@@ -243,6 +245,12 @@ class _HostTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # dynamo traces this method into every graph it compiles under the mode: stepping aside
+            # keeps the graph the one it would be without strict mode (the tracking below graph-breaks
+            # on sys._getframe, and breaks dynamo's flex_attention). Compiled code is checked where it
+            # is called (toolkit.adapters.attention checks its inputs) and at the collectives.
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         outputs = list(_tensors([out]))
         if not outputs:

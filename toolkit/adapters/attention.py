@@ -16,12 +16,18 @@ logit softcap           flex_attention ``score_mod``          ``math``: masked s
                                                               (flex_attention has no CPU backward)
 ======================  ====================================  =====================================
 
+flex_attention is compiled on GPUs (Triton: a C compiler and Python headers). Where
+``compiled.compile_failure`` finds torch.compile broken, the GPU takes the CPU's column (sdpa with a
+boolean mask; math with a softcap). The block mask is built from the document boundaries
+(``block_mask_of``), without the ``[b, 1, s, s]`` mask ``create_block_mask`` evaluates.
+
 Users: megatron's core attention (``adapters/megatron/attention.py``) and the HF models of the
 DeepSpeed path (``adapters/hf_attention.py``, registered as an HF attention implementation).
 Pure torch: no backend import here.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -116,21 +122,12 @@ class TokenLayout:
         return self._memo[key]
 
     def block_mask(self, window: int | None):
-        """flex_attention's ``BlockMask`` of the same rule as ``allowed``."""
+        """flex_attention's ``BlockMask`` of the same rule as ``allowed``, built from the document
+        boundaries (``block_mask_of``): no ``[b, 1, s, s]`` tensor."""
         key = ("block_mask", window)
         if key not in self._memo:
-            from torch.nn.attention.flex_attention import create_block_mask
-            docs, s = self.document_ids, self.position_ids.shape[1]
-
-            def visible(b, h, q, k):
-                ok = q >= k
-                if window is not None:
-                    ok = ok & (q - k < window)
-                if docs is not None:
-                    ok = ok & (docs[b, q] == docs[b, k])
-                return ok
-            batch = docs.shape[0] if docs is not None else None
-            self._memo[key] = create_block_mask(visible, batch, None, s, s, device=self.position_ids.device)
+            self._memo[key] = block_mask_of(self.document_ids, self.position_ids.shape[1], window,
+                                            self.position_ids.device)
         return self._memo[key]
 
 
@@ -147,11 +144,67 @@ def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - start
 
 
+# --- flex_attention's block mask, from document boundaries ----------------------------------------
+
+FLEX_BLOCK = 128
+"""flex_attention's default tile (queries and keys) of a ``BlockMask``."""
+
+
+def visibility(document_ids: torch.Tensor | None, window: int | None):
+    """flex_attention's ``mask_mod`` of ``TokenLayout.allowed``'s rule (k <= q, same document,
+    q - k < window)."""
+    def visible(b, h, q, k):
+        ok = q >= k
+        if window is not None:
+            ok = ok & (q - k < window)
+        if document_ids is not None:
+            ok = ok & (document_ids[b, q] == document_ids[b, k])
+        return ok
+    return visible
+
+
+def block_mask_of(document_ids: torch.Tensor | None, s: int, window: int | None, where: torch.device):
+    """The ``BlockMask`` of ``visibility`` over ``[b or 1, 1, s, s]``, as ``create_block_mask``
+    would build it (partial and full tiles, same indices), computed per tile pair from where each
+    query's visible keys begin, O(b * s + b * (s / 128)^2) memory: ``create_block_mask`` evaluates
+    the mask at every (query, key) of every row, a ``[b, 1, s, s]`` tensor per micro-batch.
+
+    Query q sees exactly the keys ``first[q] .. q``, ``first[q] = max(start of q's document,
+    q - window + 1)``, and ``first`` never decreases along a row (documents are runs). So a tile of
+    queries ``[qs, qe]`` sees a tile of keys ``[ks, ke]`` somewhere iff its first query at or past
+    ``ks``, q* = max(qs, ks) <= qe, has ``first[q*] <= ke``; and everywhere iff ``ke <= qs`` and
+    ``first[qe] <= ks`` (tiles past the end, as ``create_block_mask`` pads them, are never full)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    idx = torch.arange(s, device=where)
+    if document_ids is None:
+        first = torch.zeros(1, s, dtype=torch.long, device=where)
+    else:
+        first = torch.where(_document_starts(document_ids), idx, torch.zeros_like(idx)).cummax(dim=1).values
+    if window is not None:
+        first = torch.maximum(first, idx - (window - 1))
+    tiles = -(-s // FLEX_BLOCK)
+    start = torch.arange(tiles, device=where) * FLEX_BLOCK
+    end = torch.clamp(start + FLEX_BLOCK - 1, max=s - 1)
+    q_star = torch.maximum(start[:, None], start[None, :])  # [query tile, key tile]
+    reach = first[:, torch.clamp(q_star, max=s - 1)]  # [b, query tile, key tile]
+    some = (q_star <= end[:, None]) & (reach <= end[None, :])
+    whole = start + FLEX_BLOCK <= s
+    full = (end[None, :] <= start[:, None]) & (first[:, end][:, :, None] <= start[None, None, :]) \
+        & whole[:, None] & whole[None, :]
+    partial = some & ~full
+    counts = [m.sum(-1, dtype=torch.int32)[:, None] for m in (partial, full)]  # [b, 1, query tile]
+    order = [torch.argsort(m.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+             for m in (partial, full)]  # the tiles of each kind first, ascending: create_block_mask's order
+    return BlockMask.from_kv_blocks(counts[0], order[0], counts[1], order[1], BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=visibility(document_ids, window), seq_lengths=(s, s))
+
+
 # --- options and kernel choice ---------------------------------------------------------------------
 
 def choose_kernel(mode: str, device_type: str, *, masked: bool, softcap: bool, dropout: bool,
-                  grad: bool = True) -> str:
-    """``sdpa``, ``flex`` or ``math`` for one call (the table in the module docstring)."""
+                  grad: bool = True, no_compile: str | None = None) -> str:
+    """``sdpa``, ``flex`` or ``math`` for one call (the table in the module docstring).
+    ``no_compile``: why compiled flex_attention cannot run here (``flex_unavailable``), or None."""
     if mode == "sdpa":
         if softcap:
             raise ConfigError("megatron.attention=sdpa cannot cap attention logits (the model has a logit "
@@ -164,10 +217,14 @@ def choose_kernel(mode: str, device_type: str, *, masked: bool, softcap: bool, d
         if device_type == "cpu" and grad:
             raise ConfigError("megatron.attention=flex cannot train on CPU (torch's flex_attention has no CPU "
                               "backward); use megatron.attention=auto or sdpa")
+        if no_compile:
+            raise ConfigError(f"megatron.attention=flex needs torch.compile, which fails here ({no_compile}); "
+                              "install a C compiler and Python headers (Triton builds with them), or use "
+                              "megatron.attention=auto (sdpa with a boolean mask, math with a softcap)")
         return "flex"
     if mode != "auto":
         raise ConfigError(f"megatron.attention={mode!r}: expected auto, sdpa or flex here")
-    flex_ok = device_type == "cuda" and not dropout
+    flex_ok = device_type == "cuda" and not dropout and not no_compile
     if softcap:
         return "flex" if flex_ok else "math"
     return "flex" if masked and flex_ok else "sdpa"
@@ -193,7 +250,7 @@ def attend(q, k, v, layout: TokenLayout, mode: str = "auto", *, window: int | No
     document and window, through the kernel ``choose_kernel`` picks."""
     masked = layout.document_ids is not None or window is not None
     kernel = choose_kernel(mode, q.device.type, masked=masked, softcap=softcap is not None, dropout=dropout > 0,
-                           grad=torch.is_grad_enabled() and q.requires_grad)
+                           grad=torch.is_grad_enabled() and q.requires_grad, no_compile=flex_unavailable(q.device.type))
     if kernel == "flex":
         return _flex(q, k, v, layout.block_mask(window), scale, score_mod or softcap_score_mod(softcap))
     mask = layout.allowed(window) if masked else None
@@ -203,17 +260,62 @@ def attend(q, k, v, layout: TokenLayout, mode: str = "auto", *, window: int | No
     return _math(q, k, v, mask if mask is not None else layout.allowed(None), scale, softcap, dropout)
 
 
+def flex_unavailable(device_type: str) -> str | None:
+    """Why compiled flex_attention cannot run on ``device_type`` here (``compiled.compile_failure``),
+    or None. The CPU runs flex_attention uncompiled (forward only); a device this machine lacks is
+    described as a working install would run it."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    from toolkit.adapters.compiled import compile_failure
+    return compile_failure("cuda")
+
+
 def _flex(q, k, v, block_mask, scale: float, score_mod):
     from torch.nn.attention.flex_attention import flex_attention
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention  # CPU: forward only
+    for name, t in (("query", q), ("key", k), ("value", v)):  # strict mode does not look inside compiled code
+        device.require_on_device(t, f"flex_attention's {name}")
+    fn = compiled_flex() if q.device.type == "cuda" else flex_attention  # CPU: forward only
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+RECOMPILE_LIMIT = 64
+"""dynamo's recompile limit while compiled flex_attention runs (torch's default: 8). Each shape,
+dtype, window and softcap is a kernel of its own (``dynamic=False``): sliding and full layers,
+an eval batch, a last short batch."""
+
+
 @lru_cache(maxsize=1)
-def _compiled_flex():
-    """flex_attention compiled once per process (uncompiled it materializes the scores)."""
+def compiled_flex():
+    """flex_attention compiled once per process (uncompiled it materializes the scores), under
+    ``RECOMPILE_LIMIT``; every kernel after the first is printed (a recompile per micro-batch would
+    be slow: TORCH_LOGS=recompiles says why it happened). ``.kernels()``: how many it compiled."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    compiled = _compile_with_limit(flex_attention)
+    entry_list = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", lambda fn: ())  # private
+    seen = {"entries": 0, "kernels": 0}  # dynamo's cache entries on flex_attention's code: its kernels
+
+    def run(q, k, v, **kwargs):
+        out = compiled(q, k, v, **kwargs)
+        entries = len(entry_list(flex_attention))
+        if entries > seen["entries"]:
+            seen["kernels"] += entries - seen["entries"]
+            if seen["kernels"] > 1:
+                print(f"compiled flex_attention: kernel {seen['kernels']} (of at most {RECOMPILE_LIMIT}) for "
+                      f"query {list(q.shape)} {q.dtype}; TORCH_LOGS=recompiles says what changed", flush=True)
+        seen["entries"] = entries  # fewer after torch._dynamo.reset()
+        return out
+    run.kernels = lambda: seen["kernels"]
+    return run
+
+
+def _compile_with_limit(fn):
+    """``torch.compile(fn)`` whose recompile limit is ``RECOMPILE_LIMIT``: its own where torch.compile
+    takes one (2.13), else dynamo's process-wide limit raised to it (a per-call ``config.patch``
+    costs ~100 us, per layer)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
 
 
 def _math(q, k, v, mask, scale: float, softcap: float | None, dropout: float) -> torch.Tensor:

@@ -34,8 +34,11 @@ from toolkit.plan import Plan
 def empty_model(hf_config) -> torch.nn.Module:
     """The HF causal LM with its parameters on the meta device (no memory) and real buffers."""
     from accelerate import init_empty_weights
+    # eager for a capped or windowed model: transformers' default may refuse a request it cannot
+    # honour (5.24: gemma2 with sdpa); ``finish`` switches it to the toolkit's attention
+    choice = {"attn_implementation": "eager"} if caps_or_windows(hf_config) else {}
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **choice)
     model.tie_weights()  # init_empty_weights re-registers every parameter, which unties them
     model.config.use_cache = False
     return model
@@ -179,10 +182,25 @@ def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     if plan.config.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    if plan.config.data.packing_mode != "concat":  # rows carry document_ids: attention must honour them
+    # rows carry document_ids, or the model caps or windows its attention: the toolkit's attention
+    # applies them whatever transformers would choose (5.17 gives gemma2 sdpa, which drops the softcap)
+    if plan.config.data.packing_mode != "concat" or caps_or_windows(model.config):
         from toolkit.adapters.hf_attention import use_document_attention
         use_document_attention(model)
     return model
+
+
+def caps_or_windows(hf_config) -> bool:
+    """Whether the model caps attention logits or slides a window (by its family's table; for a
+    model without one, by HF's config fields). transformers' attention implementations differ in
+    whether they apply these, so such a model never runs on the one transformers picks."""
+    from toolkit.families import find_family
+    family = find_family(getattr(hf_config, "model_type", None))
+    if family is None:
+        return getattr(hf_config, "attn_logit_softcapping", None) is not None \
+            or bool(getattr(hf_config, "sliding_window", None))
+    return bool(family.attention_softcap and family.attention_softcap(hf_config) is not None) \
+        or bool(family.sliding_windows(hf_config))
 
 
 # --- pretrained weights, by element range ----------------------------------------------------------

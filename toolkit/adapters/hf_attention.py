@@ -16,6 +16,10 @@ Boundaries come from the data's ``document_ids``, never from positions. transfor
 for an implementation it does not know, so a 2D padding mask would be dropped: the function refuses
 one, and ``check_applied`` raises after a forward whose layers never consulted the layout (a model
 whose attention does not go through ``AttentionInterface``): boundaries are never ignored silently.
+
+A model that caps attention logits or slides a window runs this function on plain rows too (one
+causal document per row; ``adapters/hf.finish``): transformers' own implementations differ in
+whether they apply either (5.17 gives gemma2 sdpa, which drops the softcap).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from functools import lru_cache
 
 import torch
 
-from toolkit.adapters.attention import KERNEL_NOTES, TokenLayout, attend, choose_kernel, softcap_score_mod
+from toolkit.adapters.attention import (KERNEL_NOTES, TokenLayout, attend, choose_kernel, flex_unavailable,
+                                        softcap_score_mod)
 
 ATTENTION = "toolkit_documents"
 """The name under which the toolkit's attention is registered with transformers."""
@@ -44,14 +49,20 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"attn_implementation={ATTENTION!r} is for training and scoring whole rows (no KV "
                          f"cache): queries {query.shape[2]} != keys {key.shape[2]}; generate with sdpa")
-    if layout is None:  # a plain forward (e.g. a check after training): one causal document per row
-        b, s = query.shape[0], query.shape[2]
-        layout = TokenLayout(torch.arange(s, device=query.device).expand(b, s))
+    if layout is None:  # plain rows (a capped or windowed model; a check after training)
+        layout = _plain_layout(query.shape[0], query.shape[2], query.device)
     layout._memo[_CALLS] = layout._memo.get(_CALLS, 0) + 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, layout, window=sliding_window or None, scale=scale, softcap=softcap,
                  dropout=dropout, score_mod=_score_mod(softcap))
     return out.transpose(1, 2).contiguous(), None
+
+
+@lru_cache(maxsize=4)
+def _plain_layout(b: int, s: int, where: torch.device) -> TokenLayout:
+    """One causal document per row, shared by every layer and forward of this shape (its masks are
+    built once, not per layer)."""
+    return TokenLayout(torch.arange(s, device=where).expand(b, s))
 
 
 @lru_cache(maxsize=8)
@@ -107,7 +118,8 @@ def real_tokens(mb: dict) -> torch.Tensor | None:
 
 def describe(device_type: str, dropout: bool, softcap: bool = False) -> str:
     """The line the DeepSpeed path logs for rows packed by documents on this device."""
-    kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout)
+    kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout,
+                           no_compile=flex_unavailable(device_type))
     how = {"sdpa": "with a boolean [b, 1, s, s] document mask", "flex": "with a document block mask",
            "math": "with the document mask and the logit softcap"}[kernel]
     return (f"HF attention: attn_implementation={ATTENTION} on {device_type}: documents -> {kernel} "

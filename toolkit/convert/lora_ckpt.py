@@ -173,13 +173,15 @@ def _is_saved(name: str) -> bool:
 def _saved_mcore(hf_config: dict, name: str) -> str:
     """The megatron name of a module to save's trained tensor (the embedding, the LM head)."""
     from toolkit.families import find_family, table
+    from toolkit.families.base import VOCAB
     from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
     hf = name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")
     family = find_family(hf_config["model_type"])
     for mcore, (entry, _) in table(family, hf_config_object(hf_config), []).items():
-        if entry.hf == hf:
+        if entry.hf == hf and entry.split == VOCAB:  # as plan.lora.megatron_saved allows
             return mcore
-    raise ConvertError(f"{hf} (trained in full) has no megatron name in the {family.model_type} table")
+    raise ConvertError(f"{hf} is trained in full (lora.modules_to_save), which a megatron LoRA run does only for the "
+                       f"embedding and the LM head ({family.model_type}); convert this checkpoint --to zero, peft or hf")
 
 
 def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:

@@ -196,14 +196,23 @@ class ZeroIndex:
 
     def _add_shared(self, shared: dict, tied: bool) -> None:
         """DeepSpeed lists a tied weight once, with ``shared_params[alias] = owner``; the canonical
-        stream drops the alias when the config ties embeddings, else serves the owner's data."""
+        stream drops the tied LM head (``lm_head.weight``, under peft's prefix in a LoRA checkpoint)
+        when the config ties embeddings, else serves the owner's data. A LoRA checkpoint leaves the
+        frozen base out (``exclude_frozen_parameters``) but still lists its ties: an alias of a
+        parameter the checkpoint does not hold is left out with it."""
         for alias, owner in shared.items():
-            if alias == "lm_head.weight" and tied:
+            if (tied and alias in TIED_HEADS) or owner not in self.shapes:
                 continue
             self.shapes[alias], self.frags[alias] = self.shapes[owner], self.frags[owner]
         if tied:
-            self.shapes.pop("lm_head.weight", None)
-            self.frags.pop("lm_head.weight", None)
+            for head in TIED_HEADS:
+                self.shapes.pop(head, None)
+                self.frags.pop(head, None)
+
+
+TIED_HEADS = ("lm_head.weight", "base_model.model.lm_head.weight")
+"""The output embedding's name in a transformers module and in the peft-wrapped one (a LoRA run's;
+``plan.lora.PEFT_PREFIX``, not imported: this module runs without torch)."""
 
 
 def optim_files(tag_dir: Path) -> list[Path]:

@@ -12,6 +12,8 @@
   slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
   diverge   perturb one parameter on this rank after step S (replicas drift apart)
   overflow  make step S's gradients infinite on this rank (fp16: the loss scaler must skip the step)
+  host_collective  all-reduce a tensor made without ``device=`` after step S (strict device mode
+            refuses it: how a test sees that a real rank runs strict; set it on every rank)
 Each fault fires once per run directory (``RUN_DIR/faults_fired``), so a restarted job does not
 trip over the same fault again.
 """
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 FAULT_KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
-         "overflow"}
+         "overflow", "host_collective"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -84,6 +86,10 @@ class FaultInjector:
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
         if self._take("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self._take("host_collective", step):
+            import torch
+            import torch.distributed as dist
+            dist.all_reduce(torch.zeros(1))  # on the host: NCCL would fail, strict mode must too
         if self.params is not None and self._take("diverge", step):
             import torch
             with torch.no_grad():

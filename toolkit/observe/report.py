@@ -261,15 +261,21 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
 
 
 def _packing_lines(run: Run, steps: list[int]) -> list[str]:
-    """data.packing, the share of row tokens that are document tokens, documents per row, overflow."""
+    """data.packing, the share of row tokens that are document tokens, documents per row (rows packed
+    by documents or padded count them; ``concat`` rows are cut from one token stream and do not, so
+    its line gives the documents and rows the packing made instead), overflow."""
     logged = [run.steps[s] for s in steps if "packing_efficiency" in run.steps[s]]
     if not logged:
         return []
     p = run.packing
     efficiency = statistics.mean(r["packing_efficiency"] for r in logged)
-    per_row = statistics.mean(r["documents_per_row"] for r in logged)
     line = (f"- packing {p.get('packing', '?')}: {100 * efficiency:.1f}% of row tokens are document tokens "
-            f"(packing efficiency), {per_row:.2f} documents per row")
+            "(packing efficiency)")
+    counted = [r["documents_per_row"] for r in logged if "documents_per_row" in r]
+    if counted:
+        line += f", {statistics.mean(counted):.2f} documents per row"
+    elif p.get("documents") is not None and p.get("train_rows") is not None:
+        line += f", {p['documents']} documents concatenated into {p['train_rows']} rows"
     if p.get("overflow_documents"):
         line += f"; {p['overflow_documents']} documents longer than data.seq_len ({p['overflow']})"
     return [line]

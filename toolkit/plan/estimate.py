@@ -156,8 +156,8 @@ def run_estimate(plan: Plan, cluster: Cluster, device_gib: float | None, as_json
 
 
 def dry_run(plan: Plan, nnodes: int, device_gib: float | None = None) -> int:
-    """Print the plan a launch would write (RUN_DIR/plan.json), then the estimate; start no process,
-    read no data."""
+    """Print the plan a launch would write (RUN_DIR/plan.json), then the estimate; start no process
+    (the caller has made the launch's checks, the data's included)."""
     import json
 
     import yaml
@@ -172,5 +172,5 @@ def dry_run(plan: Plan, nnodes: int, device_gib: float | None = None) -> int:
         print(f"# LoRA, resolved against the model's modules\n{plan.lora.model_dump_json(indent=2)}")
     print(f"# estimate: {world} rank(s) = {nnodes} node(s) x {cfg.nproc}")
     run_estimate(plan, Cluster(nodes=nnodes, gpus_per_node=cfg.nproc), device_gib, as_json=False)
-    print("toolkit: dry run - no process group was started and no data was read")
+    print("toolkit: dry run - no process group was started; config, data and machine checked as the run checks them")
     return 0

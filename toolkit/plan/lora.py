@@ -54,6 +54,12 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def saved_matches(name: str, saved: str) -> bool:
+    """peft's rule for ``modules_to_save`` (``peft.utils.other._set_trainable``): a plain suffix, so
+    ``norm`` also names every ``input_layernorm`` (unlike ``target_modules``' dotted suffix)."""
+    return name.endswith(saved)
+
+
 def resolve_lora(cfg: LoraConfig, model: torch.nn.Module) -> LoraSpec:
     """``cfg`` checked against ``model`` (a meta-device model is enough: names and shapes only)."""
     names = _Names(model)
@@ -61,7 +67,7 @@ def resolve_lora(cfg: LoraConfig, model: torch.nn.Module) -> LoraSpec:
     adapted = {n: m for n, m in names.eligible.items() if any(matches(n, t) for t in targets)}
     saved = _modules_to_save(cfg.modules_to_save, names.modules, model)
     trainable = sum(cfg.rank * sum(_in_out(m)) for m in adapted.values())
-    trainable += sum(p.numel() for n, m in names.modules.items() if any(matches(n, s) for s in saved)
+    trainable += sum(p.numel() for n, m in names.modules.items() if any(saved_matches(n, s) for s in saved)
                      for p in m.parameters())
     return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=targets, modules_to_save=saved,
                     adapted=len(adapted), trainable=trainable,
@@ -148,7 +154,7 @@ def _modules_to_save(names: list[str], modules: dict, model: torch.nn.Module) ->
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     for name in names:
-        hits = [m for n, m in modules.items() if n and matches(n, name)]
+        hits = [m for n, m in modules.items() if n and saved_matches(n, name)]
         if not hits:
             tops = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                            if n and len(m._parameters) and not n.rsplit(".", 1)[-1].isdigit()})
@@ -252,14 +258,19 @@ def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
 
 def megatron_saved(family, hf_config, spec: LoraSpec) -> dict[str, str]:
     """megatron name -> HF name of each tensor trained in full (``modules_to_save``): the embedding
-    and the untied LM head (the table's top entries); others are refused by name."""
+    and the untied LM head (the table's vocabulary-split top entries); a name that peft's rule
+    (``saved_matches``) also finds elsewhere (``norm``: every layer's norms too) is refused by name."""
     from toolkit.families import table
+    from toolkit.families.base import VOCAB
+    entries = table(family, hf_config)
     out = {}
     for name in spec.modules_to_save:
-        top = {mcore: entry.hf for mcore, (entry, _) in table(family, hf_config, []).items()
-               if matches(entry.hf.rsplit(".", 1)[0], name)}
-        if not top:
+        hits = {mcore: prefix + hf for mcore, (entry, prefix) in entries.items() for hf in entry.hf_names()
+                if saved_matches(prefix + hf.rsplit(".", 1)[0], name)}
+        others = sorted(hf for mcore, hf in hits.items() if getattr(entries[mcore][0], "split", None) != VOCAB)
+        if not hits or others:
+            named = f" (peft would train {', '.join(others[:3])} in full)" if others else ""
             raise ConfigError(f"lora.modules_to_save: {name!r} on megatron: only the embedding and the LM head can "
-                              "be trained in full beside the adapters; leave it out or set backend=deepspeed")
-        out.update(top)
+                              f"be trained in full beside the adapters{named}; leave it out or set backend=deepspeed")
+        out.update(hits)
     return out

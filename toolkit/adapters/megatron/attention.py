@@ -35,6 +35,7 @@ from toolkit.adapters.attention import (  # noqa: F401 - TokenLayout, positions_
     TokenLayout,
     attend,
     choose_kernel,
+    flex_unavailable,
     positions_in_documents,
     softcap_score_mod,
 )
@@ -63,7 +64,8 @@ def describe_kernels(mode: str, device_type: str, dtype: str, *, rope: bool, sof
     windows) on this device, and where positions are applied."""
     if mode == "local":
         return "megatron.attention=local: megatron-core DotProductAttention (s x s scores) and its own RoPE"
-    plain, masked = (choose_kernel(mode, device_type, masked=m, softcap=softcap, dropout=dropout) for m in (False, True))
+    plain, masked = (choose_kernel(mode, device_type, masked=m, softcap=softcap, dropout=dropout,
+                                   no_compile=flex_unavailable(device_type)) for m in (False, True))
     return (f"megatron.attention={mode} on {device_type} {dtype}: causal rows -> {plain} ({KERNEL_NOTES[plain]}); "
             f"documents/windows -> {masked}{' with a boolean mask' if masked == 'sdpa' else ''}; "
             + ("RoPE at per-token positions" if rope else "learned positions from position_ids"))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
+from toolkit.adapters.compiled import compile_works
 from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
 from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
@@ -55,7 +56,7 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
         # ``release_storage`` then frees but glibc keeps (the shard twice again at DDP's buffer).
         # megatron's device path with the no-op init leaves them untouched.
         kw.update(use_cpu_initialization=False)
-    elif cfg.megatron.fused_kernels:
+    elif cfg.megatron.fused_kernels and compile_works("cuda"):  # torch.compile'd: off where it fails (one line)
         kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
 
