@@ -10,7 +10,12 @@ against references we did not write: HF + ``peft`` on the same weights and adapt
   here; kill -9 and ``--resume auto`` is bit-exact (the adapter Adam state is in the checkpoint);
   a resume on another base is refused naming both;
 - exports: ``adapter/`` loads with ``PeftModel.from_pretrained`` and gives ``hf_final/``'s logits;
-  ``hf_final/`` is peft's ``merge_and_unload()``.
+  ``hf_final/`` is peft's ``merge_and_unload()`` (on a pretrained base, bf16 runs included, and on
+  a random-init base rebuilt from the seed);
+- weight decay 1.0 and an engaged clip (0.05) against the peft loop: losses, grad norms, adapters;
+  activation checkpointing counted as applied;
+- refusals: resume with other lora.* settings, full <-> LoRA, a changed base, a ZeRO-0 converter
+  source, ``--verify`` against damaged destinations.
 """
 from __future__ import annotations
 
@@ -73,7 +78,8 @@ def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
         plan_for(family, target_modules=["down_proj"])
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen2_moe", "phi3", "qwen3", "gemma", "gemma2", "mistral",
+                                    "qwen3_moe"])
 def test_planned_trainable_count_is_peft_s(family):
     """The plan's count (estimate, dry-run, metrics) against peft's own count on the wrapped model."""
     from toolkit.adapters.lora import apply_lora
@@ -81,6 +87,37 @@ def test_planned_trainable_count_is_peft_s(family):
     model = apply_lora(tiny_model(family), plan.lora, seed=1)
     trainable, _ = model.get_nb_trainable_parameters()
     assert trainable == plan.lora.trainable == plan.trainable_parameters()[0]
+
+
+def _layer_forwards_and_grads(checkpointing: bool, lora: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """The toolkit's HF model of tiny llama (``adapters/hf.build_model``, with adapters if ``lora``),
+    one training forward and backward: attention forwards per decoder layer, and the gradients."""
+    from toolkit.adapters.hf import build_model
+    from toolkit.adapters.lora import apply_lora
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"activation_checkpointing": checkpointing}, "lora": {"rank": RANK} if lora else {}})
+    plan = build_plan(cfg, [1], hf_config=tiny_config("llama"))
+    model = build_model(plan)
+    model = apply_lora(model, plan.lora, seed=1) if lora else model
+    layers = model.get_submodule("base_model.model.model.layers" if lora else "model.layers")
+    calls = []
+    for layer in layers:  # the layer's own hook does not see a recompute: it stops at the last saved tensor
+        layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+    [mb] = batches(model.config.vocab_size, n_micro=1, mbs=2)
+    model.train()(input_ids=mb["input_ids"], labels=mb["labels"]).loss.backward()
+    return len(calls) / len(layers), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_activation_checkpointing_is_applied(lora):
+    """``model.activation_checkpointing=true`` recomputes every decoder layer in backward (each runs
+    twice per forward and backward; once without) and changes no gradient. With the checkpointing
+    branch of ``adapters/hf.py`` removed every other recompute test passed (they only assert that
+    nothing changes); this one counts 1 forward (mutated once)."""
+    plain, want = _layer_forwards_and_grads(False, lora)
+    recomputed, got = _layer_forwards_and_grads(True, lora)
+    assert (plain, recomputed) == (1, 2)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -215,12 +252,18 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
 LORA_RUN = ["lora.rank=4", f"lora.alpha={ALPHA}", "model.init=pretrained", "checkpoint.every=3"]
 
 
+DECAY_CLIP = ["train.weight_decay=1.0", "train.grad_clip=0.05"]
+"""Weight decay 100x the default (the adapters shrink by ~1% over 6 steps: at 0.01 decay moves them
+by 1e-4, inside the comparison's tolerance) and a clip under every step's grad norm (0.33-0.38 here,
+so the default 1.0 never engages)."""
 RUNS = {"zero2": ["zero.stage=2"],
         "zero3": ["zero.stage=3", "lora.modules_to_save=[lm_head]"],  # the LM head trained in full too
         "zero0": ["zero.stage=0"],
         "zero3_offload": ["zero.ds_config=zero3_offload"],  # DeepSpeedCPUAdam on the host
         "zero2_recompute": ["zero.stage=2", "model.activation_checkpointing=true"],  # adapters inside recomputed layers
-        "zero2_bf16": ["zero.stage=2", "model.dtype=bf16"]}
+        "zero2_bf16": ["zero.stage=2", "model.dtype=bf16"],
+        "zero2_decay_clip": ["zero.stage=2", *DECAY_CLIP],
+        "zero3_random": ["zero.stage=3", "model.init=random"]}  # the base exists only in the engine
 """LoRA runs of the demo base through ``toolkit train``, each trained once per module."""
 
 
@@ -251,10 +294,17 @@ def lr_at(step: int, steps=6, warmup=2, peak=3e-3, floor=3e-4) -> float:
 
 
 def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_scale: float = 1.0) -> list[float]:
+    """The single-process peft loop's losses (``reference_run``)."""
+    return reference_run(demo_base, data_cache, modules_to_save, steps, lr_scale)["losses"]
+
+
+def reference_run(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_scale: float = 1.0,
+                  weight_decay: float = 0.01, clip: float = 1.0) -> dict:
     """One process: HF + peft with the adapter init the toolkit documents (peft's own init, drawn from
     a CPU generator seeded with (train.seed, "lora")), torch AdamW (matrices decayed), the global
-    batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip 1.0."""
-    from peft import LoraConfig, get_peft_model
+    batch of 8 in one forward, loss = sum of token losses / valid tokens, grad clip ``clip``. Its
+    losses, its grad norms before clipping, and the trained adapter as peft saves it."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.hf import unit_seed
@@ -267,8 +317,8 @@ def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, 
         model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
                                                 task_type="CAUSAL_LM", modules_to_save=list(modules_to_save) or None))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    out = []
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    out = {"losses": [], "grad_norms": []}
     for step in range(steps):
         batch = ds[global_batch_indices(len(ds), 8, cfg.train.seed, step)]
         labels = batch["labels"]
@@ -276,17 +326,62 @@ def reference_losses(demo_base, data_cache, modules_to_save=(), steps: int = 6, 
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum") / (labels != IGNORE_INDEX).sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, clip).item())
         for group in opt.param_groups:
             group["lr"] = lr_at(step) * lr_scale
         opt.step()
         opt.zero_grad()
-        out.append(loss.item())
+        out["losses"].append(loss.item())
+    out["adapter"] = {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
     return out
 
 
+ADAPTER_RTOL = 2e-4
+"""Trained adapters vs the peft loop's, per tensor, max |gap| / max |peft|, after 6 Adam steps
+(Adam divides by sqrt(v): entries whose gradient is near eps carry the fp32 rounding of another
+reduction order into the update)."""
+GRAD_NORM_RTOL = 1e-5
+
+
+def check_decay_and_clip_against_peft(run_dir, demo_base, data_cache, label: str) -> None:
+    """A run with ``DECAY_CLIP``: losses, pre-clip grad norms (metrics.jsonl) and the exported adapter
+    equal the peft loop's with the same decay and clip; the check can tell a missing decay (the
+    adapters) and a missing clip (the losses) apart from a pass."""
+    from safetensors.torch import load_file
+
+    from toolkit.observe.metrics import read_metrics
+    want = reference_run(demo_base, data_cache, weight_decay=1.0, clip=0.05)
+    no_decay = reference_run(demo_base, data_cache, weight_decay=0.0, clip=0.05)["adapter"]
+    no_clip = reference_run(demo_base, data_cache, weight_decay=1.0, clip=1e9)["losses"]
+    rows = [r for _, r in sorted(read_metrics(run_dir).items())]
+    got_losses, got_norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert sorted(adapter) == sorted(want["adapter"])
+
+    def worst(a: dict, b: dict) -> float:
+        return max(((a[n] - t).abs().max() / t.abs().max()).item() for n, t in b.items())
+    loss_gap = max(abs(a - b) / b for a, b in zip(got_losses, want["losses"]))
+    norm_gap = max(abs(a - b) / b for a, b in zip(got_norms, want["grad_norms"]))
+    decay_moved, clip_moved = worst(no_decay, want["adapter"]), max(
+        abs(a - b) / b for a, b in zip(no_clip, want["losses"]))
+    norms, adapter_gap = want["grad_norms"], worst(adapter, want["adapter"])
+    print(f"\n{label} decay 1.0, clip 0.05 vs the peft loop: losses {loss_gap:.2e}, grad norms {norm_gap:.2e} "
+          f"(peft's {min(norms):.3f}-{max(norms):.3f}), adapters {adapter_gap:.2e}; "
+          f"without decay the adapters move {decay_moved:.2e}, without clip the losses {clip_moved:.2e}")
+    assert min(want["grad_norms"]) > 0.05  # the clip engages at every step
+    assert decay_moved > 10 * ADAPTER_RTOL and clip_moved > 10 * LOSS_RTOL
+    assert len(got_losses) == 6 and loss_gap <= LOSS_RTOL
+    assert norm_gap <= GRAD_NORM_RTOL
+    assert adapter_gap <= ADAPTER_RTOL
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [r for r in RUNS if "bf16" not in r])
+def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(lora_runs, demo_base, data_cache):
+    check_decay_and_clip_against_peft(lora_runs("zero2_decay_clip"), demo_base, data_cache, "ZeRO-2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", [r for r in RUNS if not any(k in r for k in ("bf16", "decay", "random"))])
 def test_losses_equal_a_single_process_peft_adamw_loop(run, lora_runs, demo_base, data_cache):
     save = ["lm_head"] if "lora.modules_to_save=[lm_head]" in RUNS[run] else []
     got, want = losses(lora_runs(run)), reference_losses(demo_base, data_cache, save)
@@ -367,6 +462,57 @@ def test_resume_on_another_base_is_refused_naming_both(lora_runs, tmp_path, data
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.rank=0"], r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole model"),
+    (["lora.rank=8"], r"holds other LoRA adapters \(rank: checkpoint 4, this run 8\)"),
+    (["lora.target_modules=[q_proj,v_proj]"], r"holds other LoRA adapters \(targets: checkpoint \['down_proj'"),
+    (["lora.modules_to_save=[lm_head]"], r"holds other LoRA adapters \(modules_to_save: checkpoint \[\], this run "
+                                         r"\['lm_head'\]\)")], ids=["to-full", "rank", "targets", "modules_to_save"])
+def test_resume_with_other_lora_settings_is_refused_naming_them(overrides, message, lora_runs, tmp_path, data_cache,
+                                                                 demo_base):
+    import re
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_runs("zero2") / "checkpoints", run_dir / "checkpoints")
+    proc = train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", "train.steps=7", *overrides,
+                 check=False)
+    assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_full_checkpoint_never_resumes_as_lora_and_back(tmp_path):
+    """``check_same_lora`` on a full fine-tuning checkpoint's meta.json (no ``lora``) with a LoRA
+    run, and the other way round: refused naming the fix."""
+    from toolkit.checkpoint.reshard import check_same_lora
+    spec = {"rank": 4, "targets": ["q_proj"], "modules_to_save": []}
+    with pytest.raises(RuntimeError, match=r"is a full fine-tuning checkpoint and this run trains LoRA adapters "
+                                           r"\(lora.rank=4\); to fine-tune that model with LoRA, export it"):
+        check_same_lora(tmp_path, {"layout": {}}, spec, {"fingerprint": "sha256:x"})
+    with pytest.raises(RuntimeError, match=r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole"):
+        check_same_lora(tmp_path, {"lora": spec, "base_model": {"fingerprint": "sha256:x"}}, None, None)
+    check_same_lora(tmp_path, {"layout": {}}, None, None)  # full on full: nothing to check here
+
+
+@pytest.mark.slow
+def test_converter_refuses_a_changed_base_and_a_zero_0_checkpoint(lora_runs, demo_base, tmp_path):
+    """``--to hf`` merges onto a base only if its fingerprint is meta.json's (a base re-saved in bf16
+    is refused, naming both fingerprints; the fingerprint hashes the files' headers, not the
+    weights: ``storage/meta.base_model_record``); a ZeRO-0 LoRA checkpoint (no partitioned
+    optimizer files to read) is refused pointing at the run's exports."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert import ConvertError, convert
+    changed = tmp_path / "changed-base"
+    AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.bfloat16).save_pretrained(changed)
+    with pytest.raises(ConvertError, match=rf"the base {changed} has fingerprint sha256:\w+, the adapters were trained "
+                                           rf"on sha256:\w+ \({demo_base}\); merging onto another base would be wrong"):
+        convert(lora_runs("zero2"), tmp_path / "hf", to="hf", base=str(changed))
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConvertError, match="the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
+                                           ".*'zero_stage': 0.*; use its run's adapter/ and hf_final/"):
+        convert(lora_runs("zero0"), tmp_path / "peft", to="peft")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, demo_base):
     from peft import PeftModel
@@ -390,6 +536,47 @@ def test_adapter_export_loads_in_peft_and_merges_to_hf_final(stage, lora_runs, d
                for n in merged_file)  # the merge changed the adapted weights
 
 
+def peft_merge_gaps(run_dir, base_dir) -> list[str]:
+    """Names of hf_final/'s tensors that differ from peft's ``merge_and_unload()`` of the run's
+    ``adapter/`` onto the base as its files store it (fp32), bit for bit; the keys must be the same."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload().state_dict()
+    final = load_file(run_dir / "hf_final" / "model.safetensors")
+    assert sorted(final) == sorted(merged)
+    return [n for n, t in final.items() if not torch.equal(t, merged[n])]
+
+
+def check_random_init_export(run_dir) -> None:
+    """``hf_final/`` of a LoRA run on a random-init base is peft's ``merge_and_unload()`` of the run's
+    ``adapter/`` onto that base, tensor for tensor. The base is the toolkit's seeded init (the same
+    on both backends), rebuilt here in one process from the run's plan.json. Without the merge
+    hf_final/ held the bare base and passed every other test (mutated once)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from toolkit.adapters.hf import build_model
+    from toolkit.plan import read_plan
+    base = build_model(read_plan(run_dir / "plan.json")).eval()
+    unmerged = {n: t.clone() for n, t in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload().state_dict()
+    final = load_file(run_dir / "hf_final" / "model.safetensors")
+    assert sorted(final) == sorted(merged)
+    differs = [n for n, t in final.items() if not torch.equal(t, merged[n])]
+    adapted = [n for n in merged if not torch.equal(merged[n], unmerged[n])]
+    print(f"\n{run_dir.name}: hf_final vs peft's merge onto the seeded base: {len(differs)} tensors differ; "
+          f"the merge changed {len(adapted)} of {len(merged)}")
+    assert not differs, differs[:5]
+    assert adapted and all("proj" in n for n in adapted)  # all-linear adapts every *_proj, nothing else
+
+
+@pytest.mark.slow
+def test_random_init_base_exports_peft_s_merge(lora_runs):
+    check_random_init_export(lora_runs("zero3_random"))
+
+
 @pytest.mark.slow
 def test_bf16_run_exports_its_fp32_masters_merged_onto_the_base_as_stored(lora_runs, demo_base, tmp_path):
     """A bf16 run's module holds rounded copies of the base and the adapters: hf_final/ must merge
@@ -411,6 +598,7 @@ def test_bf16_run_exports_its_fp32_masters_merged_onto_the_base_as_stored(lora_r
         assert sorted(got) == sorted(want) and [n for n in want if not torch.equal(got[n], want[n])] == []
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any(not torch.equal(t, t.bfloat16().float()) for t in adapter.values())  # masters, not bf16 copies
+    assert peft_merge_gaps(run, demo_base) == []  # an independent merge: peft's
 
 
 def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_cache):
@@ -463,6 +651,58 @@ def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(
     for src, dst in ((run, tmp_path / "hf"), (run, tmp_path / "peft"), (run / "adapter", tmp_path / "hf_from_peft")):
         report = verify_adapter(src, dst, None)
         assert report.ok and report.tensors and report.logits_max_diff is not None, report.lines()
+
+
+@pytest.mark.slow
+def test_verify_fails_on_a_destination_that_is_not_the_source_s(lora_runs, tmp_path):
+    """``--verify`` of a LoRA conversion (ZeRO-2 run, step 6) against damaged destinations, each
+    refused naming the tensor: an HF-PEFT DST with one entry changed, or one tensor too many; a
+    merged HF DST with one weight changed, or one tensor too many (transformers skips it on load:
+    ``verify_adapter`` passed it before it read the names from the files, mutated once); a ZeRO and a
+    megatron checkpoint of another run's adapters (``compare_lora_sources``, the --to zero/megatron
+    check)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.convert import convert
+    from toolkit.convert.lora_ckpt import compare_lora_sources, open_lora_checkpoint
+    from toolkit.convert.peft import verify_adapter
+    run, other = lora_runs("zero2"), lora_runs("zero2_decay_clip")  # the same lora.* settings, other adapters
+    convert(run, tmp_path / "peft", to="peft")
+    convert(run, tmp_path / "hf", to="hf")
+
+    def damaged(kind: str, file: str, edit) -> Path:
+        out = tmp_path / f"{kind}_{edit.__name__}"
+        shutil.copytree(tmp_path / kind, out)
+        tensors = load_file(out / file)
+        edit(tensors)
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        return out
+
+    def changed(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] += 1e-3
+
+    def extra(tensors):
+        tensors["base_model.model.model.layers.0.mlp.extra.weight" if "base_model.model.model.layers.0.self_attn.q_proj"
+                ".lora_A.weight" in tensors else "model.layers.0.mlp.extra.weight"] = torch.ones(2, 2)
+
+    cases = {("peft", changed): "layers.0.mlp.down_proj.lora_A",  # the first name of each file
+             ("peft", extra): "unexpected ['base_model.model.model.layers.0.mlp.extra",
+             ("hf", changed): "lm_head.weight", ("hf", extra): "model.layers.0.mlp.extra.weight (only in DST)"}
+    for (kind, edit), named in cases.items():
+        file = "adapter_model.safetensors" if kind == "peft" else "model.safetensors"
+        report = verify_adapter(run, damaged(kind, file, edit), None)
+        print(f"\n{kind} {edit.__name__}: {report.lines()[0][:160]}")
+        assert not report.ok and report.lines()[-1] == "verify: MISMATCH", (kind, edit.__name__)
+        assert any(named in m for m in report.mismatched), report.mismatched
+    for to, extra_args in (("zero", {}), ("megatron", {"tp": 2})):
+        convert(other, tmp_path / f"other_{to}", to=to, **extra_args)
+        report = compare_lora_sources(open_lora_checkpoint(run), open_lora_checkpoint(tmp_path / f"other_{to}"))
+        print(f"\nanother run's adapters as {to}: {report.lines()[0][:120]}")
+        assert not report.ok and len(report.mismatched) >= report.tensors > 0
 
 
 def test_the_worked_example_plans(demo_base, tmp_path):

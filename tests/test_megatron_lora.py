@@ -6,6 +6,10 @@ write: HF + ``peft`` on the same weights and adapters.
   and the shared expert; routed experts are refused in the plan), gpt2 (packed ``c_attn``) and phi3
   (packed ``qkv_proj`` and ``gate_up_proj``: one adapter whose B feeds several blocks), the engine's
   logits and every adapter's gradient equal a single-process HF + peft model's (fp32);
+- qwen3 and gemma (head_dim x heads != hidden), mistral at TP=2, mixtral and qwen3_moe (attention
+  adapters) at TP=2 with sequence parallelism, likewise;
+- adapter dropout draws peft's masks (one per projection) and none in eval mode; megatron's full
+  recompute is applied and gives the same gradients;
 - the adapters a megatron run starts from are peft's own init, drawn as the DeepSpeed path draws
   them;
 - through ``toolkit train``: TP=2, PP=2 and TP=2+SP LoRA losses equal ZeRO-2 LoRA's; the TP=2 run's
@@ -21,30 +25,39 @@ import pytest
 import torch
 
 from tests.test_families import tiny_config, tiny_model
-from tests.test_lora import ALPHA, RANK, reference, seeded_adapter
+from tests.test_lora import ALPHA, DECAY_CLIP, RANK, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import ConfigError, validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
-FAMILIES = ("llama", "qwen2", "qwen2_moe", "gpt2", "phi3")
+ONE_LAYOUT = {"qwen3": "tp2", "gemma": "tp2", "mistral": "tp2", "mixtral": "tp2_sp", "qwen3_moe": "tp2_sp",
+              "qwen3_k_v": "tp2"}
+"""Models run at one layout only (CI time): qwen3 and gemma have head_dim x heads (128) != hidden (64),
+so q's block of the fused QKV is not ``hidden`` wide (qwen3_k_v leaves q out: its block of the delta is
+zeros of that width; with ``hidden`` in its place the fused delta did not fit, mutated once); mistral
+is llama's geometry (sliding window); mixtral and qwen3_moe (qk norms) adapt attention only (their
+routed experts are refused)."""
+FAMILIES = ("llama", "qwen2", "qwen2_moe", "gpt2", "phi3", "qwen3", "gemma", "mistral", "mixtral", "qwen3_moe")
 LAYOUTS = {"tp2": (2, 1, {}), "pp2": (1, 2, {}), "tp2_sp": (2, 1, {"sequence_parallel": True})}
-MOE = ("qwen2_moe",)
-MODELS = {f: (f, ["all-linear"]) for f in FAMILIES} | {"llama_q_v_up": ("llama", ["q_proj", "v_proj", "up_proj"])}
+MOE = ("qwen2_moe", "mixtral", "qwen3_moe")
+MODELS = {f: (f, ["all-linear"]) for f in FAMILIES} | {"llama_q_v_up": ("llama", ["q_proj", "v_proj", "up_proj"]),
+                                                       "qwen3_k_v": ("qwen3", ["k_proj", "v_proj"])}
 """Parity models: (family, lora.target_modules); the last leaves k_proj and gate_proj out of their fused
 linears (their blocks of the delta are zeros)."""
-CASES = [(m, lay) for lay in LAYOUTS for m in MODELS if not (MODELS[m][0] in MOE and lay == "tp2")]
-"""(model, layout): megatron's MoE layer needs sequence parallelism under TP, so qwen2_moe's TP=2 is tp2_sp."""
+CASES = [(m, lay) for lay in LAYOUTS for m in MODELS
+         if not (MODELS[m][0] in MOE and lay == "tp2") and ONE_LAYOUT.get(m, lay) == lay]
+"""(model, layout): megatron's MoE layer needs sequence parallelism under TP, so an MoE model's TP=2 is tp2_sp."""
 LOGIT_TOL = 2e-6  # as the full-model megatron parity (other matmul shapes, reduction orders); measured <= 2.8e-7
 GRAD_RTOL = 2e-5
 """Per adapter matrix: max |megatron - peft| <= GRAD_RTOL x max |peft|; measured worst 3.8e-6 (qwen2 tp2,
 q_proj.lora_A), <= 2.5e-6 at tp2_sp, <= 2.2e-6 at pp2, ~1e-6 for qwen2_moe."""
 
 
-def lora_config(tp: int, pp: int, targets=("all-linear",), **megatron):
+def lora_config(tp: int, pp: int, targets=("all-linear",), dropout: float = 0.0, **megatron):
     return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, **megatron},
-                     "lora": {"rank": RANK, "alpha": ALPHA, "target_modules": list(targets)},
+                     "lora": {"rank": RANK, "alpha": ALPHA, "target_modules": list(targets), "dropout": dropout},
                      # the reference's objective is the token loss alone: no MoE load-balancing term
                      "train": {"global_batch_size": 4, "micro_batch_size": 1, "moe_aux_loss_coeff": 0.0}})
 
@@ -146,6 +159,102 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, layout, parity, base_dirs)
     assert d["optimized"] == d["trainable"] > 0
 
 
+# --- adapter dropout and recompute against peft's ------------------------------------------------
+
+DROPOUT, DROPOUT_SEED = 0.25, 11
+COLUMN_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+"""Adapters on megatron's column-parallel linears only: at TP=2 without sequence parallelism their
+input is whole on every rank and their dropout masks come from the default generator, as peft's do,
+so a mask is the same draw in both when the batch has one row ([s, 1, h] and [1, s, h] are laid out
+alike). (Row sites draw from megatron's TP stream: the training runs below cover them.)"""
+
+
+def _rank_dropout(rank, world, base_dir):
+    """TP=2, llama, dropout on the column sites: eval-mode logits, and the gradients of one
+    train-mode forward/backward of every micro-batch from DROPOUT_SEED, with and without megatron's
+    full recompute (counting each layer's forwards)."""
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.adapters.megatron import MegatronEngine
+    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.plan import build_plan
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    micro = batches(model.config.vocab_size)
+    tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro)
+    out = {}
+    for recompute in ("none", "full"):
+        plan = build_plan(lora_config(2, 1, COLUMN_TARGETS, DROPOUT, recompute=recompute), [world],
+                          hf_config=model.config)
+        values = {n: seeded_adapter(n, tuple(t.shape)) for n, t in draw_adapters(model.config, plan.lora, 0).items()}
+        engine = MegatronEngine(plan, model.state_dict(), adapters=values)
+        calls = []
+        for layer in engine.model[0].module.decoder.layers:
+            layer.register_forward_hook(lambda *_: calls.append(1))
+        logits = engine.logits(micro)
+        calls.clear()
+        torch.manual_seed(DROPOUT_SEED)
+        engine.forward_backward(micro, tokens, complete_grads=True)
+        out[recompute] = {"logits": logits, "grads": engine.adapter_state("main_grad"),
+                          "layer_forwards": len(calls) / len(micro) / len(engine.model[0].module.decoder.layers)}
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def peft_dropout_reference(base_dir, micro_batches, targets, dropout, seed):
+    """HF + peft with ``lora_dropout``, one process: eval-mode logits, and the gradients of a
+    train-mode pass over the micro-batches in order (forward, backward, next) from ``seed``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=targets,
+                                      task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(seeded_adapter(name, tuple(p.shape)))
+    tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+    with torch.no_grad():
+        logits = [model.eval()(input_ids=mb["input_ids"]).logits for mb in micro_batches]
+    model.train()
+    torch.manual_seed(seed)
+    for mb in micro_batches:
+        out = model(input_ids=mb["input_ids"]).logits
+        torch.nn.functional.cross_entropy(out.flatten(0, 1), mb["labels"].flatten(), ignore_index=-100,
+                                          reduction="sum").div(tokens).backward()
+    return logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.fixture(scope="module")
+def dropout_runs(base_dirs, tmp_path_factory):
+    return run_ranks(_rank_dropout, 2, tmp_path_factory.mktemp("lora_dropout"), base_dirs["llama"], timeout=600)
+
+
+def test_adapter_dropout_draws_peft_s_masks_and_is_off_in_eval(dropout_runs, base_dirs):
+    """One mask per projection, as peft's per-layer ``lora_dropout`` draws it (one mask shared by q,
+    k and v, as before: q_proj.lora_B's grad off by 1.5x its max, mutated once); none in eval mode
+    (logits equal peft's eval logits); megatron's full recompute is applied (each layer runs twice
+    per micro-batch, once without) and replays the same masks (the same gradients; with a frozen
+    embedding it used to replay nothing: every adapter gradient was zero, gap 1.0)."""
+    micro = batches(tiny_config("llama").vocab_size)
+    ref_logits, ref_grads = peft_dropout_reference(base_dirs["llama"], micro, COLUMN_TARGETS, DROPOUT, DROPOUT_SEED)
+    _, no_dropout = reference(base_dirs["llama"], micro, targets=COLUMN_TARGETS)
+    for recompute, d in dropout_runs[0].items():
+        logit_gap = max((a - b).abs().max().item() for a, b in zip(d["logits"], ref_logits))
+        grads = d["grads"]
+        assert sorted(grads) == sorted(ref_grads)
+        ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
+        moved = {n: (no_dropout[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
+        worst = max(ratios, key=ratios.get)
+        print(f"\nrecompute={recompute}: eval logit gap {logit_gap:.2e}; worst grad gap {ratios[worst]:.2e} ({worst}); "
+              f"dropout moved the grads >= {min(moved.values()):.2e}; layer forwards per micro-batch "
+              f"{d['layer_forwards']}")
+        assert logit_gap <= LOGIT_TOL
+        assert ratios[worst] <= GRAD_RTOL, worst
+        assert min(moved.values()) > 100 * GRAD_RTOL  # the masks matter: a wrong draw cannot pass
+        assert d["layer_forwards"] == (2 if recompute == "full" else 1)
+
+
 # --- training, checkpoints and exports through `toolkit train` -------------------------------------
 
 MEGATRON = "backend=megatron"
@@ -158,7 +267,9 @@ RUNS = {"tp2": [MEGATRON, "megatron.tp=2"], "pp2": [MEGATRON, "megatron.pp=2"],
         "tp2_sp_dropout": [MEGATRON, "megatron.preset=tp2_sp", "lora.dropout=0.1"],
         # the LM head trained in full beside the adapters (its vocabulary rows split over TP)
         "tp2_lm_head": [MEGATRON, "megatron.tp=2", "lora.modules_to_save=[lm_head]"],
-        "dp2_bf16": [MEGATRON, "model.dtype=bf16", "lora.modules_to_save=[lm_head]"]}
+        "dp2_bf16": [MEGATRON, "model.dtype=bf16", "lora.modules_to_save=[lm_head]"],
+        "tp2_decay_clip": [MEGATRON, "megatron.tp=2", *DECAY_CLIP],
+        "tp2_random": [MEGATRON, "megatron.tp=2", "model.init=random"]}
 """LoRA runs of the demo base (test_lora's ``LORA_RUN``), each trained once per module; zero2 is the reference."""
 LOSS_RTOL = 3e-7  # vs ZeRO-2 LoRA: measured max 4.7e-8 (tp2, pp2, TP2 -> PP2 resume), 6.2e-8 (tp2_sp)
 ADAPTER_RTOL = 2e-4
@@ -222,6 +333,21 @@ def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, lora_runs, 
 
 
 @pytest.mark.slow
+def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(lora_runs, demo_base, data_cache):
+    """TP=2 with decay 1.0 and clip 0.05: losses, grad norms and the exported adapter against test_lora's
+    peft loop (adapters left undecayed: the adapters off by ~2e-2, mutated once)."""
+    from tests.test_lora import check_decay_and_clip_against_peft
+    check_decay_and_clip_against_peft(lora_runs("tp2_decay_clip"), demo_base, data_cache, "megatron TP=2")
+
+
+@pytest.mark.slow
+def test_random_init_base_exports_peft_s_merge(lora_runs):
+    """TP=2 on a random-init base (``MergedLoraSource``: the base gathered from the engine)."""
+    from tests.test_lora import check_random_init_export
+    check_random_init_export(lora_runs("tp2_random"))
+
+
+@pytest.mark.slow
 def test_checkpoint_holds_adapters_only_keyed_by_peft_names(lora_runs, demo_base):
     from torch.distributed.checkpoint import FileSystemReader
     ckpt = lora_runs("tp2") / "checkpoints" / "step_00000006"
@@ -231,6 +357,26 @@ def test_checkpoint_holds_adapters_only_keyed_by_peft_names(lora_runs, demo_base
     weights = [k for k in keys if not k.startswith("optimizer.")]
     assert weights and all(k.startswith("base_model.model.") and ".lora_" in k for k in weights), weights[:4]
     assert any(k.startswith("optimizer.") and "exp_avg" in k for k in keys)  # the adapters' Adam moments
+
+
+@pytest.mark.slow
+def test_checkpoint_read_by_torch_s_own_reader_holds_the_exported_adapters(lora_runs, tmp_path):
+    """The TP=2 checkpoint (megatron's torch_dist: torch's distributed checkpoint format) read by
+    torch's own DCP reader, not by the module that wrote it: at step 6 every adapter is whole, in
+    HF shapes under its HF-PEFT key, and equals adapter/'s (which peft loads, above) bit for bit;
+    so do its Adam moments' shapes."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    run = lora_runs("tp2")
+    dcp_to_torch_save(run / "checkpoints" / "step_00000006" / "engine", tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    stored = {k.replace(".default.", "."): v for k, v in state.items() if not k.startswith("optimizer.")}
+    assert sorted(stored) == sorted(adapter)
+    assert [n for n, t in adapter.items() if not torch.equal(stored[n], t)] == []
+    moments = {k: v for k, v in state.items() if k.startswith("optimizer.") and "exp_avg_sq" in k}
+    assert len(moments) == len(adapter), sorted(state)[:8]
+    assert sorted(tuple(v.shape) for v in moments.values()) == sorted(tuple(t.shape) for t in adapter.values())
 
 
 @pytest.mark.slow
@@ -326,19 +472,16 @@ def test_bf16_exports_the_optimizer_s_fp32_adapters_merged_onto_the_base_as_stor
     ``adapter/`` takes the distributed optimizer's fp32 main copies (gathered over DP, as the
     DeepSpeed path takes its fp32 masters), and
     ``hf_final/`` merges those onto the base as its files store it (no bf16 rounding of weights the
-    run never changed): W + scaling x B @ A recomputed here from the two exports is bit-identical."""
+    run never changed): hf_final/ equals peft's ``merge_and_unload()`` of adapter/ on that base, bit
+    for bit."""
     from safetensors.torch import load_file
 
-    from tests.test_lora import ALPHA, RANK
-    from toolkit.plan.lora import merged_weight
+    from tests.test_lora import peft_merge_gaps
     run = lora_runs("dp2_bf16")
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any((t != t.to(torch.bfloat16).float()).any() for t in adapter.values())  # not the bf16 copies
     merged, base = load_file(run / "hf_final" / "model.safetensors"), load_file(demo_base / "model.safetensors")
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    want = merged_weight(base["model.layers.0.self_attn.q_proj.weight"], adapter[f"{prefix}.lora_A.weight"],
-                         adapter[f"{prefix}.lora_B.weight"], ALPHA / RANK, False)
-    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)
+    assert peft_merge_gaps(run, demo_base) == []  # peft's merge of adapter/ onto the fp32 base, not our merged_weight
     assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"].float())
     head = adapter["base_model.model.lm_head.weight"]  # trained in full: its fp32 main copy, in both exports
     assert (head != head.to(torch.bfloat16).float()).any() and torch.equal(merged["lm_head.weight"], head)

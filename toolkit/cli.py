@@ -153,6 +153,7 @@ def cmd_train(args) -> int:
         from toolkit.observe.metrics import wandb_missing
         if problem := wandb_missing():
             raise ConfigError(problem)
+    _check_rank_devices(plan.config)
     if plan.config.backend == "megatron":
         from toolkit.adapters.megatron import check_machine
         check_machine(plan)
@@ -183,6 +184,13 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _check_rank_devices(cfg: RunConfig) -> None:
+    """A GPU for each local rank and a safe way of starting them, before anything starts."""
+    from toolkit.launch.devices import check_gpu_per_rank, rank_start_method
+    check_gpu_per_rank(cfg.nproc)
+    rank_start_method()
+
+
 def _check_data_before_launch(cfg: RunConfig):
     """Tokenize and pack once here: bad data fails before any process group, and ranks hit the cache."""
     from toolkit.data import load_tokenizer, prepare_data
@@ -211,23 +219,15 @@ def _launch(cfg: RunConfig, args, plan_path: Path) -> int:
     return code
 
 
-RANK_START_ENV = "TOOLKIT_RANK_START"
-
-
 def _rank_entrypoint(cfg: RunConfig):
     """(entrypoint, leading args, forkserver preload). Without a GPU, ranks fork from a forkserver
     that imported the backend once (``toolkit.launch.elastic``); with one, or ``TOOLKIT_RANK_START=spawn``,
-    each rank is ``python -u -m toolkit.train.worker`` (a process that may initialize CUDA is never forked)."""
-    import os
-
-    import torch
-
+    each rank is ``python -u -m toolkit.train.worker`` (a process that may initialize CUDA is never
+    forked: ``toolkit.launch.devices``)."""
+    from toolkit.launch.devices import rank_start_method
     from toolkit.launch.elastic import python_module
     from toolkit.train.worker import forked_main, preload_modules
-    start = os.environ.get(RANK_START_ENV) or ("spawn" if torch.cuda.is_available() else "forkserver")
-    if start not in ("spawn", "forkserver"):
-        raise ConfigError(f"{RANK_START_ENV}={start!r}: choose spawn or forkserver")
-    if start == "spawn":
+    if rank_start_method() == "spawn":
         entrypoint, lead = python_module("toolkit.train.worker")
         return entrypoint, lead, ()
     return forked_main, [], preload_modules(cfg.backend)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
+from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
@@ -46,19 +47,22 @@ def check_dtype_supported(dtype: str) -> None:
 class DeepSpeedEngine:
     """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world."""
 
-    def __init__(self, plan: Plan, model: torch.nn.Module):
+    def __init__(self, plan: Plan, model: torch.nn.Module, resolved: tuple[dict, OptimizerChoice] | None = None):
+        """``resolved``: ``with_available_adam`` of the plan's DeepSpeed JSON, when already made."""
         import deepspeed
         _install_op_caches()
         cfg = plan.config
         check_dtype_supported(cfg.model.dtype)
         self.cfg, self.lay = cfg, plan.layout(dist.get_world_size())
-        self.ds_config = plan.ds_config(dist.get_world_size())
+        self.ds_config, self.optimizer_choice = resolved or with_available_adam(plan.ds_config(dist.get_world_size()))
+        self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config)
+        _undo_state_init_step(self.engine.optimizer)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         device.guard_inputs(self.engine.module, "the HF model")
 
@@ -244,18 +248,37 @@ class DeepSpeedEngine:
         return self.lay.record()
 
 
+def _undo_state_init_step(optimizer) -> None:
+    """DeepSpeed's FP16_Optimizer (ZeRO stage 0 in bf16 or fp16) creates Adam's state by stepping
+    once on zero gradients: Adam's step count starts at 1, so every later bias correction is one
+    step behind (the first update 0.74x with beta2=0.95), and that step applied one weight decay
+    to the fp32 masters. Measured: bf16 ZeRO-0 drifted 1.8e-3 from fp32 in 3 steps, ZeRO-1 5e-5.
+    Fresh state and masters copied again from the model weights make the first update step 1."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    if not isinstance(optimizer, FP16_Optimizer):
+        return
+    from torch._utils import _flatten_dense_tensors
+    optimizer.optimizer.state.clear()
+    for group in optimizer.optimizer.param_groups:
+        group.pop("step", None)  # FusedAdam seeds a new state's step from its group's
+    with torch.no_grad():
+        for master, weights in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups):
+            master.copy_(_flatten_dense_tensors([w.detach() for w in weights]).float())
+
+
 def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
     """The worker's entry: record the resolved DeepSpeed JSON, build the HF model and the engine."""
-    ds_config = plan.ds_config(dist.get_world_size())
+    _install_op_caches()
+    ds_config, choice = resolved = with_available_adam(plan.ds_config(dist.get_world_size()))
     if rank == 0:
+        print(choice.line(), flush=True)
         (Path(run_dir) / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
         if plan.config.data.packing_mode != "concat":
             hf_config = plan.model.hf_config()
             print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(hf_config),
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
-    _install_op_caches()
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
-    return DeepSpeedEngine(plan, build_model(plan, ds_config))
+    return DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
 
 
 def _attention_dropout(hf_config) -> bool:

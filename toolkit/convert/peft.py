@@ -303,15 +303,20 @@ def _check_fingerprint(ckpt: Path, meta: dict, base: str) -> None:
 def verify_adapter(src: Path, dst: Path, base: str | None):
     """DST against SRC through peft: an HF-PEFT DST's tensors equal SRC's adapter; a merged DST's
     tensors equal peft's ``merge_and_unload()`` of SRC on its base, bit for bit; and DST's logits on a
-    fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``). Without a pretrained base
-    (a random-init run) only the adapter tensors are compared."""
+    fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``); a tensor DST holds
+    beyond those is a mismatch. Without a pretrained base (a random-init run) only the adapter
+    tensors are compared."""
     from toolkit.convert.lora import is_peft_dir
     from toolkit.convert.verify import Report
     adapter, _ = open_adapter(src, base)
     report = Report()
     want = adapter.trained()
     if is_peft_dir(dst):
-        got = adapter_from_peft_dir(dst, adapter.base, adapter.hf_config).trained()
+        try:  # a tensor the adapter_config.json does not make, or one missing, is refused by name
+            got = adapter_from_peft_dir(dst, adapter.base, adapter.hf_config).trained()
+        except ConvertError as exc:
+            report.mismatched.append(f"DST does not load: {exc}")
+            return report
         report.mismatched += [n for n in want if n not in got or not torch.equal(want[n], got[n])]
         report.tensors = len(want)
     if adapter.base is None:
@@ -327,10 +332,22 @@ def verify_adapter(src: Path, dst: Path, base: str | None):
         target = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
         merged, stored = reference.merge_and_unload().state_dict(), target.state_dict()
         report.mismatched += [n for n in merged if n not in stored or not torch.equal(merged[n], stored[n])]
+        # transformers skips a file's tensors that its model has no place for: read the names from the files
+        report.mismatched += [f"{n} (only in DST)" for n in sorted(_stored_names(dst) - set(merged))]
         report.tensors = len(merged)
     report.logits_max_diff = float((target(input_ids=ids).logits - expected).abs().max())
     report.logits_tol = ADAPTER_LOGIT_RTOL * float(expected.abs().max())
     return report
+
+
+def _stored_names(path: Path) -> set[str]:
+    """Every tensor name in an HF directory's safetensors files."""
+    from safetensors import safe_open
+    names: set[str] = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names |= set(f.keys())
+    return names
 
 
 def _base_model(path: str) -> torch.nn.Module:

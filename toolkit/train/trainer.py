@@ -78,6 +78,8 @@ class Trainer:
                           + (f"; LoRA rank {self.plan.lora.rank} on {self.plan.lora.adapted} layers" if self.plan.lora
                              else ""))
         self.metrics.log({"event": "parameters", "trainable_params": trainable, "total_params": total})
+        for record in getattr(self.engine, "setup_records", ()):  # choices the engine made on this machine
+            self.metrics.log(record)
         self._log_packing()
 
     def _log_packing(self) -> None:

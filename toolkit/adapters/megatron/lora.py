@@ -4,7 +4,8 @@ in ``linear_fc1``), so a megatron LoRA run computes what ``peft`` computes on th
 adapters are peft's tensors, split over TP.
 
 Which linear carries which projections comes from the family's weight table (``plan/lora.py``'s
-``megatron_sites``). Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order), with
+``megatron_sites``). Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order, one dropout
+mask per projection as peft draws them), with
 ``A [r, in]`` and ``B [out, r]`` split over TP as the base is:
 
   column-parallel base (``linear_qkv``, ``linear_fc1``): A whole on every TP rank; B split by rows
@@ -174,10 +175,13 @@ class LoraSite(torch.nn.Module):
             return self._row(x)
         return self._column(x)
 
+    def _drops(self) -> bool:
+        return not isinstance(self.dropout, torch.nn.Identity) and self.training
+
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the adapters' input: where x is the same on every TP rank (column, no SP)
         from the default generator, alike on the TP ranks; elsewhere from megatron's TP stream."""
-        if isinstance(self.dropout, torch.nn.Identity) or not self.training:
+        if not self._drops():
             return x
         if self.site.kind != ROW_LINEAR and not self.sequence_parallel:
             return self.dropout(x)
@@ -202,8 +206,11 @@ class LoraSite(torch.nn.Module):
             gather_from_sequence_parallel_region,
         )
         adapters = list(self.adapters.values())
-        a = torch.cat([ad.A for ad in adapters]) if len(adapters) > 1 else adapters[0].A
-        h = self._dropped(x) @ a.t()  # [.., n x r]: one matmul and one collective for every projection
+        if self._drops():  # peft draws one mask per projection, in the projections' order
+            h = torch.cat([self._dropped(x) @ ad.A.t() for ad in adapters], dim=-1)
+        else:
+            a = torch.cat([ad.A for ad in adapters]) if len(adapters) > 1 else adapters[0].A
+            h = x @ a.t()  # [.., n x r]: one matmul and one collective for every projection
         h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.group) \
             if self.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=self.group)
         blocks = dict(zip(self.adapters.keys(), h.split(adapters[0].A.shape[0], dim=-1)))
@@ -250,6 +257,7 @@ def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             p.requires_grad_(name in saved)
+        _replay_under_full_recompute(chunk)
         for layer in chunk.decoder.layers:
             for site in megatron_sites(family, hf_config, spec, [layer.layer_number - 1]):
                 base = layer.get_submodule(site.mcore)
@@ -263,6 +271,21 @@ def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.
                                                                  [b.to(like.device, like.dtype) for b in b_parts])
                 setattr(base, LORA_CHILD, LoraSite(site, geometry, mine, spec, base))
                 base.register_forward_hook(_add_delta, with_kwargs=True)
+
+
+def _replay_under_full_recompute(chunk) -> None:
+    """Make the first stage's decoder input require grad under megatron's full recompute. Its
+    checkpoint is reentrant: each layer runs under ``no_grad`` and is replayed in backward only if
+    its input requires grad, which a frozen embedding's output does not; the adapters then got no
+    gradient at all (all zero, and the run trained nothing). HF's ``enable_input_require_grads``
+    does the same for peft."""
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is None or chunk.config.recompute_granularity != "full":
+        return
+
+    def requires_grad(module, args, output):
+        return output if output.requires_grad else output.requires_grad_(True)
+    embedding.register_forward_hook(requires_grad)
 
 
 def chunk_sites(chunk) -> list[tuple[str, LoraSite]]:
