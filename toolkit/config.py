@@ -168,12 +168,19 @@ class MegatronConfig(_Section):
     SwiGLU (no Transformer Engine or Apex needed; the same math). Always off on CPU."""
     preset: str | None = None
     """A megatron_configs/ YAML (name or path) of layout fields; explicit megatron.* keys win."""
+    initial_loss_scale: float = 2.0**16
+    """model.dtype=fp16: the dynamic loss scale's start, as DeepSpeed's presets (initial_scale_power
+    16); halved on each overflowing step (that step's update skipped), doubled after 1000 clean ones.
+    megatron-core's own default, 2^32, skips the first dozen steps while the LR schedule advances."""
 
     @model_validator(mode="after")
     def _positive(self) -> "MegatronConfig":
         for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"megatron.{name}={getattr(self, name)} must be >= 1")
+        if not self.initial_loss_scale >= 1:
+            raise ValueError(f"megatron.initial_loss_scale={self.initial_loss_scale} must be >= 1 "
+                             "(megatron's minimum loss scale); DeepSpeed's default is 65536 (2^16)")
         if self.vpp is not None and self.vpp < 1:
             raise ValueError(f"megatron.vpp={self.vpp} must be >= 1 or unset")
         if self.vpp == 1:

@@ -400,12 +400,11 @@ class _RouterLoss:
         if self.stats is None:
             self.stats = moe.RouterStats(len(router_logits), experts)
         total = 0.0
+        tokens = router_logits[0].reshape(-1, experts).shape[0] if real is None else real.sum().clamp(min=1)
         for layer, logits in enumerate(router_logits):
             logits = logits.reshape(-1, experts)
-            if real is not None:
-                logits = logits[real]
-            counts = moe.routed_counts(logits.detach(), int(self.top_k))
-            aux = moe.load_balancing_loss(logits, counts, logits.shape[0])
+            counts = moe.routed_counts(logits.detach(), int(self.top_k), real)  # masks, not indexing: no host sync
+            aux = moe.load_balancing_loss(logits, counts, tokens, real)
             self.stats.add(layer, counts, aux)
             total = total + aux
         return self.coeff * total / len(router_logits)

@@ -44,19 +44,28 @@ def aux_loss_coeff(configured: float | None, hf_config) -> float:
     return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def routed_counts(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Tokens per expert ``[E]`` (int64) under top-k routing of ``logits [T, E]``."""
-    chosen = torch.topk(logits, top_k, dim=-1).indices
-    return torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1])
+def routed_counts(logits: torch.Tensor, top_k: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens per expert ``[E]`` (int64) under top-k routing of ``logits [T, E]``, counting only the
+    ``real`` rows (``[T]`` bool; None: all). A scatter-add on the device: ``bincount`` and boolean
+    indexing would each wait for the device to size their output."""
+    chosen = torch.topk(logits, top_k, dim=-1).indices.reshape(-1)
+    weight = torch.ones_like(chosen) if real is None else real.to(chosen.dtype).unsqueeze(-1).expand(-1, top_k).reshape(-1)
+    return torch.zeros(logits.shape[-1], dtype=chosen.dtype, device=logits.device).scatter_add_(0, chosen, weight)
 
 
-def load_balancing_loss(logits: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
+def load_balancing_loss(logits: torch.Tensor, counts: torch.Tensor, tokens: int | torch.Tensor,
+                        real: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e (counts_e / tokens) * (sum over these rows of softmax(logits)_e / tokens)``.
 
     ``logits [t, E]`` may be a share of the ``tokens`` rows (sequence parallel: this rank's rows, with
-    ``counts`` summed over all of them); the shares' losses then add up to the layer's loss."""
+    ``counts`` summed over all of them); the shares' losses then add up to the layer's loss. ``real``
+    ``[t]`` bool: the rows that count (the others, padding, add nothing); ``tokens`` then counts
+    only real rows, and may be a device tensor (no host sync)."""
     experts = logits.shape[-1]
-    prob_sum = torch.softmax(logits.float(), dim=-1).sum(dim=0)
+    probs = torch.softmax(logits.float(), dim=-1)
+    if real is not None:
+        probs = probs * real.unsqueeze(-1)
+    prob_sum = probs.sum(dim=0)
     return experts * torch.sum(counts.to(prob_sum.dtype) / tokens * prob_sum / tokens)
 
 

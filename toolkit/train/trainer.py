@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
@@ -97,7 +98,10 @@ class Trainer:
         self.monitor.add_busy(time.perf_counter() - tic)  # data wait (and an injected delay) count as busy
         if self.profiler:
             self.profiler.before_step(self.step + 1)
-        stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, self.cfg.train))
+        with device.strict_sync_counter() as syncs:
+            stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, self.cfg.train))
+        if syncs is not None:  # strict mode: what would make a GPU's host wait (toolkit/device.py)
+            stats.extra["host_syncs"] = syncs.total
         self.step += 1
         self._after_profiled_step()
         self.monitor.add_busy(stats.compute_s)

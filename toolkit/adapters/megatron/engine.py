@@ -23,7 +23,8 @@ from toolkit.adapters.megatron import export, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
                                              transformer_config)
-from toolkit.adapters.megatron.weights import check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk
+from toolkit.adapters.megatron.weights import (check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk,
+                                               release_storage)
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, IGNORE_INDEX, StepStats
@@ -55,15 +56,19 @@ class MegatronEngine:
         self.tconfig = transformer_config(self.cfg, self.lay, self.hf_config, self.family)
         self.attention = attention_options(self.cfg, self.hf_config, self.family, self.tconfig)
         chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig, self.attention)
-        for c in chunks:
-            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
-        del hf_state
+        for c in chunks:  # the weights are loaded into DDP's buffer, not copied there (weights.py)
+            release_storage(c)
+        if torch.cuda.is_available():  # the released blocks back to the driver: DDP's buffer is one block
+            torch.cuda.empty_cache()
         self.lora = plan.lora
         if self.lora is not None:
             self._attach_lora(chunks, adapters)
         for c in chunks:
             device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
+        for c in chunks:
+            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
+        del hf_state
         self.optimizer = self._build_optimizer()
         self._configure_schedule()
         self._setup_routers()
@@ -108,7 +113,8 @@ class MegatronEngine:
         ocfg = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                                clip_grad=t.grad_clip, use_distributed_optimizer=True,
-                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype])
+                               bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=DTYPES[dtype],
+                               initial_loss_scale=self.cfg.megatron.initial_loss_scale)
         return get_megatron_optimizer(ocfg, self.model)
 
     def _setup_routers(self) -> None:
@@ -124,9 +130,13 @@ class MegatronEngine:
     def _set_aux_scale(self, micro_batches: int) -> None:
         """Weight of each micro-batch's layer aux loss so that, after the DP sum, the objective gets
         ``coeff`` x the mean over MoE layers and the global batch's micro-batches (``toolkit/adapters/moe.py``)."""
+        if not self.routers:
+            return
         per = self.aux_coeff / (self.hf_config.num_hidden_layers * micro_batches * self.dp_size)
-        if self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
-            per *= float(self.optimizer.get_loss_scale())
+        if not per:
+            per = None
+        elif self.tconfig.grad_scale_func is not None:  # fp16: megatron scales the loss up, every grad down
+            per = per * self.optimizer.get_loss_scale()  # a device tensor: not read on the host
         for router in self.routers:
             router.aux_scale = per
 
@@ -209,7 +219,7 @@ class MegatronEngine:
         totals = self.forward_backward(micro_batches, loss_tokens)
         compute.stop()  # includes pipeline waits: megatron interleaves them with compute
         # fp16: megatron's dynamic scaler skips the update on inf/nan gradients and lowers the scale
-        # (from 2^32 with hysteresis 2, its default, the first steps are usually skipped)
+        # (from megatron.initial_loss_scale, with hysteresis 2)
         ok, grad_norm, _ = self.optimizer.step()
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
         extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}

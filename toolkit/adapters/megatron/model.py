@@ -27,10 +27,8 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
     # perform_initialization stays on although every weight is then overwritten from the HF
     # tensors: megatron marks TP-split weights (tensor_model_parallel, partition_dim) only in its
     # init path, and the grad norm counts unmarked weights once per TP group, not per shard. Its
-    # init methods draw nothing (``weights.py`` fills every parameter, seeded or pretrained): a
-    # draw would be wasted, and without CUDA megatron draws each TP-split weight whole in fp32
-    # before keeping its slice (``_initialize_affine_weight_cpu``), whose pages an empty tensor
-    # never touches.
+    # init methods draw nothing (``weights.py`` fills every parameter, seeded or pretrained, once
+    # DDP has made it a view of its buffer): a draw would be wasted.
     kw.update(init_method=_filled_by_loader, output_layer_init_method=_filled_by_loader,
               embedding_init_method=_filled_by_loader)
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
@@ -53,8 +51,11 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                   moe_permute_fusion=False, moe_router_fusion=False)
     if not torch.cuda.is_available():
-        from toolkit.compat import megatron_cpu
-        kw.update(megatron_cpu.TRANSFORMER_CONFIG)
+        # Not megatron_cpu.TRANSFORMER_CONFIG's CPU initialization: it writes every weight (its
+        # slice of a whole fp32 master, ``_initialize_affine_weight_cpu``), pages that
+        # ``release_storage`` then frees but glibc keeps (the shard twice again at DDP's buffer).
+        # megatron's device path with the no-op init leaves them untouched.
+        kw.update(use_cpu_initialization=False)
     elif cfg.megatron.fused_kernels and compile_works("cuda"):  # torch.compile'd: off where it fails (one line)
         kw.update(gpu_fusions(kw))
     return TransformerConfig(**kw)
@@ -115,12 +116,25 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
         # the toolkit's ToolkitNorm and post-norms) on the default device: all of it to the rank's
         _on_rank_device(chunks[-1])
+        _in_model_dtype(chunks[-1], tconfig.params_dtype)
         if family.embedding_scale and chunks[-1].pre_process:
             _scale_embedding(chunks[-1].embedding, family.embedding_scale(hf_config))
         cap = family.logit_softcap(hf_config) if family.logit_softcap else None
         if cap and chunks[-1].post_process:
             _softcap_logits(chunks[-1].output_layer, cap)
     return chunks
+
+
+def _in_model_dtype(chunk, dtype: torch.dtype) -> None:
+    """Every floating parameter in the model dtype, as megatron's ``Float16Module`` leaves a bf16 /
+    fp16 model (HF's bf16 model too): megatron makes its linear layers in ``params_dtype`` but torch
+    norms (``WrappedTorchNorm``, ``ToolkitNorm``, post-norms) in fp32, which torch runs unfused
+    against bf16 activations (and some versions promote the activations to fp32). The distributed
+    optimizer keeps fp32 masters of them, as of every bf16 parameter."""
+    with torch.no_grad():
+        for param in chunk.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 def _softcap_logits(output_layer, cap: float) -> None:
@@ -239,8 +253,8 @@ def load_balanced_router_class():
 
     Per training forward of a micro-batch and layer: ``aux`` from this rank's logits and the tokens
     per expert of the whole sequence (summed over the TP group under sequence parallelism, where
-    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``,
-    which the engine sets each step. Not in eval, and once per micro-batch under recomputation
+    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``
+    (None: not attached), which the engine sets each step. Not in eval, and once per micro-batch under recomputation
     (the recomputing forward is the one with gradients)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
@@ -248,7 +262,7 @@ def load_balanced_router_class():
     from toolkit.adapters import moe
 
     class LoadBalancedRouter(TopKRouter):
-        aux_scale: float = 0.0
+        aux_scale: "float | torch.Tensor | None" = None
         stats: "moe.RouterStats | None" = None
 
         def routing(self, logits, padding_mask=None):
@@ -259,21 +273,32 @@ def load_balanced_router_class():
             probs, routing_map = super().routing(logits, padding_mask)
             if not (self.training and torch.is_grad_enabled()):
                 return probs, routing_map
-            routed = routing_map
-            if padding_mask is not None:
-                flat, routed = flat[~padding_mask], routing_map[~padding_mask]
-            counts = routed.sum(dim=0)
-            tokens = torch.tensor(float(flat.shape[0]), dtype=torch.float64, device=counts.device)
-            if self.config.sequence_parallel:
-                dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
-                dist.all_reduce(tokens, group=ps.get_tensor_model_parallel_group())
-            aux = moe.load_balancing_loss(flat, counts, tokens.clamp(min=1))
+            real = None if padding_mask is None else ~padding_mask
+            counts, tokens = self._counts_and_tokens(routing_map, real)
+            aux = moe.load_balancing_loss(flat, counts, tokens, real)
             if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
                 self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
                                aux.detach())
-            if self.aux_scale:
+            if self.aux_scale is not None:
                 probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
             return probs, routing_map
+
+        def _counts_and_tokens(self, routing_map, real):
+            """Tokens per expert ``[E]`` and the token count of the whole sequence (summed over the
+            TP group under sequence parallelism, in one all-reduce), kept on the device: masks, not
+            boolean indexing, which would wait for the device to size its output."""
+            rows, tp = routing_map.shape[0], ps.get_tensor_model_parallel_world_size()
+            if real is not None:
+                routing_map = routing_map & real.unsqueeze(-1)
+            counts = routing_map.sum(dim=0)
+            if real is None:  # every row a token: the count is known on the host
+                if self.config.sequence_parallel:
+                    dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+                return counts, rows * (tp if self.config.sequence_parallel else 1)
+            both = torch.cat([counts, real.sum().reshape(1)])
+            if self.config.sequence_parallel:
+                dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            return both[:-1], both[-1].clamp(min=1)
 
     def _local_rows(padding_mask, rows: int):
         """The mask flattened over this rank's ``rows`` tokens (s-major, as the logits). GPTModel scatters
