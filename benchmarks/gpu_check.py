@@ -680,11 +680,30 @@ def notable_fields(run_dir: Path) -> dict:
 
 
 def optimizer_check(ctx: "Ctx", fields: dict, backend: str) -> None:
-    """Which optimizer ran, when the run says so (DeepSpeed's FusedAdam or torch's AdamW after a failed
-    build); SKIP with the reason while metrics.jsonl names none."""
-    named = {k: v for k, v in fields.items() if "optim" in k.lower() or "adam" in k.lower()}
-    ctx.add(f"{backend}: metrics.jsonl names the optimizer that ran", None if not named else True,
-            measured=named or None, why="" if named else "no optimizer field in metrics.jsonl")
+    """Which Adam ran: the DeepSpeed path records it once (``{"event": "optimizer", "optimizer":
+    "FusedAdam" | "torch.optim.AdamW(fused=True)" ..., "fallback_reason": ...}``): a built kernel or
+    torch's AdamW after a failed build both PASS (the reason is shown); no record FAILs. megatron's
+    distributed optimizer has no such record (its Adam is megatron's own)."""
+    record = fields.get("event:optimizer")
+    if backend != "deepspeed":
+        ctx.add(f"{backend}: optimizer record", None, why="megatron's distributed optimizer: no choice to record")
+        return
+    ran = record.get("optimizer") if record else None
+    ctx.add(f"{backend}: metrics.jsonl names the Adam that ran (FusedAdam, or torch AdamW after a failed build)",
+            ran is not None, measured=ran, why=(record or {}).get("fallback_reason") or
+            ("" if record else "no optimizer event in metrics.jsonl"))
+
+
+def host_sync_check(ctx: "Ctx", rows: list[dict], backend: str) -> None:
+    """Strict-mode runs record ``host_syncs`` per step: a number that must not grow with the step
+    (the CPU suite bounds it per layer count and micro-batches; here it must at least stay flat)."""
+    counts = [r["host_syncs"] for r in rows if isinstance(r.get("host_syncs"), int)]
+    if not counts:
+        ctx.add(f"{backend}: host syncs per step stay flat", None, why="no host_syncs (strict mode off in this run)")
+        return
+    steady = counts[1:] or counts
+    ctx.add(f"{backend}: host syncs per step stay flat", max(steady) == min(steady), measured=max(steady),
+            bound=min(steady))
 
 
 def save_fixed_model(path: Path, perturb: float = 0.0, init_range: float = FIXED_INIT_RANGE) -> None:
@@ -939,6 +958,7 @@ def phase_throughput(ctx: Ctx, backend: str) -> None:
     ctx.info["exit"] = code
     ctx.info["notable"] = notable_fields(run)
     optimizer_check(ctx, ctx.info["notable"], backend)
+    host_sync_check(ctx, rows, backend)
     if code != 0 or not rows:
         ctx.add("toolkit train ran", False, measured=code, why=log[-300:])
         return

@@ -167,6 +167,27 @@ def test_loss_scale_checks_follow_the_scalers_and_refuse_a_constant_reader():
     check_scales(_scale_rows([2.0**32, 2.0**31, 2.0**30, 2.0**30], {1, 2, 3}), megatron_scales)
 
 
+class _Rows:
+    def __init__(self):
+        self.checks = []
+
+    def add(self, *a, **k):
+        self.checks.append(gpu_check.check(*a, **k))
+
+
+def test_optimizer_and_host_sync_rows_read_what_the_runs_record():
+    """The DeepSpeed run's ``optimizer`` event (FusedAdam, or torch's AdamW after a failed build, with
+    the reason) passes, its absence fails; ``host_syncs`` that grow from one step to the next fail."""
+    rows = _Rows()
+    fallback = {"optimizer": "torch.optim.AdamW(fused=True)", "fallback_reason": "FusedAdam did not load"}
+    gpu_check.optimizer_check(rows, {"event:optimizer": fallback}, "deepspeed")
+    gpu_check.optimizer_check(rows, {"optimizer_steps": 3}, "deepspeed")
+    gpu_check.host_sync_check(rows, [{"host_syncs": n} for n in (9, 4, 4, 4)], "megatron")
+    gpu_check.host_sync_check(rows, [{"host_syncs": n} for n in (4, 4, 5)], "megatron")
+    assert [r["status"] for r in rows.checks] == [PASS, FAIL, PASS, FAIL]
+    assert rows.checks[0]["why"] == "FusedAdam did not load"
+
+
 def test_router_check_recomputes_the_load_and_refuses_constants():
     from tests.gpu.test_gpu import check_router_stats
     counts = [[700, 600, 400, 348], [512, 512, 512, 512]]

@@ -15,6 +15,7 @@ import torch
 from tests.test_attention import CASES, D, DOCS, qkv, reference_attention, reference_mask
 from tests.gpu.measure import measure
 from toolkit.adapters import attention as attention_module
+from toolkit.adapters.attention import flex_unavailable
 from toolkit.adapters.megatron.attention import TokenLayout, attend, choose_kernel
 
 REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
@@ -61,6 +62,7 @@ def expected_kernel(case: str) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_flex_trains_as_the_reference(case, monkeypatch):
     docs, window, softcap = CASES[case]
+    assert flex_unavailable("cuda") is None, f"compiled flex cannot run here: {flex_unavailable('cuda')}"
     chosen = choose_kernel("auto", "cuda", masked=docs is not None or window is not None,
                            softcap=softcap is not None, dropout=False)
     assert chosen == expected_kernel(case)

@@ -13,7 +13,7 @@ from tests.gpu.test_attention_gpu import DEVICE, pytestmark, strict_fp32  # noqa
 from tests.test_families import tiny_model
 from tests.test_packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
-from toolkit.adapters.attention import choose_kernel
+from toolkit.adapters.attention import choose_kernel, flex_unavailable
 from toolkit.engine import token_loss_sum
 
 
@@ -24,6 +24,7 @@ def on_device(mb: dict) -> dict:
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe"])
 def test_packed_documents_equal_alone_and_padded_grads_on_the_device(family):
     expected = "flex" if DEVICE == "cuda" else "sdpa"
+    assert flex_unavailable(DEVICE) is None, f"compiled flex cannot run here: {flex_unavailable(DEVICE)}"
     assert choose_kernel("auto", DEVICE, masked=True, softcap=False, dropout=False) == expected
     docs = random_documents(8, seed=6, lengths=(5, 40))
     model = tiny_model(family).to(DEVICE)
