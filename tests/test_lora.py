@@ -172,40 +172,52 @@ def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear")
     return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def seeded_lora_engine(world: int, base_dir, stage: int, modules_to_save=()):
+    """A ``DeepSpeedEngine`` of LoRA (``RANK``, ``ALPHA``) on ``base_dir`` at ZeRO ``stage``, its
+    adapters set to ``adapter_values`` (the reference's draws); returns the plan and the engine."""
+    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"name_or_path": base_dir, "init": "pretrained"}, "zero": {"stage": stage},
+                    "lora": {"rank": RANK, "alpha": ALPHA, "modules_to_save": list(modules_to_save)},
+                    "train": {"global_batch_size": 4, "micro_batch_size": 1}})
+    plan = build_plan(cfg, [world])
+    model = build_model(plan, plan.ds_config(world))
+    with torch.no_grad():  # adapters are whole on every rank until deepspeed.initialize
+        for name, value in adapter_values(model).items():
+            model.get_parameter(name).copy_(value)
+    return plan, DeepSpeedEngine(plan, model)
+
+
+def step_global_batch(engine, rank: int, world: int) -> tuple[list, dict]:
+    """This rank's micro-batches of ``batches`` through the engine as ``train_step`` sends them, then
+    one optimizer step: this rank's logits and every trained parameter's whole gradient, reduced over
+    DP at the accumulation boundary (before the step)."""
+    from deepspeed.utils import safe_get_full_grad
+    micro = batches(engine.module.config.vocab_size)
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+    mine = micro[rank * 2:(rank + 1) * 2]
+    logits, grads = [], {}
+    for i, mb in enumerate(mine):
+        out = engine.engine(input_ids=mb["input_ids"])
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        engine.engine.backward(loss * world / tokens, scale_wrt_gas=False)
+        logits.append(out.logits.detach().clone())
+        if i == len(mine) - 1:
+            grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+        engine.engine.step()
+    return logits, grads
+
+
 def _engine_parity(rank, world, cases, stages):
     """Per (stage, family): this rank's logits and every adapter's whole gradient, after the global
     batch's micro-batches went through ``DeepSpeedEngine`` as ``train_step`` sends them."""
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_grad
-
-    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
-    from toolkit.plan import build_plan
     results = {}
     for stage in stages:
         for case, (base_dir, modules_to_save) in cases.items():
-            cfg = validate({"model": {"name_or_path": base_dir, "init": "pretrained"}, "zero": {"stage": stage},
-                            "lora": {"rank": RANK, "alpha": ALPHA, "modules_to_save": modules_to_save},
-                            "train": {"global_batch_size": 4, "micro_batch_size": 1}})
-            plan = build_plan(cfg, [world])
-            model = build_model(plan, plan.ds_config(world))
-            with torch.no_grad():  # adapters are whole on every rank until deepspeed.initialize
-                for name, value in adapter_values(model).items():
-                    model.get_parameter(name).copy_(value)
-            engine = DeepSpeedEngine(plan, model)
-            micro = batches(model.config.vocab_size)
-            tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
-            mine = micro[rank * 2:(rank + 1) * 2]
-            logits, grads = [], {}
-            for i, mb in enumerate(mine):
-                out = engine.engine(input_ids=mb["input_ids"])
-                loss = F.cross_entropy(out.logits.flatten(0, 1).float(), mb["labels"].flatten(),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-                engine.engine.backward(loss * world / tokens, scale_wrt_gas=False)
-                logits.append(out.logits.detach().clone())
-                if i == len(mine) - 1:  # reduced over DP at the accumulation boundary, before the step
-                    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
-                             if p.requires_grad}
-                engine.engine.step()
+            _, engine = seeded_lora_engine(world, base_dir, stage, modules_to_save)
+            logits, grads = step_global_batch(engine, rank, world)
             results[(stage, case)] = {"logits": logits, "grads": grads}
             engine.engine.destroy()
             dist.barrier()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.test_lora import ALPHA, EXPORT_LOGIT_TOL, GRAD_RTOL, LOGIT_TOL, RANK, adapter_values, reference
+from tests.test_lora import (EXPORT_LOGIT_TOL, GRAD_RTOL, LOGIT_TOL, reference, seeded_lora_engine,
+                             step_global_batch)
 from tests.test_megatron_compat import run_ranks
 from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base
 from toolkit.config import validate
@@ -45,31 +45,10 @@ def _stage(setting: str) -> int:
 def _lora_case(rank, world, variant, base, root):
     """Logits and whole adapter gradients of the global batch at the matrix's stage, then one step
     and, where the matrix says so, the export (hf_final/ merged, adapter/ beside it)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param
 
-    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
-    from toolkit.plan import build_plan
-    cfg = validate({"model": {"name_or_path": base, "init": "pretrained"}, "zero": {"stage": _stage(LORA[variant])},
-                    "lora": {"rank": RANK, "alpha": ALPHA}, "train": {"global_batch_size": 4, "micro_batch_size": 1}})
-    plan = build_plan(cfg, [world])
-    model = build_model(plan, plan.ds_config(world))
-    with torch.no_grad():  # adapters are whole on every rank until deepspeed.initialize
-        for name, value in adapter_values(model).items():
-            model.get_parameter(name).copy_(value)
-    engine = DeepSpeedEngine(plan, model)
-    micro = batches(model.config.vocab_size)
-    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
-    mine = micro[rank * 2:(rank + 1) * 2]
-    logits, grads = [], {}
-    for i, mb in enumerate(mine):
-        out = engine.engine(input_ids=mb["input_ids"])
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), mb["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-        engine.engine.backward(loss * world / tokens, scale_wrt_gas=False)
-        logits.append(out.logits.detach().clone())
-        if i == len(mine) - 1:  # reduced over DP at the accumulation boundary, before the step
-            grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
-        engine.engine.step()
+    plan, engine = seeded_lora_engine(world, base, _stage(LORA[variant]))
+    logits, grads = step_global_batch(engine, rank, world)
     result = {"logits": logits, "grads": grads, "targets": plan.lora.targets,
               "trained": {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
                           if p.requires_grad}}
