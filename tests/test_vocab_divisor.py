@@ -73,3 +73,11 @@ def test_non_default_vocab_divisor_through_resume_and_convert(tmp_path, data_cac
     run_in_process(["convert", str(saved), str(tp1), "--to", "megatron", "--tp", "1", "--verify"])
     _assert_padded(tp1)
     assert _record(tp1)["make_vocab_size_divisible_by"] == DIVISOR
+
+
+@pytest.mark.parametrize("to, divisor", [("hf", 64), ("zero", 64), ("megatron", 0)])
+def test_vocab_divisor_refused_where_it_means_nothing(to, divisor):
+    from toolkit.convert import ConvertError
+    from toolkit.convert.run import _check_request
+    with pytest.raises(ConvertError, match=f"--vocab-divisor {divisor}: a positive integer, and for --to megatron"):
+        _check_request({}, to, (1, 1, 1, 1), 2, None, divisor)
