@@ -117,7 +117,7 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
                for n, shape in shapes.items()}
     meta = {"format": "toolkit-megatron", "lora": spec, "layout": {"tp": 2}}
     ckpt = tmp_path / "ckpt"
-    write_megatron_lora(LoraSource(ckpt, "test", hf_config, tensors, meta, step=3), ckpt / "engine", 2, 1, 1, 1, False)
+    write_megatron_lora(LoraSource(ckpt, "test", hf_config, tensors, meta, step=3), ckpt / "engine", 2, 1, 1, 1, False, 128)
     meta_io.write_descriptions(ckpt, "megatron", family, hf_config, meta["layout"], "fp32", {"step": 3}, lora=spec)
     back = read_lora_checkpoint(ckpt, meta)
     assert sorted(back.infos) == sorted(_trained_names(hf_config, spec)) == sorted(tensors)

@@ -113,6 +113,9 @@ def _add_convert_parsers(sub) -> None:
                    help="data parallel size the output is described for (default: --ep for megatron, else 1)")
     c.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage the output is described for")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: as stored)")
+    c.add_argument("--vocab-divisor", type=int, metavar="N",
+                   help="--to megatron: the vocabulary is padded to a multiple of N x tp, as the run's "
+                        "megatron.make_vocab_size_divisible_by (default: a megatron source's recorded one, else 128)")
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state (Adam restarts)")
     c.add_argument("--verify", action="store_true", help="check tensors and logits of SRC vs DST; exit 1 on mismatch")
     c.add_argument("--hf-config", help="config.json (or its dir) when none lies beside SRC")

@@ -71,7 +71,7 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
     error = None
     if rank == 0 and not out.exists():  # the converter stages its output: `out` exists only complete
         note(f"converting {ckpt.name} from {saved_layout} to {layout} (toolkit convert) before loading")
-        error = _convert(ckpt, out, backend, layout)
+        error = _convert(ckpt, out, backend, layout, engine.lay.vocab_divisor if backend == "megatron" else None)
     outcome = [error]  # rank 0's conversion error (or None), for every rank
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
@@ -86,11 +86,13 @@ def drop_conversion(engine_dir: Path, run_dir: Path, rank: int) -> None:
         shutil.rmtree(engine_dir.parent, ignore_errors=True)
 
 
-def _convert(ckpt: Path, out: Path, backend: str, layout: dict) -> str | None:
+def _convert(ckpt: Path, out: Path, backend: str, layout: dict, vocab_divisor: int | None) -> str | None:
+    """``vocab_divisor``: this run's megatron.make_vocab_size_divisible_by (None on DeepSpeed), so the
+    converted checkpoint's embedding has the rows this run's model has."""
     from toolkit.convert import ConvertError, convert
     try:
         convert(ckpt, out, to=TARGET_FORMAT[backend], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
-                dp=layout["dp"], zero_stage=layout.get("zero_stage") or 2)
+                dp=layout["dp"], zero_stage=layout.get("zero_stage") or 2, vocab_divisor=vocab_divisor)
     except ConvertError as exc:
         return (f"checkpoint {ckpt} was written with another layout and cannot be converted to this run's "
                 f"{layout}: {exc}")

@@ -64,6 +64,8 @@ class Source:
     """The toolkit's trainer.json when SRC is a toolkit checkpoint (step, consumed samples, seed)."""
     optimizer_hparams: dict = field(default_factory=dict)
     """lr, betas, eps, weight_decay of the source optimizer (first param group), when known."""
+    vocab_divisor: int | None = None
+    """megatron.make_vocab_size_divisible_by a megatron source was written with, when recorded."""
 
     def names(self) -> list[str]:
         return list(self.infos)

@@ -13,7 +13,7 @@ def cmd_convert(args) -> int:
         summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                           zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,
                           hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress,
-                          base=args.base)
+                          base=args.base, vocab_divisor=args.vocab_divisor)
     except ConvertError as exc:
         print(f"toolkit convert: error: {exc}", file=sys.stderr)
         return 2

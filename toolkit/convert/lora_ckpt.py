@@ -226,7 +226,7 @@ def compare_lora_sources(a: LoraSource, b: LoraSource):
 # --- writing --------------------------------------------------------------------------------------------
 
 def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: int, dp: int, zero_stage: int,
-               weights_only: bool) -> dict:
+               weights_only: bool, vocab_divisor: int) -> dict:
     """``stage/engine`` as a toolkit LoRA checkpoint of ``to``'s backend saves it; returns the layout
     for its description (``run.describe_for_resume`` adds meta.json's ``lora`` and ``base_model``)."""
     if to == "zero":
@@ -234,23 +234,25 @@ def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: i
         write_zero(source, stage / "engine", zero_stage, dp, weights_only, module_state=source.trained())
         layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
     else:
-        write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only)
+        write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only, vocab_divisor)
         layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
     return layout
 
 
 def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, dp: int, ep: int,
-                        weights_only: bool) -> None:
+                        weights_only: bool, vocab_divisor: int) -> None:
     """``engine_dir`` as a megatron LoRA run saves it (global tensors, any TP loads them), the
     distributed optimizer's fp32 main weights and moments beside them."""
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.convert.megatron import OPT_PREFIX, TOOLKIT_JSON, _common, padded_vocab
+    from toolkit.convert.megatron import OPT_PREFIX, TOOLKIT_JSON, _common
+    from toolkit.plan.layout import padded_vocab_size
+    padded = padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp)
     moments = source.has_optimizer and not weights_only
     rows = _packed_rows(source.hf_config, source.meta["lora"])
     state = {}
     for name in source.names():
-        for key, tensors in _as_stored(source, name, rows, padded_vocab(source.hf_config["vocab_size"], tp)).items():
+        for key, tensors in _as_stored(source, name, rows, padded).items():
             state[key] = tensors["param"]
             if moments:
                 state.update({f"{OPT_PREFIX}{s}.{key}": tensors[s] for s in STATES})
@@ -265,7 +267,7 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
     torch.save(_common(source, moments), engine_dir / "common.pt")
     (engine_dir / TOOLKIT_JSON).write_text(json.dumps({
         "format": "megatron-core torch_dist", "family": source.model_type, "vocab_size": source.hf_config["vocab_size"],
-        "padded_vocab_size": padded_vocab(source.hf_config["vocab_size"], tp), "layer_spec": "gpt_layer_local_spec",
+        "padded_vocab_size": padded, "make_vocab_size_divisible_by": vocab_divisor, "layer_spec": "gpt_layer_local_spec",
         "optimizer_sharding": "fully_reshardable", "lora": "adapters only, HF-PEFT names",
         "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}, indent=2))
 

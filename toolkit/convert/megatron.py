@@ -150,6 +150,7 @@ class MegatronSource(Source):
         self.layout_ = _Layout(hf_config, int(emb.size[0]))
         self._check_keys()
         self.layout = {k: v for k, v in tk.get("layout", {}).items() if k != "format"}
+        self.vocab_divisor = tk.get("make_vocab_size_divisible_by")  # absent: written before it was recorded
         self.has_optimizer = any(k.startswith(OPT_PREFIX + "exp_avg.") for k in self._md.state_dict_metadata)
         common = safe_load(path / "common.pt", mmap=False) if (path / "common.pt").is_file() else {}
         groups = common.get("optimizer", {}).get("optimizer", {}).get("param_groups", [])
@@ -223,11 +224,6 @@ class MegatronSource(Source):
 
 # --- writer --------------------------------------------------------------------------------------------
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    from toolkit.families import padded_vocab_size
-    return padded_vocab_size(vocab, divisible_by, tp)
-
-
 class _StreamingSavePlanner:
     """A DCP save planner whose items are per-layer regions computed from the source on demand:
     DCP's writer resolves one item at a time, so memory holds one layer's tensor, not the model."""
@@ -252,11 +248,14 @@ class _StreamingSavePlanner:
 
 
 def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, dtype: torch.dtype | None,
-                   weights_only: bool = False, progress=None, divisible_by: int = 128, ep: int = 1) -> dict:
-    """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` (the vocab padding
-    depends on it; pp, ep and dp only go into the description - the tensors are global)."""
+                   vocab_divisor: int, weights_only: bool = False, progress=None, ep: int = 1) -> dict:
+    """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` with
+    ``megatron.make_vocab_size_divisible_by=vocab_divisor`` (the vocab padding depends on both; pp,
+    ep and dp only go into the description - the tensors are global)."""
     import torch.distributed.checkpoint as dcp
-    layout = _Layout(source.hf_config, padded_vocab(source.hf_config["vocab_size"], tp, divisible_by))
+
+    from toolkit.plan.layout import padded_vocab_size
+    layout = _Layout(source.hf_config, padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp))
     _check_names(source, layout)
     moments = source.has_optimizer and not weights_only
     items, resolvers = _plan(source, layout, dtype, moments)
@@ -293,7 +292,7 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     torch.save(_common(source, moments), engine_dir / "common.pt")
     describe = {"format": "megatron-core torch_dist", "family": layout.family.model_type,
                 "vocab_size": source.hf_config["vocab_size"], "padded_vocab_size": layout.padded_vocab,
-                "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
+                "make_vocab_size_divisible_by": vocab_divisor, "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
                 "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}
     (engine_dir / TOOLKIT_JSON).write_text(json.dumps(describe, indent=2))
     return describe

@@ -14,12 +14,15 @@ TARGETS = ("hf", "zero", "megatron")
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
             zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
-            max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None) -> dict:
+            max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None,
+            vocab_divisor: int | None = None) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
     the torch one), seconds. A LoRA source (a toolkit LoRA checkpoint or an HF-PEFT directory)
-    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``convert/peft.py``)."""
+    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``convert/peft.py``).
+    ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
+    source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
     from toolkit.convert.detect import locate, open_located
     from toolkit.convert.direct import open_direct
     from toolkit.convert.staging import staged
@@ -27,7 +30,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
         if to in ("zero", "megatron"):
             summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, dp or (ep if to == "megatron" else 1)),
-                                               zero_stage, weights_only, base)
+                                               zero_stage, weights_only, base, vocab_divisor)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.convert.peft import convert_adapter, open_adapter
         adapter, described = open_adapter(Path(src), base)
@@ -39,7 +42,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
     dp = dp or (ep if to == "megatron" else 1)
-    _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype)
+    _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype, vocab_divisor)
     direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
     source = direct or open_located(found)
     try:
@@ -48,7 +51,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
                 direct.write_hf(stage, max_shard_bytes, progress)
             else:
                 _write(source, stage, to, (tp, pp, ep, dp), zero_stage, _torch_dtype(dtype), weights_only,
-                       max_shard_bytes, progress)
+                       max_shard_bytes, progress, _vocab_divisor(source, vocab_divisor))
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
@@ -58,7 +61,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
 
 
 def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
-                             base: str | None) -> dict:
+                             base: str | None, vocab_divisor: int | None) -> dict:
     """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
     ``to``'s backend (``convert/lora_ckpt.py``)."""
     from toolkit.convert.detect import resolve_run_dir
@@ -72,9 +75,9 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
     else:
         ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
         source = read_lora_checkpoint(ckpt, meta)
-    _check_request(source.hf_config, to, parallel, zero_stage, None)
+    _check_request(source.hf_config, to, parallel, zero_stage, None, vocab_divisor)
     with staged(dst) as stage:
-        layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only)
+        layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only, _vocab_divisor(source, vocab_divisor))
         tp, pp, _, dp = parallel
         describe_for_resume(source, stage, to, layout, None, dp * tp * pp,
                             {k: meta[k] for k in ("lora", "base_model") if k in meta})
@@ -88,6 +91,13 @@ def _is_lora(src) -> bool:
     return is_lora_source(Path(src))
 
 
+def _vocab_divisor(source, requested: int | None) -> int:
+    """The megatron output's vocabulary divisor: the one asked for, else the one a megatron source
+    was written with (so a converted checkpoint keeps its run's padded vocabulary), else megatron's."""
+    from toolkit.plan.layout import DEFAULT_VOCAB_DIVISOR
+    return requested or getattr(source, "vocab_divisor", None) or DEFAULT_VOCAB_DIVISOR
+
+
 def _torch_dtype(name: str | None):
     if name is None:
         return None
@@ -96,7 +106,7 @@ def _torch_dtype(name: str | None):
 
 
 def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,
-                   dtype: str | None) -> None:
+                   dtype: str | None, vocab_divisor: int | None = None) -> None:
     tp, pp, ep, dp = parallel
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
@@ -108,6 +118,9 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
         raise ConvertError(f"--zero-stage {stage}: choose 1, 2 or 3")
     if to != "megatron" and (tp, pp, ep) != (1, 1, 1):
         raise ConvertError(f"--tp/--pp/--ep apply to --to megatron only (got --to {to})")
+    if vocab_divisor is not None and (to != "megatron" or vocab_divisor < 1):
+        raise ConvertError(f"--vocab-divisor {vocab_divisor}: a positive integer, and for --to megatron only "
+                           f"(got --to {to}); use the run's megatron.make_vocab_size_divisible_by")
     if to == "megatron":
         _check_megatron_layout(hf_config, tp, pp, ep)
         if dp % ep:
@@ -141,7 +154,8 @@ def _experts(config: dict) -> int:
     return family.num_experts(hf_config_object(config)) if family else 0
 
 
-def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, max_shard_bytes, progress) -> None:
+def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, max_shard_bytes, progress,
+           vocab_divisor: int) -> None:
     tp, pp, ep, dp = parallel
     if to == "hf":
         from toolkit.convert.hf import write_hf
@@ -153,7 +167,7 @@ def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, m
         layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
     else:
         from toolkit.convert.megatron import write_megatron
-        write_megatron(source, stage / "engine", tp, pp, dp, dtype, weights_only, progress, ep=ep)
+        write_megatron(source, stage / "engine", tp, pp, dp, dtype, vocab_divisor, weights_only, progress, ep=ep)
         layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
     describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
 

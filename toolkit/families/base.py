@@ -21,7 +21,6 @@ Family files do no I/O and no communication.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -452,7 +451,3 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: the next multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab / multiple) * multiple)

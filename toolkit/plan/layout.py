@@ -10,7 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from toolkit.config import ConfigError, RunConfig
+from toolkit.config import ConfigError, MegatronConfig, RunConfig
+
+DEFAULT_VOCAB_DIVISOR = MegatronConfig.model_fields["make_vocab_size_divisible_by"].default
+"""megatron's own default (128): the converter's when neither the source nor ``--vocab-divisor`` names one."""
 
 
 class Layout(BaseModel):
@@ -37,6 +40,9 @@ class Layout(BaseModel):
     """Micro-batches per rank per optimizer step (gradient accumulation)."""
     padded_vocab: int = 0
     """Megatron's embedding rows (vocab padded to a multiple of make_vocab_size_divisible_by x tp)."""
+    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR
+    """megatron.make_vocab_size_divisible_by: what a checkpoint written for this run (the reshard on
+    resume converts one) pads the vocabulary with."""
 
     def describe(self) -> str:
         if self.backend == "deepspeed":
@@ -63,7 +69,7 @@ def valid_tp(heads: int, kv_heads: int) -> list[int]:
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: the next multiple of ``divisible_by * tp``."""
+    """Megatron's padding: the next multiple of ``divisible_by * tp`` (the one home of this rule)."""
     multiple = divisible_by * tp
     return int(math.ceil(vocab / multiple) * multiple)
 
@@ -113,7 +119,8 @@ def _megatron_layout(cfg: RunConfig, spec, world: int) -> Layout:
     return Layout(backend="megatron", world=world, dp=dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep,
                   sequence_parallel=m.sequence_parallel, first_stage_layers=m.first_stage_layers,
                   last_stage_layers=m.last_stage_layers, recompute=m.recompute,
-                  padded_vocab=padded_vocab_size(spec.vocab, m.make_vocab_size_divisible_by, m.tp))
+                  padded_vocab=padded_vocab_size(spec.vocab, m.make_vocab_size_divisible_by, m.tp),
+                  vocab_divisor=m.make_vocab_size_divisible_by)
 
 
 RUN_FIELDS = {"tp": "megatron.tp", "pp": "megatron.pp", "vpp": "megatron.vpp", "ep": "megatron.ep"}

@@ -92,6 +92,7 @@ def describe(engine) -> dict:
     """What a reader of the checkpoint needs: true vocab, layer spec, layout."""
     return {"format": "megatron-core torch_dist", "family": engine.family.model_type,
             "vocab_size": engine.hf_config.vocab_size, "padded_vocab_size": engine.lay.padded_vocab,
+            "make_vocab_size_divisible_by": engine.lay.vocab_divisor,
             "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
             "layout": engine.layout_record(),
             **({"lora": "adapters only, HF-PEFT names"} if engine.lora is not None else {})}
