@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -98,9 +97,8 @@ def prepare(workdir: Path, steps: int) -> Path:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from toolkit.parallel import free_port  # the benchmark's parent imports no toolkit at module load
+    return free_port()
 
 
 def case_command(case: str, workdir: Path, run_dir: Path, steps: int) -> list[str]:

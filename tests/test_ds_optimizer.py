@@ -18,7 +18,8 @@ import torch
 
 from tests.conftest import TINY, start_forkserver
 from tests.test_families import tiny_model
-from tests.test_megatron_compat import _free_port, run_ranks
+from tests.test_megatron_compat import run_ranks
+from toolkit.parallel import free_port
 from tests.test_megatron_parity import batches
 from toolkit.config import load_config, validate
 from toolkit.engine import IGNORE_INDEX
@@ -114,7 +115,7 @@ def _run_with_failing_build(run_dir, data_cache, *sets: str) -> None:
     plan_path = write_plan(build_plan(cfg, [1]), run_dir)
     start_forkserver()
     rank = multiprocessing.get_context("forkserver").Process(
-        target=_worker_with_failing_build, args=(str(plan_path), "FusedAdamBuilder", _free_port()))
+        target=_worker_with_failing_build, args=(str(plan_path), "FusedAdamBuilder", free_port()))
     rank.start()
     rank.join(timeout=600)
     assert rank.exitcode == 0

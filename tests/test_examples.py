@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, TINY, losses
+from toolkit.parallel import free_port
 
 SRUN = r"""#!/bin/bash
 # Stand-in for srun: SLURM_NNODES x SLURM_NTASKS_PER_NODE tasks of the command, on this machine.
@@ -26,12 +26,6 @@ done
 rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
 """
 SCONTROL = "#!/bin/bash\necho 127.0.0.1\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sbatch(script: str, tmp_path: Path, data_cache: Path, tasks_per_node: int, **env) -> subprocess.CompletedProcess:
@@ -64,14 +58,14 @@ def _check(proc: subprocess.CompletedProcess, run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_sbatch_one_agent_per_node(tmp_path, data_cache):
-    proc = _sbatch("train.sbatch", tmp_path, data_cache, tasks_per_node=1, RDZV_PORT=str(_free_port()))
+    proc = _sbatch("train.sbatch", tmp_path, data_cache, tasks_per_node=1, RDZV_PORT=str(free_port()))
     _check(proc, tmp_path / "run")
     assert "1 rank(s) x 2 node(s)" in proc.stdout
 
 
 @pytest.mark.slow
 def test_sbatch_one_rank_per_task(tmp_path, data_cache):
-    proc = _sbatch("train_srun.sbatch", tmp_path, data_cache, tasks_per_node=1, MASTER_PORT=str(_free_port()))
+    proc = _sbatch("train_srun.sbatch", tmp_path, data_cache, tasks_per_node=1, MASTER_PORT=str(free_port()))
     _check(proc, tmp_path / "run")
 
 

@@ -53,3 +53,23 @@ def test_forkserver_is_refused_where_cuda_is_available(gpus, tmp_path, data_cach
     assert "toolkit: deepspeed on" not in out
     monkeypatch.delenv("TOOLKIT_RANK_START")
     assert rank_start_method() == "spawn"  # CUDA's default
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_listening_one(monkeypatch):
+    """A rendezvous port from ``bind(0)`` lies in the range outgoing connections take their local
+    ports from, so another job's connection could take it before a rank listens (EADDRINUSE, seen in
+    CI); the port is drawn below that range, and one something listens on is never handed out."""
+    import random
+    import socket
+
+    from toolkit import parallel
+    low = parallel._ephemeral_range_start()
+    assert all(10000 <= parallel.free_port() < low for _ in range(20))
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        taken = listening.getsockname()[1]
+        draws = iter([taken, 20001])
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        monkeypatch.setattr(parallel, "_ephemeral_range_start", lambda: 65000)
+        assert parallel.free_port() == 20001

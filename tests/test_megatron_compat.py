@@ -5,7 +5,6 @@ Also home of ``run_ranks``, the spawner the other megatron test files use for in
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import warnings
 
@@ -16,14 +15,9 @@ import torch.multiprocessing as mp
 from tests.conftest import start_forkserver
 from toolkit import device
 from toolkit.compat import megatron_core, megatron_cpu
+from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inert with a GPU")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world, port, fn, out_dir, args):
@@ -52,7 +46,7 @@ def _rank_main(rank, world, port, fn, out_dir, args):
 def run_ranks(fn, world: int, tmp_path, *args, timeout: float = 300) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo ranks; their return values, in rank order."""
     start_forkserver()
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world,
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), fn, str(tmp_path), args), nprocs=world,
                              join=False, start_method="forkserver")
     import time
     deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, TINY, losses, resumes
-from toolkit.parallel import _free_port
+from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def _start_node(node: int, run_dir, port, tmp_path, *extra: str, nnodes: str = "
     ("mcore_tp2", ("backend=megatron", "megatron.tp=2")),  # the TP group spans the two nodes
 ])
 def test_two_agents_match_one_node(name, layout, runs, tmp_path, data_cache):
-    run_dir, port = tmp_path / "two_nodes", _free_port()
+    run_dir, port = tmp_path / "two_nodes", free_port()
     procs = [_start_node(node, run_dir, port, tmp_path, *layout) for node in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
@@ -41,7 +41,7 @@ def test_elastic_job_loses_a_node_and_continues_alone(runs, tmp_path, data_cache
     """Node 1 dies (agent and rank, SIGKILL) after the step-3 checkpoint; node 0 restarts, the
     rendezvous closes with one node, the ZeRO-2 DP=2 checkpoint is converted to DP=1, and the job
     finishes with the same global batch: the losses stay on the uninterrupted run's curve."""
-    run_dir, port = tmp_path / "elastic", _free_port()
+    run_dir, port = tmp_path / "elastic", free_port()
     extra = ("restart.max_restarts=2", "restart.backoff_s=0.2", "train.steps=8")
     procs = [_start_node(node, run_dir, port, tmp_path, *extra, nnodes="1:2") for node in range(2)]
     _wait_for_checkpoint(run_dir / "checkpoints" / "step_00000003", procs)

@@ -122,8 +122,8 @@ def _launch_externally(launcher: str, toolkit_args: list[str]) -> list:
     """Commands and environments that make `toolkit train` one rank of a job started by another launcher."""
     import os
     import sys
-    from toolkit.parallel import _free_port
-    env, port = {**os.environ, "PYTHONUNBUFFERED": "1"}, str(_free_port())
+    from toolkit.parallel import free_port
+    env, port = {**os.environ, "PYTHONUNBUFFERED": "1"}, str(free_port())
     if launcher == "torchrun":
         return [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                   "-m", "toolkit", *toolkit_args], env)]

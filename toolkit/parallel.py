@@ -78,7 +78,7 @@ def init_process_group(timeout_s: float = 600) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
@@ -102,11 +102,35 @@ def _attempt_store(timeout: timedelta):
     return dist.PrefixStore(f"toolkit/attempt_{attempt}", client)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that nothing listens on now, for a rendezvous or a store to listen on shortly.
+
+    Drawn below the kernel's ephemeral range rather than from ``bind(0)``: ``bind(0)`` hands out a
+    port of that range, where every outgoing connection on the machine (gloo's pairs, a TCP
+    store's clients) also takes its local port, so between picking the port and listening on it a
+    connection of another job could take it (EADDRINUSE, seen in CI with two test workers)."""
     import socket
-    with socket.socket() as s:
+    low = _ephemeral_range_start()
+    draw = random.SystemRandom()
+    for _ in range(200 if low > 11000 else 0):
+        port = draw.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts there
 
 
 def seed_everything(seed: int) -> None:

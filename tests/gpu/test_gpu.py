@@ -15,7 +15,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from tests.conftest import run_cli
 from tests.gpu.measure import measure
+from toolkit.parallel import free_port
 
 REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -60,12 +60,6 @@ def resume_events(run_dir: Path) -> list[dict]:
 
 # --- megatron vs HF on the device --------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(rank, fn, args, out, port):
     """One rank in a fresh process (CUDA is never forked): process group, then ``fn``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -79,7 +73,7 @@ def _spawned(rank, fn, args, out, port):
 
 def in_fresh_process(fn, *args, tmp_path: Path):
     out = tmp_path / "result.pt"
-    torch.multiprocessing.start_processes(_spawned, args=(fn, args, str(out), _free_port()), nprocs=1,
+    torch.multiprocessing.start_processes(_spawned, args=(fn, args, str(out), free_port()), nprocs=1,
                                           start_method="spawn")
     return torch.load(out, weights_only=False)
 
