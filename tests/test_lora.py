@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +241,20 @@ def parity(base_dirs, tmp_path_factory):
     return run_ranks(_engine_parity, 2, tmp_path_factory.mktemp("lora_parity"), cases, (2, 3), timeout=600)
 
 
+def assert_adapters_match_peft(label: str, logit_gap: float, grads: dict, ref_grads: dict,
+                               logit_tol: float = LOGIT_TOL, grad_rtol: float = GRAD_RTOL) -> None:
+    """The engine's logits within ``logit_tol`` of peft's, and every adapter's whole gradient within
+    ``grad_rtol`` of peft's, relative to that gradient's max (one adapter per HF projection, peft's
+    names; B != 0 in the seeded adapters, so every one gets a gradient)."""
+    assert sorted(grads) == sorted(ref_grads)
+    ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
+    worst = max(ratios, key=ratios.get)
+    print(f"\n{label}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} of its max ({worst})")
+    assert logit_gap <= logit_tol
+    assert ratios[worst] <= grad_rtol, worst
+    assert all(g.abs().max() > 0 for g in ref_grads.values())
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
@@ -248,15 +263,7 @@ def test_logits_and_adapter_grads_equal_hf_peft(case, stage, parity, base_dirs):
     ref_logits, ref_grads = reference(base_dirs[family], micro, modules_to_save)
     logit_gap = max((a - b).abs().max().item() for r, res in enumerate(parity)
                     for a, b in zip(res[(stage, case)]["logits"], ref_logits[r * 2:(r + 1) * 2]))
-    grads = parity[0][(stage, case)]["grads"]
-    assert sorted(grads) == sorted(ref_grads)  # our all-linear adapts exactly peft's modules
-    ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
-    worst = max(ratios, key=ratios.get)
-    print(f"\n{case} ZeRO-{stage}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} "
-          f"of its max ({worst})")
-    assert logit_gap <= LOGIT_TOL
-    assert ratios[worst] <= GRAD_RTOL, worst
-    assert all(g.abs().max() > 0 for g in ref_grads.values())  # B != 0: every adapter gets a gradient
+    assert_adapters_match_peft(f"{case} ZeRO-{stage}", logit_gap, parity[0][(stage, case)]["grads"], ref_grads)
 
 
 # --- training, checkpoints and exports through `toolkit train` -------------------------------------

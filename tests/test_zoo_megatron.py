@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lora import ALPHA, EXPORT_LOGIT_TOL, RANK, reference, seeded_adapter
+from tests.test_lora import ALPHA, EXPORT_LOGIT_TOL, RANK, assert_adapters_match_peft, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_lora import GRAD_RTOL, LOGIT_TOL
 from tests.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base
@@ -77,15 +77,7 @@ def test_lora_logits_and_adapter_grads_equal_hf_peft(zoo, variant):
     ref_logits, ref_grads = reference(zoo["bases"][variant], batches(VARIANTS[variant].config().vocab_size),
                                       targets=d["targets"])
     logit_gap = max((a - b).abs().max().item() for a, b in zip(d["logits"], ref_logits))
-    grads = d["grads"]
-    assert sorted(grads) == sorted(ref_grads)  # one adapter per HF projection, peft's names
-    ratios = {n: (grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items()}
-    worst = max(ratios, key=ratios.get)
-    print(f"\n{variant} {LORA[variant]}: max logit gap {logit_gap:.2e}; worst adapter grad gap {ratios[worst]:.2e} "
-          f"({worst})")
-    assert logit_gap <= LOGIT_TOL
-    assert ratios[worst] <= GRAD_RTOL, worst
-    assert all(g.abs().max() > 0 for g in ref_grads.values())
+    assert_adapters_match_peft(f"{variant} {LORA[variant]}", logit_gap, d["grads"], ref_grads, LOGIT_TOL, GRAD_RTOL)
 
 
 @pytest.mark.parametrize("variant", [v for v, how in EXPORT.items() if how == "lora-megatron"])
