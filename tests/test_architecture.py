@@ -123,6 +123,19 @@ def test_every_constant_has_one_home():
     assert [name for name, n in defined.items() if n > 1 and name != "FAMILY"] == []
 
 
+def test_the_loss_facts_have_one_home():
+    """The ignore index, the token loss sum and its chunk sizing live in ``toolkit/loss.py``: the
+    data pipeline and the estimate import it, not the engine protocol; no other module writes -100."""
+    known = modules()
+    for name, path in known.items():
+        if name.startswith(("toolkit.data", "toolkit.plan", "toolkit.estimate")):
+            assert "toolkit.engine" not in imports(path, name, known), f"{name} imports toolkit.engine"
+    writers = [name for name, path in known.items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+               and isinstance(node.operand, ast.Constant) and node.operand.value == 100]
+    assert writers == ["toolkit.loss"]
+
+
 def test_modules_stay_short():
     long = {str(p.relative_to(REPO)): n for p in TOOLKIT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -22,7 +22,7 @@ from tests.test_megatron_compat import run_ranks
 from toolkit.parallel import free_port
 from tests.test_megatron_parity import batches
 from toolkit.config import load_config, validate
-from toolkit.engine import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 

@@ -15,7 +15,7 @@ from tests.test_megatron_parity import batches
 from toolkit import device
 from toolkit.adapters import moe
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX
 
 LAYOUTS = [(2, 1), (2, 4), (4, 1), (4, 4)]  # (layers, micro-batches)
 DENSE_SYNCS = 4

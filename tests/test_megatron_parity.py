@@ -13,7 +13,7 @@ import torch
 from tests.test_families import TINY, tiny_model
 from tests.test_megatron_compat import run_ranks
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo parity suite")
 

@@ -13,9 +13,9 @@ from tests.test_megatron_parity import (assert_logits_on_every_dp_rank, batches,
                                         worst_ratio)
 from toolkit.adapters import moe
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, pack, padded_vocab_size, read_shard,
                               shard, unpack, unshard)
+from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
 FAMILIES = sorted(TINY_MOE)
 AUX_COEFF = 0.1  # large, so a mis-scaled aux gradient shows in the router's gradients

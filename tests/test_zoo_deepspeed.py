@@ -22,7 +22,7 @@ from tests.test_lora import (EXPORT_LOGIT_TOL, assert_adapters_match_peft, refer
 from tests.test_megatron_compat import run_ranks
 from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 

@@ -14,7 +14,7 @@ from tests.test_families import tiny_model
 from tests.test_packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
 from toolkit.adapters.attention import choose_kernel, flex_unavailable
-from toolkit.engine import token_loss_sum
+from toolkit.loss import token_loss_sum
 
 
 def on_device(mb: dict) -> dict:

@@ -27,7 +27,8 @@ from toolkit.adapters.megatron.weights import (check_hf_keys, checkpoint_names, 
                                                release_storage)
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
-from toolkit.engine import DTYPES, IGNORE_INDEX, StepStats
+from toolkit.engine import DTYPES, StepStats
+from toolkit.loss import IGNORE_INDEX
 from toolkit.plan import Plan
 
 
