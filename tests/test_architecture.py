@@ -123,6 +123,23 @@ def test_every_constant_has_one_home():
     assert [name for name, n in defined.items() if n > 1 and name != "FAMILY"] == []
 
 
+def test_only_the_grid_reads_megatrons_parallel_state():
+    """megatron-core's global parallel state (ranks, sizes, process groups) is read in one module,
+    ``adapters/megatron/grid.py``; sizes elsewhere come from the run's ``Layout``."""
+    readers = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            if any(n.startswith("megatron.core.parallel_state") for n in names):
+                readers.append(name)
+    assert sorted(set(readers)) == ["toolkit.adapters.megatron.grid"]
+
+
 def test_the_loss_facts_have_one_home():
     """The ignore index, the token loss sum and its chunk sizing live in ``toolkit/loss.py``: the
     data pipeline and the estimate import it, not the engine protocol; no other module writes -100."""
