@@ -9,8 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from toolkit.compat import megatron_core
-
-DESCRIPTION = "toolkit_megatron.json"
+from toolkit.convert.megatron import TOOLKIT_JSON
 
 
 def model_sharded_state_dict(engine) -> dict:
@@ -54,7 +53,7 @@ def save(engine, path: Path) -> None:
     megatron_core.materialize_optimizer_state(engine.optimizer)
     dist_checkpointing.save(sharded_state_dict(engine, is_loading=False), str(path))
     if dist.get_rank() == 0:  # after megatron's save, which warns about a folder not empty before it
-        (path / DESCRIPTION).write_text(json.dumps(describe(engine), indent=2))
+        (path / TOOLKIT_JSON).write_text(json.dumps(describe(engine), indent=2))
     dist.barrier()
 
 
