@@ -72,6 +72,25 @@ def test_the_readme_links_every_page_and_nothing_missing():
     assert unlinked == [], f"README.md does not link these pages of the nav: {unlinked}"
 
 
+REPO_ROOTS = ("toolkit/", "tests/", "benchmarks/", "examples/", "docker/", "ds_configs/", "megatron_configs/",
+              "requirements/", ".ci/")
+
+
+def named_paths(text: str) -> list[str]:
+    """Repository paths named in code: fenced blocks and inline spans (globs and placeholders left out)."""
+    fenced = re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.DOTALL))
+    tokens = [tok.split("::")[0].rstrip(".:") for code in fenced + inline for tok in re.split(r"[\s,;()\"'\[\]]+", code)]
+    return [tok for tok in tokens if tok.startswith(REPO_ROOTS) and not any(c in tok for c in "*{<$")]
+
+
+def test_every_path_the_docs_name_exists():
+    """A file moved or renamed leaves no page pointing at its old place (135 paths when written)."""
+    stale = {page.name: missing for page in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+             if (missing := [path for path in named_paths(page.read_text()) if not (REPO / path).exists()])}
+    assert stale == {}, f"the docs name paths that do not exist: {stale}"
+
+
 def test_the_readme_two_commands_are_makefile_targets():
     """CI (.ci/run) runs the README's test command; the README names the two commands a fresh machine needs."""
     readme = (REPO / "README.md").read_text()
