@@ -16,7 +16,6 @@ Both backends name the trained tensors by peft parameter name in HF shapes, so t
 """
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -242,7 +241,7 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
     import torch.distributed.checkpoint as dcp
 
     from toolkit.formats.describe import layout_record, megatron_description, write_megatron_description
-    from toolkit.formats.megatron import OPT_PREFIX, _common
+    from toolkit.formats.megatron import OPT_PREFIX, _common, write_dist_metadata
     from toolkit.plan.layout import padded_vocab_size
     padded = padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp)
     moments = source.has_optimizer and not weights_only
@@ -258,9 +257,7 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=writer, no_dist=True)
-    (engine_dir / "metadata.json").write_text(json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    write_dist_metadata(engine_dir)
     torch.save(_common(source, moments), engine_dir / "common.pt")
     layout = layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep)
     write_megatron_description(engine_dir, megatron_description(source.model_type, source.hf_config["vocab_size"],

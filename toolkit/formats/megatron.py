@@ -297,14 +297,19 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
-    (engine_dir / "metadata.json").write_text(json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    write_dist_metadata(engine_dir)
     torch.save(_common(source, moments), engine_dir / "common.pt")
     describe = megatron_description(layout.family.model_type, source.hf_config["vocab_size"], layout.padded_vocab,
                                     vocab_divisor, layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep))
     write_megatron_description(engine_dir, describe)
     return describe
+
+
+def write_dist_metadata(engine_dir: Path) -> None:
+    """``metadata.json``: what megatron-core's ``dist_checkpointing`` reads first (its backends)."""
+    (engine_dir / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
 
 
 def _check_names(source: Source, layout: _Layout) -> None:
