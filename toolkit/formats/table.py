@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Format:
+    """One on-disk checkpoint format: a line of ``FORMATS``."""
     name: str
     """As ``locate`` and ``inspect`` report it."""
     detect: Callable[[Path], Path | None]
@@ -69,8 +70,7 @@ def _zero_universal(path: Path) -> Path | None:
 
 
 FORMATS = (  # in the order ``locate`` tries them
-    Format("hf", _hf, "toolkit.formats.hf:HFSource",
-           "toolkit.formats.hf:write", describe_hf, to="hf"),
+    Format("hf", _hf, "toolkit.formats.hf:HFSource", "toolkit.formats.hf:write", describe_hf, to="hf"),
     Format("megatron", find_dist_dir, "toolkit.formats.megatron:MegatronSource", "toolkit.formats.megatron:write",
            describe_megatron, to="megatron", backend="megatron"),
     Format("megatron-legacy", find_legacy_dir, "toolkit.formats.megatron_legacy:LegacySource", None,
