@@ -631,7 +631,7 @@ def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_
 @pytest.mark.slow
 def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
     from toolkit.convert import ConvertError, inspect
-    from toolkit.convert.detect import locate
+    from toolkit.formats.detect import locate
     run = lora_runs("zero2")
     ckpt, peft_dir = inspect(run), inspect(run / "adapter")
     plan = json.loads((run / "plan.json").read_text())["lora"]

@@ -149,7 +149,7 @@ def _trained_shapes(hf_config, spec):
 
 
 def _stored_metadata(engine):
-    from toolkit.convert.megatron import open_dist
+    from toolkit.formats.megatron import open_dist
     return open_dist(engine)[1].state_dict_metadata
 
 
