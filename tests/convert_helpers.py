@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_families import TINY_MOE, tiny_model
+from toolkit.families.tiny import TINY_MOE, tiny_model
 from toolkit.adapters.hf import param_groups
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3", "gemma2")

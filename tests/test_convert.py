@@ -116,7 +116,7 @@ def test_hf_output_loads_with_transformers_same_logits(zero_ckpts, tmp_path, fam
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     ckpt = zero_ckpts / f"{family}-z3-dp3"
     convert(ckpt, tmp_path / "hf", to="hf", max_shard_bytes=64 << 10)  # several shards + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()

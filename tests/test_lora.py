@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import losses, resumes, train
-from tests.test_families import tiny_config, tiny_model
+from toolkit.families.tiny import tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import ConfigError, load_config, validate

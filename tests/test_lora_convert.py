@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_families import tiny_model
+from toolkit.families.tiny import tiny_model
 from tests.test_lora import base_dirs  # noqa: F401 - the fixture, shared
 from toolkit.convert import ConvertError, convert
 

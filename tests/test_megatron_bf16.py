@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import tiny_model
+from toolkit.families.tiny import tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches, grad_gap, grad_mismatches, hf_reference, worst_ratio
 from toolkit.config import validate

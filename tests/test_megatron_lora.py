@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 
-from tests.test_families import tiny_config, tiny_model
+from toolkit.families.tiny import tiny_config, tiny_model
 from tests.test_lora import ALPHA, DECAY_CLIP, RANK, assert_adapters_match_peft, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches

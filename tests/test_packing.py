@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.test_data import tok  # noqa: F401 - the demo tokenizer fixture
-from tests.test_families import tiny_model
+from toolkit.families.tiny import tiny_model
 from toolkit import data
 from toolkit.adapters import hf_attention
 from toolkit.config import validate

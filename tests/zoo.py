@@ -1,7 +1,7 @@
 """The config zoo: tiny HF configs with the variants published checkpoints have, and which feature
 test meets which variant (``tests/test_zoo_*.py``).
 
-Each variant is one family's tiny config (``tests/test_families.py``) cut to 2 layers and changed
+Each variant is one family's tiny config (``toolkit/families/tiny.py``) cut to 2 layers and changed
 along the axes real checkpoints vary on, where HF's config class for the family allows it: tied or
 untied embeddings, attention biases, ``head_dim`` apart from hidden / heads, one KV head
 (multi-query attention), a vocabulary that is not a multiple of 64 (and one that is), RoPE scaling
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tests.test_families import tiny_config, tiny_model
+from toolkit.families.tiny import tiny_config, tiny_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

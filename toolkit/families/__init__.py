@@ -28,15 +28,21 @@ __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "m
 
 
 @lru_cache(maxsize=1)
-def _registry() -> dict[str, Family]:
+def family_modules() -> dict[str, object]:
+    """model_type -> the module defining its ``FAMILY`` (and its tiny test config ``TINY``)."""
     found = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name in ("base", "tiny"):
             continue
-        family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
         if isinstance(family, Family):
-            found[family.model_type] = family
+            found[family.model_type] = module
     return found
+
+
+def _registry() -> dict[str, Family]:
+    return {model_type: module.FAMILY for model_type, module in family_modules().items()}
 
 
 def find_family(model_type: str | None) -> Family | None:
