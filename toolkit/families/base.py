@@ -366,10 +366,6 @@ class Family:
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
 
-    @property
-    def post_norms(self) -> bool:
-        return self.layer_spec.post_norms
-
     def num_experts(self, hf_config) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
         return int(getattr(hf_config, self.num_experts_field)) if self.num_experts_field else 0

@@ -251,21 +251,25 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 def post_normed_linear_class():
     """megatron's ``RowParallelLinear`` followed by a ``ToolkitNorm`` of its (reduced) output: the
     norm's weight is ``<linear>.post_norm.weight``, replicated in checkpoints; under sequence
-    parallelism each rank normalizes its slice and the gradients are summed over TP."""
+    parallelism each rank normalizes its slice and the gradients are summed over TP. The norm is a
+    forward hook registered at build time, so a LoRA delta hook prepended later (``lora.attach``)
+    adds to the projection's output before the norm, as peft's adapted ``o_proj`` does in HF."""
     from megatron.core.tensor_parallel import RowParallelLinear
 
     class PostNormedRowParallelLinear(RowParallelLinear):
         def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.post_norm = ToolkitNorm(config, output_size, eps=config.layernorm_epsilon)
-
-        def forward(self, input_):
-            output, bias = super().forward(input_)
-            if bias is not None:
-                raise ValueError("post norms with a bias on the output projection are not in the toolkit")
-            return self.post_norm(output), None
+            self.register_forward_hook(_post_norm)
 
     return PostNormedRowParallelLinear
+
+
+def _post_norm(module, args, output):
+    output, bias = output
+    if bias is not None:
+        raise ValueError("post norms with a bias on the output projection are not in the toolkit")
+    return module.post_norm(output), None
 
 
 @lru_cache(maxsize=1)
