@@ -1,4 +1,5 @@
-"""Model families: one module per HF ``model_type`` defining ``FAMILY``; discovered, never listed.
+"""Model families: one module per HF ``model_type`` defining ``FAMILY`` (its weight table and layer
+structure) and ``TINY`` (its tiny test config, ``tiny.py``); discovered, never listed.
 
 Generic conversions over a family's weight table (pure tensor logic):
   ``hf_to_mcore``   HF state -> full mcore tensors (global layer numbers, padded vocab)
@@ -24,7 +25,7 @@ from toolkit.plan.layout import padded_vocab_size  # its one home; re-exported f
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
-           "find_family", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
+           "find_family", "family_modules", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
 
 
 @lru_cache(maxsize=1)
