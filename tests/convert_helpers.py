@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.families.tiny import TINY, TINY_MOE, tiny_model
 from toolkit.adapters.hf import param_groups
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_model
 
 FAMILIES = tuple(sorted(TINY))  # every dense family: a new one is converted by being added
 MOE_FAMILIES = tuple(sorted(TINY_MOE))

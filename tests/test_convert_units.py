@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.families.tiny import tiny_model
 from toolkit.convert import ConvertError, convert, open_source
 from toolkit.convert.safeload import safe_load
+from toolkit.families.tiny import tiny_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3", "gemma2"])

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import losses, resumes, train
-from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import ConfigError, load_config, validate
 from toolkit.engine import IGNORE_INDEX
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 

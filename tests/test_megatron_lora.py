@@ -24,11 +24,11 @@ import json
 import pytest
 import torch
 
-from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 from tests.test_lora import ALPHA, DECAY_CLIP, RANK, assert_adapters_match_peft, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import ConfigError, validate
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 

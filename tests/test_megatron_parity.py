@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.families.tiny import TINY, tiny_model
 from tests.test_megatron_compat import run_ranks
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.families.tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo parity suite")
 

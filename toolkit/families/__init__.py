@@ -25,7 +25,8 @@ from toolkit.plan.layout import padded_vocab_size  # its one home; re-exported f
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
-           "find_family", "family_modules", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
+           "find_family", "family_modules", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS",
+           "split_expert"]
 
 
 @lru_cache(maxsize=1)
