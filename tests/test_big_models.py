@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from tests.test_families import TINY, TINY_MOE, tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from toolkit.adapters import hf
 from toolkit.config import validate
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 from toolkit.plan import build_plan
 
 FAMILIES = sorted(TINY) + sorted(TINY_MOE)

@@ -37,10 +37,24 @@ PREBUILT = os.environ.get("TOOLKIT_CONVERT_CKPTS")
 
 
 @pytest.fixture(scope="session")
-def zero_ckpts(tmp_path_factory) -> Path:
+def zero_ckpts(request, tmp_path_factory) -> Path:
     if PREBUILT:
         return Path(PREBUILT)
-    return build_zero_checkpoints(tmp_path_factory, "zero_ckpts", MATRIX)
+    return build_zero_checkpoints(tmp_path_factory, "zero_ckpts", selected_cells(request))
+
+
+def selected_cells(request) -> list[tuple[str, int, int]]:
+    """The MATRIX cells of the families the selected tests name (``-k olmo2`` saves olmo2's only);
+    all of MATRIX when a selected test using the checkpoints names no family."""
+    families = set()
+    for item in request.session.items:
+        if "zero_ckpts" not in item.fixturenames:
+            continue
+        family = getattr(item, "callspec", None) and item.callspec.params.get("family")
+        if family is None:
+            return MATRIX
+        families.add(family)
+    return [cell for cell in MATRIX if cell[0] in families]
 
 
 def _equal_sources(a, b, states=("param",)) -> None:
@@ -116,7 +130,7 @@ def test_hf_output_loads_with_transformers_same_logits(zero_ckpts, tmp_path, fam
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     ckpt = zero_ckpts / f"{family}-z3-dp3"
     convert(ckpt, tmp_path / "hf", to="hf", max_shard_bytes=64 << 10)  # several shards + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()

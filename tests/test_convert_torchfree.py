@@ -116,7 +116,7 @@ def test_dtype_and_missing_tie_flag_take_the_torch_path(direct_ckpts, tmp_path):
 def test_only_mixture_of_experts_families_pack_and_their_configs_say_so():
     """The direct route cannot unpack packed experts (the family table needs torch); it recognises
     them by the config naming experts. Every family that packs must be recognised, and no other."""
-    from tests.test_families import TINY, TINY_MOE, tiny_config
+    from toolkit.families.tiny import TINY, TINY_MOE, tiny_config
     from toolkit.formats.direct import _check_no_packed_experts
     from toolkit.families import find_family
     for family in sorted({**TINY, **TINY_MOE}):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import tiny_model
 from toolkit.convert import ConvertError, convert, open_source
+from toolkit.families.tiny import tiny_model
 from toolkit.formats.safeload import safe_load
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_families import tiny_model
+from toolkit.families.tiny import tiny_model
 from toolkit.formats.canonical import WriteRequest
 from toolkit.formats.detect import locate, open_located, open_source
 from toolkit.formats.errors import ConvertError

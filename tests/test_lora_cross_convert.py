@@ -104,7 +104,7 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     (``Geometry.b_parts``)."""
     import json
 
-    from tests.test_families import tiny_config
+    from toolkit.families.tiny import tiny_config
     from toolkit.convert.lora_ckpt import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
     from toolkit.plan import build_plan
     from toolkit.storage import meta as meta_io
