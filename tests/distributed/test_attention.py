@@ -15,52 +15,20 @@ import math
 import pytest
 import torch
 
-from toolkit.adapters.megatron.attention import (AttentionOptions, TokenLayout, attend, choose_kernel,
-                                                 core_attention_class, describe_kernels, positions_in_documents,
-                                                 rotate_half)
+from tests.helpers.attention import CASES, DOCS, B, D, G, H, S, qkv, reference_attention, reference_mask
+from toolkit.adapters.megatron.attention import (
+    AttentionOptions,
+    TokenLayout,
+    attend,
+    choose_kernel,
+    core_attention_class,
+    describe_kernels,
+    positions_in_documents,
+    rotate_half,
+)
 from toolkit.config import ConfigError
 
-B, H, G, S, D = 2, 6, 2, 24, 16  # 3 query heads per KV group
-DOCS = torch.tensor([[0] * 7 + [1] * 10 + [2] * 7, [5] * 24])  # row 0: three documents; row 1: one
 POSITIONS = torch.tensor([list(range(7)) + list(range(10)) + list(range(7)), list(range(24))])
-
-
-def reference_mask(docs: torch.Tensor | None, window: int | None, s: int = S) -> torch.Tensor:
-    """[b, 1, s, s]: query i sees key j iff j <= i, same document, i - j < window; token by token."""
-    rows = docs if docs is not None else torch.zeros(1, s, dtype=torch.long)
-    mask = torch.zeros(rows.shape[0], 1, s, s, dtype=torch.bool)
-    for b in range(rows.shape[0]):
-        for i in range(s):
-            for j in range(i + 1):
-                mask[b, 0, i, j] = rows[b, i] == rows[b, j] and (window is None or i - j < window)
-    return mask
-
-
-def reference_attention(q, k, v, mask, scale, softcap=None):
-    """Plain attention in float64: K/V repeated to every query head, scores, softcap, mask, softmax."""
-    q, k, v = (x.double() for x in (q, k, v))
-    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    scores = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def qkv(seed: int = 0, requires_grad: bool = True):
-    g = torch.Generator().manual_seed(seed)
-    shapes = ((B, H, S, D), (B, G, S, D), (B, G, S, D))
-    return [torch.randn(*shape, generator=g).requires_grad_(requires_grad) for shape in shapes]
-
-
-CASES = {  # name: (documents, window, softcap)
-    "causal": (None, None, None),
-    "documents": (DOCS, None, None),
-    "window": (None, 5, None),
-    "documents_and_window": (DOCS, 5, None),
-    "softcap": (None, None, 2.0),
-    "softcap_documents_window": (DOCS, 5, 2.0),
-}
 
 
 # --- the computation against the plain reference ------------------------------------------------------
@@ -164,7 +132,7 @@ def test_token_layout_is_megatrons_packed_seq_params_and_checks_its_inputs():
 
 
 def test_strict_mode_refuses_host_positions():
-    from tests.test_device import as_toolkit_code
+    from tests.helpers.device import as_toolkit_code
     from toolkit import device
     device.enable_strict()
     try:
@@ -201,9 +169,9 @@ def test_kernel_choice_refuses_what_a_kernel_cannot_do(mode, need, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_flex_is_refused_before_launch_without_a_gpu():
-    from toolkit.families.tiny import tiny_config
     from toolkit.adapters.megatron import check_machine
     from toolkit.config import validate
+    from toolkit.families.tiny import tiny_config
     from toolkit.plan import build_plan
     plan = build_plan(validate({"backend": "megatron", "megatron": {"attention": "flex"}}), [1],
                       hf_config=tiny_config("llama"))
@@ -282,7 +250,7 @@ PACKED_DOCS = [[1] * 5 + [2] * 8 + [0] * 3, [7] * 16, [3] * 11 + [4] * 5, [1] * 
 def packed_micro_batches(vocab: int) -> list[dict]:
     """Two micro-batches of two 16-token rows, most of them several documents; ``document_ids``
     only (the engine derives the positions), and the positions HF is given, written out here."""
-    from tests.test_megatron_parity import batches
+    from tests.helpers.parity import batches
     rows = batches(vocab, n_micro=4, mbs=1, seq=16)
     docs = torch.tensor(PACKED_DOCS)
     return [{"input_ids": torch.cat([rows[i]["input_ids"], rows[i + 1]["input_ids"]]),
@@ -311,12 +279,12 @@ def _packed_rank(rank, world):
 def _packed_case(family, tp, pp, extra) -> dict:
     """HF's own forward of the packed rows (positions restarting per document) against the engine's:
     logits, gradients of the mean token loss, and for MoE the tokens per expert of real tokens."""
-    from tests.conftest import megatron_engine
-    from toolkit.families.tiny import tiny_model
+    from tests.helpers.ranks import megatron_engine
     from toolkit.adapters import moe
     from toolkit.config import validate
     from toolkit.engine import IGNORE_INDEX, token_loss_sum
     from toolkit.families import get_family, unpack
+    from toolkit.families.tiny import tiny_model
     model = tiny_model(family)
     micro = packed_micro_batches(model.config.vocab_size)
     tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
@@ -356,7 +324,7 @@ def _packed_case(family, tp, pp, extra) -> dict:
 def packed(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU/gloo parity")
-    from tests.test_megatron_compat import run_ranks
+    from tests.helpers.ranks import run_ranks
     merged = {}
     for r in run_ranks(_packed_rank, 2, tmp_path_factory.mktemp("packed"), timeout=600):
         for key, d in r.items():
@@ -377,7 +345,7 @@ def test_packed_rows_match_hf_logits_and_gradients(packed, family, layout):
     """Document masks and restarting positions reach every TP rank and pipeline stage: each packed
     document's logits, and every parameter's gradient, equal HF's own forward of the packed rows;
     MoE routers count the real tokens only (the padded tails left out), as HF routes them."""
-    from tests.test_megatron_parity import GRAD_RTOL, LOGIT_TOL, grad_mismatches, worst_ratio
+    from tests.helpers.parity import GRAD_RTOL, LOGIT_TOL, grad_mismatches, worst_ratio
     d = packed[(layout, family)]
     ratio, worst = worst_ratio(d["grads"])
     print(f"\n{family} {layout} packed: logits {d['logits']:.2e}, worst grad {ratio:.2e} of its max ({worst})")
@@ -497,10 +465,10 @@ def test_without_compile_the_gpu_takes_the_cpus_kernels(monkeypatch):
 def test_megatron_fusions_need_a_working_compile(monkeypatch, compiles):
     """megatron's fused bias-dropout-add and SwiGLU (torch.compile'd, on by default on GPUs) are
     off where the compile probe fails, on where it works (a GPU is pretended: the fusions are GPU only)."""
-    from toolkit.families.tiny import tiny_config
     from toolkit.adapters.megatron import model as megatron_model
     from toolkit.config import validate
     from toolkit.families import get_family
+    from toolkit.families.tiny import tiny_config
     from toolkit.plan import build_plan
     cfg = validate({"backend": "megatron", "train": {"global_batch_size": 2, "micro_batch_size": 1}})
     hf_config = tiny_config("llama")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
+from tests.helpers.ranks import run_ranks
 from toolkit.adapters import hf
 from toolkit.config import validate
 from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
@@ -147,7 +147,7 @@ def test_streamed_exports_equal_the_checkpoint(tmp_path, data_cache, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import run_in_process, train
+    from tests.helpers.runs import run_in_process, train
     run = tmp_path / "run"
     train(run, data_cache, *layout, "train.steps=2", "checkpoint.every=2")
     run_in_process(["convert", str(run / "checkpoints" / "step_00000002"), str(tmp_path / "converted"), "--to", "hf"])

@@ -15,14 +15,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli, run_in_process
-from tests.convert_helpers import (FAMILIES, FROZEN, MOE_FAMILIES, STAGES, build_zero_checkpoints, load_universal,
-                                    megatron_load, megatron_load_families, optimizer_state_by_engines,
-                                    save_legacy_megatron)
-from tests.test_megatron_compat import run_ranks
+from tests.helpers.convert import (
+    FAMILIES,
+    FROZEN,
+    MOE_FAMILIES,
+    PREBUILT,
+    STAGES,
+    build_zero_checkpoints,
+    load_universal,
+    megatron_load,
+    megatron_load_families,
+    optimizer_state_by_engines,
+    save_legacy_megatron,
+)
+from tests.helpers.ranks import run_ranks
+from tests.helpers.runs import run_cli, run_in_process
 from toolkit.convert import ConvertError, convert, open_source
-from toolkit.formats.canonical import hf_config_object
 from toolkit.families import find_family, unpack
+from toolkit.formats.canonical import hf_config_object
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 DPS = (1, 2, 3)  # 3 is odd: flat partitions get padding
@@ -32,8 +42,6 @@ and stage at DP 3 (odd: padding) plus llama and qwen2 at DP 1 and 2. Mixture-of-
 are saved by transformers 5 as packed expert parameters, read back one expert tensor at a time."""
 MATRIX = [(f, s, d) for f in FAMILIES + MOE_FAMILIES + (FROZEN,) for s in STAGES for d in DPS
           if FULL or d == 3 or f in ("llama", "qwen2")]
-PREBUILT = os.environ.get("TOOLKIT_CONVERT_CKPTS")
-"""Development shortcut: a directory a previous session's fixture wrote (tests then skip DeepSpeed)."""
 
 
 @pytest.fixture(scope="session")
@@ -401,7 +409,7 @@ def test_plain_deepspeed_checkpoint_without_config_needs_hf_config(zero_ckpts, t
 def test_legacy_megatron_mp_rank_files_read(tmp_path, tp, pp):
     """Megatron-LM's legacy per-rank layout (TP slices, stage-local layer numbers) read back to
     exactly the weights the megatron-core model held; then converted to HF."""
-    from tests.convert_helpers import write_config
+    from tests.helpers.convert import write_config
     root = tmp_path / "legacy"
     held = run_ranks(save_legacy_megatron, tp * pp, tmp_path, "qwen2", tp, pp, str(root))[0]["weights"]
     write_config(root, "qwen2")

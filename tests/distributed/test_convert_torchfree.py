@@ -17,15 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.convert_helpers import FROZEN, build_zero_checkpoints
-from tests.test_convert import PREBUILT
+from tests.helpers.convert import FROZEN, PREBUILT, build_zero_checkpoints
 from toolkit.convert import ConvertError, convert
 from toolkit.formats.detect import locate
 from toolkit.formats.direct import NotDirect, open_direct
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 CASES = [("qwen2", s, d) for d in (1, 3) for s in (1, 2, 3)] + [(FROZEN, s, 3) for s in (1, 2, 3)]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -116,9 +115,9 @@ def test_dtype_and_missing_tie_flag_take_the_torch_path(direct_ckpts, tmp_path):
 def test_only_mixture_of_experts_families_pack_and_their_configs_say_so():
     """The direct route cannot unpack packed experts (the family table needs torch); it recognises
     them by the config naming experts. Every family that packs must be recognised, and no other."""
+    from toolkit.families import find_family
     from toolkit.families.tiny import TINY, TINY_MOE, tiny_config
     from toolkit.formats.direct import _check_no_packed_experts
-    from toolkit.families import find_family
     for family in sorted({**TINY, **TINY_MOE}):
         config = tiny_config(family).to_dict()
         if find_family(family).packed:

@@ -16,13 +16,13 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import TINY, start_forkserver
-from tests.test_megatron_compat import run_ranks
-from toolkit.families.tiny import tiny_model
-from toolkit.parallel import free_port
-from tests.test_megatron_parity import batches
+from tests.helpers.parity import batches
+from tests.helpers.ranks import run_ranks
+from tests.helpers.runs import TINY, start_forkserver
 from toolkit.config import load_config, validate
 from toolkit.engine import IGNORE_INDEX
+from toolkit.families.tiny import tiny_model
+from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
@@ -141,7 +141,7 @@ def test_a_run_whose_build_fails_trains_and_records_the_choice(tmp_path, data_ca
 def test_a_fusedadam_checkpoint_resumes_under_the_fallback(tmp_path, data_cache):
     """Saved at step 3 with DeepSpeed's FusedAdam, resumed where it does not build: the moments and
     step count carry over, and the losses are the uninterrupted FusedAdam run's (measured: equal)."""
-    from tests.conftest import losses, resumes, train
+    from tests.helpers.runs import losses, resumes, train
     uninterrupted, switched = tmp_path / "fused", tmp_path / "switched"
     train(uninterrupted, data_cache, "zero.stage=2", nproc=1)
     train(switched, data_cache, "zero.stage=2", "train.steps=3", "checkpoint.every=3", nproc=1)

@@ -88,7 +88,7 @@ def test_targets_name_their_formats_and_an_unknown_one_is_refused():
 
 @pytest.mark.slow
 def test_deepspeed_zero_checkpoint_is_detected_read_and_described(tmp_path_factory):
-    from tests.convert_helpers import build_zero_checkpoints
+    from tests.helpers.convert import build_zero_checkpoints
     root = build_zero_checkpoints(tmp_path_factory, "table_zero", [(FAMILY, 3, 2)])
     found = locate(root / f"{FAMILY}-z3-dp2")
     assert found.format == "zero"
@@ -99,8 +99,8 @@ def test_deepspeed_zero_checkpoint_is_detected_read_and_described(tmp_path_facto
 
 @pytest.mark.slow
 def test_megatron_legacy_checkpoint_is_detected_read_and_described(tmp_path):
-    from tests.convert_helpers import save_legacy_megatron, write_config
-    from tests.test_megatron_compat import run_ranks
+    from tests.helpers.convert import save_legacy_megatron, write_config
+    from tests.helpers.ranks import run_ranks
     root = tmp_path / "legacy"
     held = run_ranks(save_legacy_megatron, 2, tmp_path, FAMILY, 2, 1, str(root))[0]["weights"]
     write_config(root, FAMILY)

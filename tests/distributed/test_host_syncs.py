@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import batches
+from tests.helpers.parity import batches
+from tests.helpers.ranks import run_ranks
 from toolkit import device
 from toolkit.adapters import moe
 from toolkit.config import validate
@@ -107,7 +107,7 @@ def _step_syncs(rank, world, family, layouts=LAYOUTS, megatron=None, hf_changes=
     """{(layers, micro-batches): the second training step's syncs by site}."""
     from megatron.core import parallel_state
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     out = {}
     for layers, n_micro in layouts:
         model = tiny_model(family, num_hidden_layers=layers, **(hf_changes or {}))

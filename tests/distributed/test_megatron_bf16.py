@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import batches, grad_gap, grad_mismatches, hf_reference, worst_ratio
+from tests.helpers.parity import batches, grad_gap, grad_mismatches, hf_reference, worst_ratio
+from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 
@@ -33,7 +33,7 @@ accumulated in fp32): measured worst 0.0185 (llama), 0.0163 (gemma), 0.0181 (gem
 def _rank_bf16(rank, world):
     from megatron.core import parallel_state
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     out = {}
     for family in FAMILIES:
         model = tiny_model(family)

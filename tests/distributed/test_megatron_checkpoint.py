@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import batches
+from tests.helpers.parity import batches
+from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
@@ -32,7 +32,7 @@ def _steps(engine, first, count):
 
 
 def _train_and_save(rank, world, tp, pp, path, vpp=None):
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(FAMILY)
     engine = megatron_engine(_config(tp, pp, vpp), model)
     _steps(engine, 0, STEPS_BEFORE)
@@ -42,7 +42,7 @@ def _train_and_save(rank, world, tp, pp, path, vpp=None):
 
 
 def _load_and_continue(rank, world, tp, pp, path, vpp=None):
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(FAMILY, seed=99)  # different init: everything must come from the checkpoint
     engine = megatron_engine(_config(tp, pp, vpp), model)
     engine.load(path)
@@ -79,7 +79,7 @@ def test_interleaved_checkpoint_loads_without_interleaving(tmp_path):
 
 
 def _export(rank, world, tp, pp, family, out):
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(family)
     engine = megatron_engine(_config(tp, pp), model)
     engine.export_hf(out, tokenizer=None)

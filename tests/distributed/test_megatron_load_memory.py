@@ -15,7 +15,7 @@ import resource
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
+from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="host memory of CPU ranks")

@@ -10,9 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
+from tests.helpers.parity import (
+    GRAD_RTOL,
+    assert_logits_on_every_dp_rank,
+    batches,
+    grad_gap,
+    grad_mismatches,
+    hf_reference,
+    logit_gaps,
+    worst_ratio,
+)
+from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families.tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo parity suite")
@@ -28,37 +37,6 @@ EXTRA = {  # schedule / memory options that must not change the numbers: (tp, pp
     "pp2_local_attention": (1, 2, {"attention": "local"}),  # tp = 1
     "tp2_sp_local_attention": (2, 1, {"sequence_parallel": True, "attention": "local"}),
 }
-LOGIT_TOL = 2e-6  # float32 rounding of other matmul shapes and reduction orders: measured 2.7e-7 (MoE 3.0e-7)
-GRAD_RTOL = 2e-5  # measured worst 5.1e-6 (qwen2 q_proj.weight at TP2); 1e-6 for the other families
-"""Per parameter: max |megatron - HF| <= GRAD_RTOL x max |HF| of that parameter's own gradient.
-(A flat 2e-5 let a 40% error through in small gradients such as qwen2's q_proj.bias.)"""
-
-
-def batches(vocab: int, n_micro: int = 4, mbs: int = 1, seq: int = 16, seed: int = 3):
-    """A global batch of 4 samples in micro-batches of 1, split over the DP ranks."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_micro):
-        ids = torch.randint(0, vocab, (mbs, seq), generator=g)
-        labels = torch.randint(0, vocab, (mbs, seq), generator=g)
-        labels[0, :3] = IGNORE_INDEX  # some positions carry no loss
-        ids[:, 5] = 0  # the pad token of the llama-like configs: HF's padding_idx gets no lookup grad
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def hf_reference(model, micro_batches):
-    """HF logits per micro-batch and HF grads of sum(token losses) / valid tokens, single process."""
-    model.zero_grad()
-    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    logits = []
-    for mb in micro_batches:
-        out = model(input_ids=mb["input_ids"]).logits
-        loss, _ = token_loss_sum(out, mb["labels"])
-        (loss / tokens).backward()
-        logits.append(out.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return logits, grads, tokens
 
 
 def run_config(tp: int, pp: int, **megatron):
@@ -78,7 +56,7 @@ def _rank_parity(rank, world, layouts):
 
 
 def _one_layout(family, tp, pp, extra) -> dict:
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(family)
     micro = batches(model.config.vocab_size)
     ref_logits, ref_grads, tokens = hf_reference(model, micro)
@@ -95,30 +73,6 @@ def _one_layout(family, tp, pp, extra) -> dict:
     return out
 
 
-def logit_gaps(engine, got, ref_logits) -> dict[int, float]:
-    """{this DP rank: max |logit difference| over its micro-batches} where this rank holds logits
-    (the last stage's TP rank 0 of each DP replica), else {}."""
-    if got is None:
-        return {}
-    mine = ref_logits[engine.dp_rank::engine.dp_size]
-    assert len(got) == len(mine)
-    return {engine.dp_rank: max((a - b).abs().max().item() for a, b in zip(got, mine))}
-
-
-def grad_gap(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(max |got - ref|, max |ref|) of one parameter's gradient."""
-    return (got - ref).abs().max().item(), ref.abs().max().item()
-
-
-def grad_mismatches(grads: dict[str, tuple[float, float]], rtol: float) -> dict[str, tuple[float, float]]:
-    """Parameters whose gradient differs by more than ``rtol`` of its own largest entry."""
-    return {n: (diff, scale) for n, (diff, scale) in grads.items() if diff > rtol * scale}
-
-
-def worst_ratio(grads: dict[str, tuple[float, float]]) -> tuple[float, str]:
-    return max((diff / scale if scale else float(diff > 0), n) for n, (diff, scale) in grads.items())
-
-
 def merge_ranks(ranks: list[dict]) -> dict:
     """Per (layout, family): the logit gaps of every DP rank that holds logits, the rest from rank 0."""
     merged = {}
@@ -128,12 +82,6 @@ def merge_ranks(ranks: list[dict]) -> dict:
             m["logits"].update(d["logits"])
             m.update({k: v for k, v in d.items() if k != "logits"})
     return merged
-
-
-def assert_logits_on_every_dp_rank(d: dict) -> None:
-    assert sorted(d["logits"]) == list(range(d["dp"])), f"logits from DP ranks {sorted(d['logits'])} of {d['dp']}"
-    bad = {r: gap for r, gap in d["logits"].items() if not gap < LOGIT_TOL}
-    assert not bad, bad
 
 
 LAYOUTS_BY_NAME = {f"tp{tp}_pp{pp}": (tp, pp, {}) for tp, pp in LAYOUTS} | EXTRA

@@ -7,14 +7,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import (assert_logits_on_every_dp_rank, batches, grad_gap, grad_mismatches, logit_gaps,
-                                        worst_ratio)
+from tests.helpers.parity import (
+    assert_logits_on_every_dp_rank,
+    batches,
+    grad_gap,
+    grad_mismatches,
+    logit_gaps,
+    worst_ratio,
+)
+from tests.helpers.ranks import run_ranks
 from toolkit.adapters import moe
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
-from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, pack, padded_vocab_size, read_shard,
-                              shard, unpack, unshard)
+from toolkit.families import (
+    FamilyError,
+    get_family,
+    hf_to_mcore,
+    mcore_to_hf,
+    pack,
+    padded_vocab_size,
+    read_shard,
+    shard,
+    unpack,
+    unshard,
+)
 from toolkit.families.tiny import TINY_MOE, tiny_config, tiny_model
 
 FAMILIES = sorted(TINY_MOE)
@@ -149,7 +165,7 @@ def _rank_parity(rank, world):
 
 
 def _one_layout(family, tp, pp, ep, extra) -> dict:
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(family)
     micro = batches(model.config.vocab_size, n_micro=4, mbs=1)  # dp = 2: two per rank, dp = 4: one
     ref_logits, ref_counts, ref_grads, tokens = hf_reference(model, micro)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import batches
+from tests.helpers.parity import batches
+from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
@@ -45,7 +45,7 @@ def _deepspeed_decay(family: str) -> dict[str, tuple[float, torch.Size]]:
 def _megatron_decay(family: str) -> dict[str, tuple[float, torch.Size]]:
     from megatron.core import parallel_state
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     model = tiny_model(family)
     engine = megatron_engine(_config("megatron"), model)
     micro = batches(model.config.vocab_size, n_micro=2)

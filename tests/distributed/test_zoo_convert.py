@@ -1,4 +1,4 @@
-"""The config zoo (``tests/zoo.py``) through the converter: each variant's HF checkpoint along its
+"""The config zoo (``tests/helpers/zoo.py``) through the converter: each variant's HF checkpoint along its
 path of the matrix (HF -> ZeRO -> megatron -> HF, or the other way round; every direction between
 the three formats is met), every hop ``--verify``-ed, judged by references we did not write: the
 last HF directory loads with transformers' ``from_pretrained`` and gives the source's weights and
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_megatron_compat import run_ranks
-from tests.zoo import VARIANTS, convert_path, runs, selected
+from tests.helpers.ranks import run_ranks
+from tests.helpers.zoo import VARIANTS, convert_path, runs, selected
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -51,7 +51,7 @@ def megatron_loaded(converted, tmp_path_factory):
 def _megatron_loads(rank, world, ckpts):
     from megatron.core import parallel_state
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     from toolkit.config import validate
     out = {}
     for variant, (ckpt, tp, pp) in ckpts.items():

@@ -1,8 +1,8 @@
-"""The config zoo (``tests/zoo.py``) on the DeepSpeed path, one 2-rank gloo job for every variant,
+"""The config zoo (``tests/helpers/zoo.py``) on the DeepSpeed path, one 2-rank gloo job for every variant,
 judged by references we did not write:
 
 - LoRA (the matrix's ZeRO stage): the engine's logits and adapter gradients equal a single-process
-  HF + ``peft`` model's on the same base and adapters (``tests/test_lora.py``'s reference);
+  HF + ``peft`` model's on the same base and adapters (``tests/helpers/lora.py``'s reference);
 - resume at another layout: full fine-tuning saved by DeepSpeed at one ZeRO stage, converted to a
   universal checkpoint, loaded by DeepSpeed's own ``load_checkpoint`` at another stage, takes the
   same next step as the run that went on (loss and every fp32 weight);
@@ -17,10 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lora import (EXPORT_LOGIT_TOL, assert_adapters_match_peft, reference,
-                             seeded_lora_engine, step_global_batch)
-from tests.test_megatron_compat import run_ranks
-from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base, selected
+from tests.helpers.lora import (
+    EXPORT_LOGIT_TOL,
+    assert_adapters_match_peft,
+    reference,
+    seeded_lora_engine,
+    step_global_batch,
+)
+from tests.helpers.ranks import run_ranks
+from tests.helpers.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base, selected
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
 
@@ -147,7 +152,7 @@ def zoo(request, tmp_path_factory):
 def test_lora_logits_and_adapter_grads_equal_hf_peft(zoo, variant):
     res = [r[(variant, "lora")] for r in zoo["ranks"]]
     # the plan's targets: peft's own all-linear adapts packed experts and qwen2_moe's shared_expert_gate,
-    # which the toolkit refuses / never adapts (tests/test_lora.py)
+    # which the toolkit refuses / never adapts (tests/e2e/test_lora.py)
     ref_logits, ref_grads = reference(zoo["bases"][variant], batches(VARIANTS[variant].config().vocab_size),
                                       targets=res[0]["targets"])
     logit_gap = max((a - b).abs().max().item() for r, d in enumerate(res)
@@ -216,7 +221,7 @@ def test_lora_checkpoint_converts_along_its_path_verified_to_the_engine_s_adapte
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import run_in_process
+    from tests.helpers.runs import run_in_process
     base = zoo["bases"][variant]
     prev = zoo["root"] / variant / "lora" / "ckpt"
     for i, (fmt, args) in enumerate(lora_convert_path(LORA_CONVERT[variant])[1:], 1):

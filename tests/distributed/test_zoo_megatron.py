@@ -1,4 +1,4 @@
-"""The config zoo (``tests/zoo.py``) on the megatron LoRA path, one 2-rank gloo job for every
+"""The config zoo (``tests/helpers/zoo.py``) on the megatron LoRA path, one 2-rank gloo job for every
 variant at the matrix's layout (TP 2, PP 2, or TP 2 with sequence parallelism), judged by HF +
 ``peft`` on the same base and adapters: logits and every adapter's gradient; where the matrix says
 so, the engine's ``hf_final/`` is peft's merge of the ``adapter/`` it writes beside it, which holds
@@ -8,10 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lora import ALPHA, EXPORT_LOGIT_TOL, RANK, assert_adapters_match_peft, reference, seeded_adapter
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_lora import GRAD_RTOL, LOGIT_TOL
-from tests.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base, selected
+from tests.helpers.lora import (
+    ALPHA,
+    EXPORT_LOGIT_TOL,
+    MEGATRON_GRAD_RTOL,
+    MEGATRON_LOGIT_TOL,
+    RANK,
+    assert_adapters_match_peft,
+    reference,
+    seeded_adapter,
+)
+from tests.helpers.ranks import run_ranks
+from tests.helpers.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base, selected
 from toolkit.config import validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
@@ -79,7 +87,8 @@ def test_lora_logits_and_adapter_grads_equal_hf_peft(zoo, variant):
     ref_logits, ref_grads = reference(zoo["bases"][variant], batches(VARIANTS[variant].config().vocab_size),
                                       targets=d["targets"])
     logit_gap = max((a - b).abs().max().item() for a, b in zip(d["logits"], ref_logits))
-    assert_adapters_match_peft(f"{variant} {LORA[variant]}", logit_gap, d["grads"], ref_grads, LOGIT_TOL, GRAD_RTOL)
+    assert_adapters_match_peft(f"{variant} {LORA[variant]}", logit_gap, d["grads"], ref_grads, MEGATRON_LOGIT_TOL,
+                               MEGATRON_GRAD_RTOL)
 
 
 @pytest.mark.parametrize("variant", [v for v, how in EXPORT.items() if how == "lora-megatron"])

@@ -1,6 +1,6 @@
 """Build docker/Dockerfile.cpu for real and run the toolkit inside it (podman, as root).
 
-How the image is built without a Docker engine: tests/container_image.py. `.ci/run` installs
+How the image is built without a Docker engine: tests/helpers/container_image.py. `.ci/run` installs
 podman, runc and debootstrap.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests import container_image
+from tests.helpers import container_image
 
 pytestmark = pytest.mark.container
 
@@ -69,6 +69,6 @@ def test_demo_trains_in_the_cpu_image(podman, image, tmp_path):
 
 def test_unit_tests_pass_in_the_cpu_image(podman, image):
     out = _ok(podman("run", "--rm", "--network", "none", "-w", "/opt/toolkit", image, "python", "-m", "pytest",
-                     "-q", "-p", "no:cacheprovider", "tests/test_config.py", "tests/test_schedule.py",
-                     "tests/test_packaging.py", timeout=600))
+                     "-q", "-p", "no:cacheprovider", "tests/unit/test_config.py", "tests/unit/test_schedule.py",
+                     "tests/unit/test_packaging.py", timeout=600))
     assert " passed" in out and "failed" not in out

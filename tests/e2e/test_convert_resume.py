@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import losses, resumes, run_in_process, train
+from tests.helpers.runs import losses, resumes, run_in_process, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 STEPS = ["train.steps=4", "checkpoint.every=2"]

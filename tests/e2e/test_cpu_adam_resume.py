@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "cpu_adam_resume.py"
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.device import as_toolkit_code
 from toolkit import device
 
 
@@ -24,13 +25,6 @@ def strict_group():
     finally:
         device.disable_strict()
         dist.destroy_process_group()
-
-
-def as_toolkit_code(source: str) -> dict:
-    """Run ``source`` as if it were a toolkit module; its globals afterwards."""
-    scope = {"__name__": "toolkit._strict_probe", "torch": torch, "dist": dist, "device": device}
-    exec(compile(source, "toolkit/_strict_probe.py", "exec"), scope)
-    return scope
 
 
 def test_a_collective_of_a_tensor_made_without_device_is_refused(strict_group):
@@ -141,7 +135,7 @@ def test_a_real_rank_runs_strict(tmp_path, data_cache):
     a tensor toolkit code leaves on the host (here a fault after step 1, an all-reduce of
     ``torch.zeros(1)``, on both ranks so that without strict mode the job simply goes on) fails
     the job, as NCCL would on a GPU."""
-    from tests.conftest import train
+    from tests.helpers.runs import train
     fault = "host_collective:step=1:rank=0;host_collective:step=1:rank=1"
     proc = train(tmp_path / "run", data_cache, env={"TOOLKIT_FAULT": fault}, check=False)
     assert proc.returncode != 0, "the job finished: its ranks did not run in strict device mode"

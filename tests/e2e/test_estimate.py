@@ -8,7 +8,8 @@ import math
 import pytest
 from transformers import LlamaConfig
 
-from tests.conftest import REPO, loss_allocations, run_cli, run_in_process
+from tests.helpers.loss import loss_allocations
+from tests.helpers.runs import REPO, run_cli, run_in_process
 from toolkit.cli import main
 from toolkit.config import load_config
 from toolkit.plan.layout import check_layout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, TINY, losses
+from tests.helpers.runs import REPO, TINY, losses
 from toolkit.parallel import free_port
 
 SRUN = r"""#!/bin/bash

@@ -22,7 +22,7 @@ import pytest
 from benchmarks import gpu_check
 from benchmarks.gpu_check import FAIL, PASS, SKIP
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _alive(pid: int) -> bool:
@@ -154,7 +154,7 @@ def _scale_rows(scales: list[float], skipped: set[int]) -> dict[int, dict]:
 
 
 def test_loss_scale_checks_follow_the_scalers_and_refuse_a_constant_reader():
-    from tests.gpu.test_gpu import check_scales, deepspeed_scales, megatron_scales
+    from tests.helpers.gpu import check_scales, deepspeed_scales, megatron_scales
     overflows = [s in (5, 6) for s in range(1, 11)]
     ds = deepspeed_scales(overflows, initial=2.0**16)
     assert ds == [2.0**16] * 5 + [2.0**15] * 5  # hysteresis 2: the second overflow in a row halves
@@ -189,7 +189,7 @@ def test_optimizer_and_host_sync_rows_read_what_the_runs_record():
 
 
 def test_router_check_recomputes_the_load_and_refuses_constants():
-    from tests.gpu.test_gpu import check_router_stats
+    from tests.helpers.gpu import check_router_stats
     counts = [[700, 600, 400, 348], [512, 512, 512, 512]]
     row = {"moe_expert_tokens": counts, "moe_load_max": round(700 / 512, 4), "moe_aux_loss": 0.01}
     check_router_stats({1: row}, tokens=1024, top_k=2, layers=2)
@@ -200,8 +200,8 @@ def test_router_check_recomputes_the_load_and_refuses_constants():
 
 
 def test_expected_kernel_is_flex_for_masks_and_softcaps():
-    from tests.gpu.test_attention_gpu import expected_kernel
-    from tests.test_attention import CASES
+    from tests.helpers.attention import CASES
+    from tests.helpers.gpu import expected_kernel
     from toolkit.adapters.attention import choose_kernel
     kernels = {case: expected_kernel(case) for case in CASES}
     assert "flex" in kernels.values()

@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import losses, resumes, run_in_process, train
-from tests.test_lora import LORA_RUN
+from tests.helpers.lora import LORA_RUN
+from tests.helpers.runs import losses, resumes, run_in_process, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 TP2 = ["backend=megatron", "megatron.tp=2"]
 K = 3  # checkpoint.every=3 of 6 steps
 LOSS_RTOL = 1e-6
 """Resumed steps vs the uninterrupted run on the other backend: the backends' LoRA losses agree to
-4.7e-8 relative over whole runs (tests/test_megatron_lora.py); measured here <= 1e-7."""
+4.7e-8 relative over whole runs (tests/e2e/test_megatron_lora.py); measured here <= 1e-7."""
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     (``Geometry.b_parts``)."""
     import json
 
-    from toolkit.families.tiny import tiny_config
     from toolkit.convert.lora_ckpt import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
+    from toolkit.families.tiny import tiny_config
     from toolkit.plan import build_plan
     from toolkit.storage import meta as meta_io
     cfg = tiny_config(family, tie_word_embeddings=False) if saved else tiny_config(family)

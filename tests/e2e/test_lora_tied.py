@@ -23,7 +23,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import losses, resumes, run_in_process, train
+from tests.helpers.runs import losses, resumes, run_in_process, train
 from toolkit.plan.lora import ADAPTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -33,7 +33,7 @@ LORA = ["lora.rank=4", "lora.alpha=8.0", "model.init=pretrained", f"train.steps=
 LOSS_RTOL = 1e-6
 """Resumed steps vs the uninterrupted run: measured 1.6e-8 (DP1 ZeRO-1) and 1.6e-8 (megatron TP2)."""
 LOGIT_TOL = 5e-6
-"""The merged model's HF forward vs peft's unmerged one (tests/test_lora.py's EXPORT_LOGIT_TOL); measured 8.3e-7."""
+"""The merged model's HF forward vs peft's unmerged one (tests/helpers/lora.py's EXPORT_LOGIT_TOL); measured 8.3e-7."""
 
 
 def ckpt(run, step: int):

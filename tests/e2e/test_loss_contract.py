@@ -1,5 +1,5 @@
 """The loss contract on data where it matters: micro-batches and DP ranks holding very different
-numbers of valid tokens (tests/uneven_data.py). DP 2 x micro-batch 1 with accumulation, on ZeRO 0-3
+numbers of valid tokens (tests/helpers/uneven_data.py). DP 2 x micro-batch 1 with accumulation, on ZeRO 0-3
 and megatron DP/TP/PP, against one process taking the global batch in one micro-batch: the same
 losses and gradient norms. A mean per micro-batch or per rank fails here by percents."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.uneven_data import MODES, PACKED_BY_DOCUMENTS, check_uneven, loss_token_counts, reference_of
+from tests.helpers.uneven_data import MODES, PACKED_BY_DOCUMENTS, check_uneven, loss_token_counts, reference_of
 from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]

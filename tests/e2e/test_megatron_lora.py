@@ -24,9 +24,19 @@ import json
 import pytest
 import torch
 
-from tests.test_lora import ALPHA, DECAY_CLIP, RANK, assert_adapters_match_peft, reference, seeded_adapter
-from tests.test_megatron_compat import run_ranks
-from tests.test_megatron_parity import batches
+from tests.helpers.lora import (
+    ALPHA,
+    DECAY_CLIP,
+    MEGATRON_GRAD_RTOL,
+    MEGATRON_LOGIT_TOL,
+    RANK,
+    assert_adapters_match_peft,
+    reference,
+    seeded_adapter,
+    tiny_bases,
+)
+from tests.helpers.parity import batches
+from tests.helpers.ranks import run_ranks
 from toolkit.config import ConfigError, validate
 from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 
@@ -49,10 +59,7 @@ linears (their blocks of the delta are zeros)."""
 CASES = [(m, lay) for lay in LAYOUTS for m in MODELS
          if not (MODELS[m][0] in MOE and lay == "tp2") and ONE_LAYOUT.get(m, lay) == lay]
 """(model, layout): megatron's MoE layer needs sequence parallelism under TP, so an MoE model's TP=2 is tp2_sp."""
-LOGIT_TOL = 2e-6  # as the full-model megatron parity (other matmul shapes, reduction orders); measured <= 2.8e-7
-GRAD_RTOL = 2e-5
-"""Per adapter matrix: max |megatron - peft| <= GRAD_RTOL x max |peft|; measured worst 3.8e-6 (qwen2 tp2,
-q_proj.lora_A), <= 2.5e-6 at tp2_sp, <= 2.2e-6 at pp2, ~1e-6 for qwen2_moe."""
+LOGIT_TOL, GRAD_RTOL = MEGATRON_LOGIT_TOL, MEGATRON_GRAD_RTOL
 
 
 def lora_config(tp: int, pp: int, targets=("all-linear",), dropout: float = 0.0, **megatron):
@@ -118,10 +125,7 @@ def _rank_parity(rank, world, layouts, base_dirs, cases):
 
 @pytest.fixture(scope="module")
 def base_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_lora_bases")
-    for family in FAMILIES:
-        tiny_model(family).save_pretrained(root / family)
-    return {f: str(root / f) for f in FAMILIES}
+    return tiny_bases(tmp_path_factory.mktemp("megatron_lora_bases"), FAMILIES)
 
 
 def selected_cases(request) -> list[tuple[str, str]]:
@@ -280,7 +284,7 @@ MERGED_RTOL = 1e-5  # hf_final vs ZeRO-2's: measured 2.0e-6
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, data_cache, demo_base):
-    from tests.test_lora import trained_once
+    from tests.helpers.lora import trained_once
     return trained_once(tmp_path_factory.mktemp("megatron_lora_runs"), data_cache, demo_base, RUNS)
 
 
@@ -291,7 +295,7 @@ def relative_gap(got: list[float], want: list[float]) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["tp2", "pp2", "tp2_sp", "pp2_vpp2"])
 def test_losses_equal_zero2_lora(run, lora_runs):
-    from tests.conftest import losses
+    from tests.helpers.runs import losses
     got, want = losses(lora_runs(run)), losses(lora_runs("zero2"))
     print(f"\nmegatron {run} LoRA vs ZeRO-2 LoRA: max relative loss gap {relative_gap(got, want):.2e}")
     assert len(got) == 6
@@ -335,14 +339,14 @@ def test_adapter_export_holds_every_shard_and_equals_zero2_s(layout, lora_runs, 
 def test_weight_decay_and_clipping_act_on_the_adapters_as_in_a_peft_adamw_loop(lora_runs, demo_base, data_cache):
     """TP=2 with decay 1.0 and clip 0.05: losses, grad norms and the exported adapter against test_lora's
     peft loop (adapters left undecayed: the adapters off by ~2e-2, mutated once)."""
-    from tests.test_lora import check_decay_and_clip_against_peft
+    from tests.helpers.lora import check_decay_and_clip_against_peft
     check_decay_and_clip_against_peft(lora_runs("tp2_decay_clip"), demo_base, data_cache, "megatron TP=2")
 
 
 @pytest.mark.slow
 def test_random_init_base_exports_peft_s_merge(lora_runs):
     """TP=2 on a random-init base (``MergedLoraSource``: the base gathered from the engine)."""
-    from tests.test_lora import check_random_init_export
+    from tests.helpers.lora import check_random_init_export
     check_random_init_export(lora_runs("tp2_random"))
 
 
@@ -380,8 +384,8 @@ def test_checkpoint_read_by_torch_s_own_reader_holds_the_exported_adapters(lora_
 
 @pytest.mark.slow
 def test_kill_9_and_resume_auto_is_bitwise_exact(lora_runs, tmp_path, data_cache, demo_base):
-    from tests.conftest import losses, resumes, train
-    from tests.test_lora import LORA_RUN
+    from tests.helpers.lora import LORA_RUN
+    from tests.helpers.runs import losses, resumes, train
     run_dir = tmp_path / "crashed"
     train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", *RUNS["tp2"], "restart.max_restarts=1",
           "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=5:rank=1"})
@@ -395,8 +399,8 @@ def test_resume_at_another_layout_goes_on_the_loss_curve(saved, resumed, tmp_pat
                                                          lora_runs):
     """Saved after 3 steps at one TP/PP/DP, resumed at another (megatron reshards the adapters and
     their Adam state by their HF-PEFT keys): steps 4-6 equal the ZeRO-2 run's."""
-    from tests.conftest import losses, resumes, train
-    from tests.test_lora import LORA_RUN
+    from tests.helpers.lora import LORA_RUN
+    from tests.helpers.runs import losses, resumes, train
     run_dir = tmp_path / "run"
     base = [*LORA_RUN, f"model.name_or_path={demo_base}"]
     train(run_dir, data_cache, *base, *RUNS[saved], "train.steps=3")
@@ -428,7 +432,7 @@ def test_adapter_dropout_keeps_the_tp_ranks_replicas_equal(run, lora_runs):
     """With dropout the run trains (the loss moves away from the dropout-free run's) and exports:
     the export joins the TP shards and checks that every replicated matrix is the same on each TP
     rank, which it is not if the ranks drew different masks for a column site's whole input."""
-    from tests.conftest import losses
+    from tests.helpers.runs import losses
     got, without = losses(lora_runs(run)), losses(lora_runs("tp2"))
     assert len(got) == 6 and got != without
     assert (lora_runs(run) / "adapter" / "adapter_model.safetensors").is_file()
@@ -443,9 +447,9 @@ def test_lm_head_trained_in_full_beside_the_adapters(lora_runs, demo_base, data_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import losses, resumes, train
-    from tests.test_lora import LORA_RUN, reference_losses
-    from tests.test_lora import LOSS_RTOL as PEFT_LOSS_RTOL
+    from tests.helpers.lora import LORA_RUN, reference_losses
+    from tests.helpers.lora import LOSS_RTOL as PEFT_LOSS_RTOL
+    from tests.helpers.runs import losses, resumes, train
     run = lora_runs("tp2_lm_head")
     got, want = losses(run), reference_losses(demo_base, data_cache, ["lm_head"])
     print(f"\ntp2 + lm_head vs HF + peft + AdamW: max relative loss gap {relative_gap(got, want):.2e}")
@@ -475,7 +479,7 @@ def test_bf16_exports_the_optimizer_s_fp32_adapters_merged_onto_the_base_as_stor
     for bit."""
     from safetensors.torch import load_file
 
-    from tests.test_lora import peft_merge_gaps
+    from tests.helpers.lora import peft_merge_gaps
     run = lora_runs("dp2_bf16")
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
     assert any((t != t.to(torch.bfloat16).float()).any() for t in adapter.values())  # not the bf16 copies

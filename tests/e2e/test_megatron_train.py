@@ -7,21 +7,15 @@ import json
 import pytest
 import torch
 
-from tests.conftest import refused, resumes, train, train_args
-from toolkit.observe.metrics import read_metrics
+from tests.helpers.megatron import GRAD_NORM_RTOL, LOSS_RTOL, losses
+from tests.helpers.runs import refused, resumes, train, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 MEGATRON = "backend=megatron"
-LOSS_RTOL = 3e-7
-"""Losses vs DeepSpeed, relative. Measured max over the layouts: 9.9e-8 (tp2 layouts; dp2, pp2
-8.3e-8), about one float32 ulp of the loss: the same fp32 math in other reduction orders."""
 EVAL_RTOL = 1e-6
 """Eval losses vs DeepSpeed: measured 4.4e-7 at pp2 (the toolkit's core attention; 1.5e-7 with
 megatron's local one), <= 3.4e-8 elsewhere: a few float32 ulps of a sum over the eval tokens."""
-GRAD_NORM_RTOL = 3e-5
-"""Measured max 1.2e-5 (tp2 layouts; dp2, pp2 5.7e-6): ZeRO-0 and megatron sum the squares in
-other orders (4.2e-5 at step 6 with megatron's local attention)."""
 LAYOUTS = {  # name: (overrides, nproc)
     "tp2": (["megatron.tp=2"], 2),
     "pp2": (["megatron.pp=2", "profile.enabled=true", "profile.start_step=2", "profile.steps=2"], 2),
@@ -29,10 +23,6 @@ LAYOUTS = {  # name: (overrides, nproc)
     "tp2_pp2": (["megatron.preset=tp2_pp2"], 4),
     "tp2_sp": (["megatron.preset=tp2_sp"], 2),  # sequence parallel
 }
-
-
-def losses(run_dir, key="loss"):
-    return [r[key] for _, r in sorted(read_metrics(run_dir).items()) if key in r]
 
 
 def eval_losses(run_dir):
@@ -184,6 +174,6 @@ def test_profile_of_a_pipeline_run_shows_its_p2p_traffic(runs):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_host_syncs_per_step_are_megatrons_grad_norm_and_the_loss_read(layout, runs):
     """Strict mode records each step's host syncs (toolkit/device.py's SyncCounter): 4 at every
-    layout (megatron's grad norm 3 without Apex, the loss 1), as tests/test_host_syncs.py bounds."""
+    layout (megatron's grad norm 3 without Apex, the loss 1), as tests/distributed/test_host_syncs.py bounds."""
     overrides, nproc = LAYOUTS[layout]
     assert set(losses(runs(f"mcore_{layout}", MEGATRON, *overrides, nproc=nproc), "host_syncs")) == {4}

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import losses, refused, resumes, run_in_process, train, train_args
+from tests.helpers.runs import losses, refused, resumes, run_in_process, train, train_args
 from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -99,8 +99,8 @@ def test_megatron_ep2_to_zero3_resume_continues_loss(runs, tmp_path, data_cache,
 def test_conversions_across_ep_sizes_are_exact(runs, tmp_path):
     """EP 2 -> 1 -> 2 through megatron, ZeRO and HF: every tensor and Adam moment equal, logits too."""
     from toolkit.convert import convert
-    from toolkit.formats.detect import open_source
     from toolkit.convert.verify import compare_tensors, verify
+    from toolkit.formats.detect import open_source
     src = runs("ep2", *EP2) / "checkpoints" / "step_00000004"
     hops = [("ep1", {"to": "megatron", "ep": 1}), ("zero", {"to": "zero", "dp": 3, "zero_stage": 1}),
             ("ep2", {"to": "megatron", "ep": 2}), ("hf", {"to": "hf"})]

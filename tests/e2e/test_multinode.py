@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, TINY, losses, resumes
+from tests.helpers.runs import REPO, TINY, losses, resumes
 from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from tests.conftest import train
-from tests.test_megatron_train import GRAD_NORM_RTOL, LOSS_RTOL, losses
+from tests.helpers.megatron import GRAD_NORM_RTOL, LOSS_RTOL, losses
+from tests.helpers.runs import train
 
 pytestmark = pytest.mark.slow
 VOCAB = 2053  # prime: megatron pads it to 2304 (128 x TP 3 x 6); the padded rows must never show

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from tests.conftest import losses, resumes, train
-from tests.uneven_data import BASE, write_uneven_data
+from tests.helpers.runs import losses, resumes, train
+from tests.helpers.uneven_data import BASE, write_uneven_data
 from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]

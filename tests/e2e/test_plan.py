@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, TINY, losses
+from tests.helpers.runs import REPO, TINY, losses
 from toolkit.config import ConfigError, load_config
 from toolkit.plan import Plan, build_plan, read_plan, write_plan
 from toolkit.plan.layout import megatron_split_problems

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.conftest import losses, resumes, train
+from tests.helpers.runs import losses, resumes, train
 from toolkit.plan.flops import peak_flops
 
 FP16 = ("backend=megatron", "model.dtype=fp16", "train.steps=26")
@@ -58,9 +58,9 @@ def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_
 
 
 def _loss_scale_of_engine(rank, world, initial):
-    from tests.conftest import megatron_engine
-    from toolkit.families.tiny import tiny_model
+    from tests.helpers.ranks import megatron_engine
     from toolkit.config import validate
+    from toolkit.families.tiny import tiny_model
     cfg = validate({"backend": "megatron", "model": {"dtype": "fp16"}, "megatron": {"initial_loss_scale": initial},
                     "train": {"global_batch_size": 1, "micro_batch_size": 1}})
     engine = megatron_engine(cfg, tiny_model("llama"))
@@ -68,7 +68,7 @@ def _loss_scale_of_engine(rank, world, initial):
 
 
 def test_initial_loss_scale_reaches_megatrons_scaler(tmp_path):
-    from tests.test_megatron_compat import run_ranks
+    from tests.helpers.ranks import run_ranks
     assert run_ranks(_loss_scale_of_engine, 1, tmp_path, 2.0**10) == [2.0**10]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_in_process, train
+from tests.helpers.runs import run_in_process, train
 from toolkit.observe.profile import kind_of, summarize_trace
 from toolkit.plan.flops import flops_per_token, peak_flops
 from toolkit.plan.model import model_spec

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli, run_in_process
+from tests.helpers.runs import run_cli, run_in_process
 from toolkit.config import ConfigError
 from toolkit.observe.report import write_report
 
@@ -133,7 +133,7 @@ DOCUMENTS = 48
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory, data_cache):
     """2-step one-rank runs on short instruction documents (several fit a row of 64 tokens)."""
-    from tests.conftest import train
+    from tests.helpers.runs import train
     root = tmp_path_factory.mktemp("report_runs")
     data = root / "docs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Count to {n}:", "response": " ".join(map(str, range(n % 7 + 1)))})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, losses, resumes, run_cli, train
+from tests.helpers.runs import REPO, losses, resumes, run_cli, train
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninter
     import subprocess
     import time
 
-    from tests.conftest import TINY
+    from tests.helpers.runs import TINY
     run_dir = tmp_path / "run"
     sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", *RESTART] for a in ("--set", s)]
     cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", "2", *sets]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import losses, resumes, train
+from tests.helpers.runs import losses, resumes, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import losses, refused, resumes, train, train_args
+from tests.helpers.runs import losses, refused, resumes, train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +122,7 @@ def _launch_externally(launcher: str, toolkit_args: list[str]) -> list:
     """Commands and environments that make `toolkit train` one rank of a job started by another launcher."""
     import os
     import sys
+
     from toolkit.parallel import free_port
     env, port = {**os.environ, "PYTHONUNBUFFERED": "1"}, str(free_port())
     if launcher == "torchrun":
@@ -141,7 +142,7 @@ def test_external_launchers_match_own_launcher(launcher, runs, tmp_path, data_ca
     """The same `toolkit train` as one rank of a torchrun, deepspeed-launcher or srun job: same run."""
     import subprocess
 
-    from tests.conftest import REPO, TINY
+    from tests.helpers.runs import REPO, TINY
     run_dir = tmp_path / launcher
     sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", "checkpoint.every=3", "zero.stage=2"]
             for a in ("--set", s)]

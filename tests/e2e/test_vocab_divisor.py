@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import resumes, run_in_process, train
+from tests.helpers.runs import resumes, run_in_process, train
 from toolkit.checkpoint import reshard
 from toolkit.plan import read_plan
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 pytestmark = pytest.mark.slow
 CLEAN = {**os.environ, "PYTHONPATH": ""}  # nothing from the checkout on the path

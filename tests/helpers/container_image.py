@@ -6,9 +6,9 @@ containers.conf without default ulimits, pip in the build reaches PyPI through t
 and the CPU torch wheel comes from the host's wheel folder when it has one.
 
 The build takes minutes and mostly waits on disk and unpacking, so it runs in the background at the
-lowest CPU and I/O priority (``python -m tests.container_image``), started by ``.ci/run`` before the
-set-up (``--detach``) or else by ``tests/conftest.py`` at collection, and the container tests run
-last; their fixture waits for it, or builds inline when no background build was started. Under
+lowest CPU and I/O priority (``python -m tests.helpers.container_image``), started by ``.ci/run``
+before the set-up (``--detach``) or else by ``tests/conftest.py`` at collection, and the container
+tests run last; their fixture waits for it, or builds inline when no background build was started. Under
 pytest-xdist the controller starts it (workers are not its owners: the one that finishes first
 would otherwise kill it) and the build reports to a status file.
 """
@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = "localhost/debian-py:bookworm"
 IMAGE = "localhost/hf-parallel-toolkit:cpu-test"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
@@ -108,7 +108,7 @@ def start_background_build() -> int | None:
     status.unlink(missing_ok=True)
     log = open(WORK / "build.log", "wb")
     _background = subprocess.Popen(["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m",
-                                    "tests.container_image", str(status)], cwd=REPO, stdout=log,
+                                    "tests.helpers.container_image", str(status)], cwd=REPO, stdout=log,
                                    stderr=subprocess.STDOUT,
                                    start_new_session=True)  # its own group: stopped whole, podman included
     (WORK / f"{status.name}.started").touch()

@@ -3,6 +3,7 @@ own engine, and loaded back by DeepSpeed / megatron-core's own loaders."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ def save_zero_checkpoints(rank: int, world: int, root: str, combos, steps: int =
 def build_zero_checkpoints(tmp_path_factory, name: str, matrix) -> Path:
     """``ROOT/FAMILY-zSTAGE-dpDP`` for each (family, stage, dp) of ``matrix``, written by DeepSpeed
     itself: one ``run_ranks`` job per DP size saves all of that size's combinations."""
-    from tests.test_megatron_compat import run_ranks
+    from tests.helpers.ranks import run_ranks
     root = tmp_path_factory.mktemp(name)
     for dp in sorted({d for _, _, d in matrix}):
         combos = [(f, s) for f, s, d in matrix if d == dp]
@@ -112,7 +113,7 @@ def _megatron_loaded(family: str, ckpt: str) -> dict:
     mapped to HF names by the same export path as the weights (``hf_state``)."""
     from megatron.core import parallel_state
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     from toolkit.config import validate
     model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
     cfg = validate({"backend": "megatron", "train": {"global_batch_size": 1, "micro_batch_size": 1}})
@@ -169,7 +170,7 @@ def megatron_load_families(rank: int, world: int, tp: int, pp: int, ckpts: dict[
 def megatron_load(rank: int, world: int, family: str, tp: int, pp: int, ckpt: str, ep: int = 1):
     """megatron-core's own dist_checkpointing.load (through the toolkit's MegatronEngine.load) of a
     converted torch_dist checkpoint at (tp, pp, ep); the HF weights it then holds."""
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     from toolkit.config import validate
     model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp, "ep": ep},
@@ -187,7 +188,7 @@ def save_legacy_megatron(rank: int, world: int, family: str, tp: int, pp: int, r
 
     import torch.distributed as dist
 
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     from toolkit.config import validate
     model = tiny_model(family, seed=3)
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
@@ -205,3 +206,7 @@ def save_legacy_megatron(rank: int, world: int, family: str, tp: int, pp: int, r
     weights = engine.hf_state()
     dist.barrier()
     return {"weights": weights}
+
+
+PREBUILT = os.environ.get("TOOLKIT_CONVERT_CKPTS")
+"""Development shortcut: a directory a previous session's fixture wrote (tests then skip DeepSpeed)."""

@@ -105,7 +105,7 @@ class UnevenRuns:
         self._done: dict[str, Path] = {}
 
     def get(self, mode: RunMode | str) -> Path:
-        from tests.conftest import train
+        from tests.helpers.runs import train
         mode = MODES[mode] if isinstance(mode, str) else mode
         if mode.name not in self._done:
             run_dir = self.root / mode.name

@@ -11,7 +11,7 @@ cannot claim an axis the config does not have.
 ``MATRIX`` is the covering assignment: every variant meets every feature once, each cell saying how
 (the stage, layout or conversion path, rotated over the variants so that each of those is met too),
 or ``refused`` where the toolkit refuses the combination before anything starts (the cell's test
-then asserts the refusal and its message). ``tests/test_zoo_matrix.py`` checks the matrix is
+then asserts the refusal and its message). ``tests/unit/test_zoo_matrix.py`` checks the matrix is
 complete and that every axis value is met by every feature.
 """
 from __future__ import annotations
@@ -202,6 +202,6 @@ def save_base(variant: str, root) -> str:
 
 
 def batches(vocab: int, n_micro: int = 4, seq: int = 16, seed: int = 3):
-    from tests.test_megatron_parity import batches as parity_batches
+    from tests.helpers.parity import batches as parity_batches
     return parity_batches(vocab, n_micro=n_micro, seq=seq, seed=seed)
 

@@ -1,16 +1,18 @@
 """The shape of the code (shared/ARCHITECTURE.md): every import, module-level or inside a function,
 read from the source with ``ast``. No import circles among toolkit modules; only the adapters and
 the compatibility layers import DeepSpeed or megatron-core; the loop knows no model family; every
-constant has one home; modules stay short enough to read."""
+constant has one home; modules stay short enough to read. Tests import what they share from
+tests/helpers/, never another test module or conftest.py."""
 from __future__ import annotations
 
 import ast
 from collections import Counter
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 
 TOOLKIT = REPO / "toolkit"
+TESTS = REPO / "tests"
 BACKENDS = ("deepspeed", "megatron")
 MAX_LINES = 500
 
@@ -166,3 +168,51 @@ def test_both_engines_implement_the_protocol_as_declared():
             impl = getattr(engine, name, None)
             assert impl is not None, f"{engine.__name__} lacks {name}"
             assert list(inspect.signature(impl).parameters) == list(sig.parameters), (engine.__name__, name)
+
+
+def suite_imports(source: str, module: str) -> set[str]:
+    """The ``tests.*`` modules a file of the suite (dotted name ``module``) imports, anywhere in it:
+    ``from tests.x import y`` counts ``tests.x``, or ``tests.x.y`` where ``tests.x`` is a package (as
+    in ``from tests import conftest``); relative imports resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "tests")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.rsplit(".", node.level)[0]
+                base = f"{package}.{base}" if base else package
+            if base.split(".")[0] == "tests":
+                package = REPO.joinpath(*base.split(".")).is_dir()  # then the names are its modules
+                found.update(f"{base}.{a.name}" if package else base for a in node.names)
+    return found
+
+
+def forbidden_suite_imports(source: str, module: str) -> list[str]:
+    """What the suite's import rule forbids in one file: a test module or conftest.py imported as a
+    module. Everything shared lives in tests/helpers/ (helpers import helpers); fixtures live in the
+    conftest.py files, which pytest finds itself."""
+    return sorted(m for m in suite_imports(source, module) if not m.startswith("tests.helpers."))
+
+
+def suite_import_offenders(root: Path) -> dict[str, list[str]]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        bad = forbidden_suite_imports(path.read_text(), module)
+        if bad:
+            out[str(path.relative_to(root.parent))] = bad
+    return out
+
+
+def test_no_test_module_imports_another_or_conftest():
+    assert suite_import_offenders(TESTS) == {}
+
+
+def test_the_import_rule_names_test_modules_and_conftest():
+    source = ("from tests.helpers.runs import train\nfrom tests.helpers import zoo\nfrom tests.conftest import REPO\n"
+              "def f():\n    from tests.distributed.test_moe import WORLD\n    from . import test_lora\n"
+              "    import tests.unit.test_data\n")
+    assert forbidden_suite_imports(source, "tests.e2e.test_x") == [
+        "tests.conftest", "tests.distributed.test_moe", "tests.e2e.test_lora", "tests.unit.test_data"]

@@ -132,7 +132,7 @@ def test_inspect_says_where_an_hf_model_can_train(tmp_path):
     heads, the PP sizes that divide its layers, EP sizes for experts; or why megatron cannot run it."""
     import json
 
-    from tests.conftest import run_in_process
+    from tests.helpers.runs import run_in_process
     model = tiny_model("qwen3_moe")
     model.save_pretrained(tmp_path / "moe", safe_serialization=True)
     info = json.loads(run_in_process(["inspect", str(tmp_path / "moe"), "--json"]).stdout)

@@ -10,24 +10,15 @@ import pytest
 import torch
 
 from toolkit import data
-from toolkit.data import batches as batches_module
-from toolkit.data import tokenizer as tokenizer_module
 from toolkit.config import DEMO_DIR, validate
 from toolkit.data import DataError
+from toolkit.data import batches as batches_module
+from toolkit.data import tokenizer as tokenizer_module
 
 datasets.disable_progress_bars()
 
 DOCS = ["The quick brown fox jumps over the lazy dog.", "A second document, a little longer than the first one.",
         "Third.", "Return the value of the named attribute of an object, or the default if it is missing."]
-
-
-@pytest.fixture(scope="session")
-def tok(tmp_path_factory):
-    """The demo tokenizer, built in a private cache root (never the user's ~/.cache)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TOOLKIT_CACHE_DIR", str(tmp_path_factory.mktemp("toolkit-cache")))
-    yield data.load_tokenizer(validate({}))
-    mp.undo()
 
 
 def make_cfg(tmp_path: Path, path, **data_kw) -> "data.RunConfig":

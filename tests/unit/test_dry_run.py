@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY, refused, train_args
+from tests.helpers.runs import TINY, refused, train_args
 
 MISSING = "does/not/exist.jsonl"
 

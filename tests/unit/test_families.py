@@ -4,8 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, padded_vocab_size, read_shard,
-                              shard, supported, unshard)
+from toolkit.families import (
+    FamilyError,
+    get_family,
+    hf_to_mcore,
+    mcore_to_hf,
+    padded_vocab_size,
+    read_shard,
+    shard,
+    supported,
+    unshard,
+)
 from toolkit.families.tiny import TINY, tiny_config, tiny_model
 
 

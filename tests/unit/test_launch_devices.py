@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import refused, train_args
+from tests.helpers.runs import refused, train_args
 from toolkit.config import ConfigError
 from toolkit.launch.devices import check_gpu_per_rank, rank_start_method
 

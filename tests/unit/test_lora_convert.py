@@ -6,7 +6,7 @@ and a hand-written merge gets wrong: per-module ranks and alphas (``rank_pattern
 trained in full, bf16 storage. ``--to hf`` must equal peft's own ``merge_and_unload()`` bit for bit
 and ``--verify`` must pass (and fail on a damaged output); adapters that are not W + s x B @ A are
 refused by name. The toolkit's own LoRA runs' checkpoints and ``adapter/`` are converted in
-tests/test_lora.py.
+tests/e2e/test_lora.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_lora import base_dirs  # noqa: F401 - the fixture, shared
+from tests.helpers.lora import tiny_bases
 from toolkit.convert import ConvertError, convert
 from toolkit.families.tiny import tiny_model
 
@@ -45,9 +45,9 @@ def _peft_adapter(base_dir, family: str, out, dtype=torch.float32, **config):
 
 
 @pytest.fixture(scope="module")
-def bases(base_dirs):  # noqa: F811 - the imported fixture, requested
-    """test_lora's tiny saved bases (llama untied, gpt2), as paths."""
-    return {family: Path(base_dirs[family]) for family in ADAPTERS}
+def bases(tmp_path_factory):
+    """Tiny saved bases (llama untied, gpt2), as paths."""
+    return {family: Path(path) for family, path in tiny_bases(tmp_path_factory.mktemp("lora_bases"), ADAPTERS).items()}
 
 
 def _merged_by_peft(base_dir, adapter_dir) -> dict[str, torch.Tensor]:
@@ -142,7 +142,7 @@ def test_an_adapter_on_another_base_and_unmergeable_adapters_are_refused(bases, 
 
 
 def test_cli_converts_and_verifies_a_peft_dir(bases, tmp_path):
-    from tests.conftest import run_in_process
+    from tests.helpers.runs import run_in_process
     adapter = _peft_adapter(bases["gpt2"], "gpt2", tmp_path / "adapter")
     proc = run_in_process(["convert", str(adapter), str(tmp_path / "merged"), "--to", "hf", "--verify"])
     assert proc.returncode == 0, proc.stderr[-2000:]

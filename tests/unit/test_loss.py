@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import loss_allocations
+from tests.helpers.loss import loss_allocations
 from toolkit import device
 from toolkit.engine import IGNORE_INDEX, LOSS_CHUNK_BYTES, loss_chunk_rows, token_loss_sum
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests.conftest import REPO
+from tests.helpers.runs import REPO
 from toolkit.observe.doctor import _norm, pinned_versions
 
 DOCKER = REPO / "docker"

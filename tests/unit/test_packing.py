@@ -11,29 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_data import tok  # noqa: F401 - the demo tokenizer fixture
+from tests.helpers.packing import GRAD_RTOL, LOGITS_ATOL, micro_batch, packed, random_documents
 from toolkit import data
 from toolkit.adapters import hf_attention
 from toolkit.config import validate
-from toolkit.data.pack import document_pieces, fit_rows, pack_documents
+from toolkit.data.pack import document_pieces, fit_rows
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families.tiny import tiny_model
 
 datasets.disable_progress_bars()
-
-LOGITS_ATOL = 2e-6  # measured max 3.9e-7 (gemma2 softcaps), 2.4e-7 (qwen2_moe); a leaked document: > 1e-2
-GRAD_RTOL = 1e-5  # per parameter, max |diff| / max |grad|: measured max 6e-7
-
-
-def random_documents(n: int, seed: int, vocab: int = 250, lengths=(3, 20)) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, vocab, rng.integers(*lengths)).astype(np.int32) for _ in range(n)]
-
-
-def packed(docs: list[np.ndarray], seq_len: int, mode: str, overflow: str = "split", loss=None) -> dict:
-    ids = np.concatenate(docs)
-    loss = np.ones_like(ids, dtype=np.int8) if loss is None else loss
-    return pack_documents(ids, loss, np.array([len(d) for d in docs]), seq_len, mode, overflow)
 
 
 def pieces_of(rows: dict) -> list[tuple[list[int], list[int]]]:
@@ -108,7 +94,7 @@ def data_config(tmp_path, path, **data_kw):
                      "train": {"global_batch_size": 2, "micro_batch_size": 1}})
 
 
-def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):  # noqa: F811 - the fixture
+def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):
     path = write_instructions(tmp_path / "i.jsonl")
     assert data_config(tmp_path, path).data.packing_mode == "documents"  # instruction's default
     assert validate({}).data.packing_mode == "concat"  # plain text keeps concat
@@ -139,10 +125,6 @@ def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):  # no
 # --- the HF path -----------------------------------------------------------------------------------
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen2_moe", "gemma2")  # RoPE llama3; biases, tied; learned positions; MoE; softcap + windows
-
-
-def micro_batch(rows: dict) -> dict:
-    return {k: torch.from_numpy(rows[k]).long() for k in ("input_ids", "labels", "document_ids")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -222,7 +204,7 @@ def test_moe_routing_statistics_count_real_tokens_only():
     assert not torch.equal(results["documents", False][0], results["pad", False][0])
 
 
-def test_too_few_rows_names_the_packing(tmp_path, tok):  # noqa: F811 - the fixture
+def test_too_few_rows_names_the_packing(tmp_path, tok):
     cfg = validate({"data": {"path": str(write_instructions(tmp_path / "few.jsonl", n=3)), "seq_len": 32,
                              "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.0, "template": "instruction"},
                     "train": {"global_batch_size": 8, "micro_batch_size": 1}})

@@ -1,4 +1,4 @@
-"""The config zoo's coverage (``tests/zoo.py``): every variant meets every feature, every axis value
+"""The config zoo's coverage (``tests/helpers/zoo.py``): every variant meets every feature, every axis value
 published checkpoints vary on is in the zoo (read from the built HF configs, not from the labels),
 and every feature meets every axis value (by running it, or by asserting the refusal where the
 toolkit refuses the combination)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.zoo import AXES, FEATURES, MATRIX, REFUSALS, VARIANTS, axes, cells, convert_path, lora_convert_path
+from tests.helpers.zoo import AXES, FEATURES, MATRIX, REFUSALS, VARIANTS, axes, cells, convert_path, lora_convert_path
 
 
 def test_every_variant_meets_every_feature():

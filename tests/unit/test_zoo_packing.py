@@ -1,14 +1,14 @@
-"""The config zoo (``tests/zoo.py``) packed: each variant's documents packed in rows
+"""The config zoo (``tests/helpers/zoo.py``) packed: each variant's documents packed in rows
 (``data.packing=documents``) through HF's own model with the toolkit's document attention give, per
 document, the logits of that document alone through HF's own sdpa forward, and the packed batch
-gives the gradients of the same documents padded (as ``tests/test_packing.py`` checks per family)."""
+gives the gradients of the same documents padded (as ``tests/unit/test_packing.py`` checks per family)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.test_packing import GRAD_RTOL, LOGITS_ATOL, micro_batch, packed, random_documents
-from tests.zoo import VARIANTS, runs
+from tests.helpers.packing import GRAD_RTOL, LOGITS_ATOL, micro_batch, packed, random_documents
+from tests.helpers.zoo import VARIANTS, runs
 from toolkit.adapters import hf_attention
 from toolkit.engine import token_loss_sum
 
