@@ -11,6 +11,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from toolkit.engine import Engine, StepStats
 from toolkit.launch.agent import PREEMPTED_EXIT
 from toolkit.launch.events import emit, read_events
 from toolkit.launch.faults import FaultInjector
+from toolkit.launch.heartbeat import Heartbeat
 from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
@@ -30,7 +32,9 @@ from toolkit.train.schedule import lr_at
 
 
 class Trainer:
-    def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path):
+    def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path,
+                 heartbeat: Heartbeat | None = None):
+        """``heartbeat``: the rank's, beating ``load`` since its start (``train.worker``)."""
         self.plan, self.cfg, self.engine, self.data, self.tokenizer = plan, plan.config, engine, data, tokenizer
         self.run_dir, self.rank = Path(run_dir), dist.get_rank()
         cfg = self.cfg
@@ -44,8 +48,9 @@ class Trainer:
         self._peak = peak_flops(cfg.model.dtype, tf32=cfg.model.tf32)  # None on CPU: no MFU there
         self._flops_per_token = flops_per_token(plan.model, cfg.data.seq_len)
         self.hooks = FaultInjector(self.run_dir, self.rank, params=engine.parameters)
-        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
-        self.checkpoints = Checkpointer(plan, engine, self.run_dir, self.rank, self.metrics, self.hooks)
+        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note, heartbeat=heartbeat)
+        self.checkpoints = Checkpointer(plan, engine, self.run_dir, self.rank, self.metrics, self.hooks,
+                                        phase=self._phase)
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._recovering = self._restart_count > 0
 
@@ -54,6 +59,7 @@ class Trainer:
     def fit(self) -> None:
         self._log_parameters()
         if self.cfg.resume == "auto":
+            self._phase("load")
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
         start = time.perf_counter()
@@ -68,7 +74,7 @@ class Trainer:
                 self._log_step(stats, counts, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
         if self.cfg.train.export_hf:
-            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer, beat=self._phase("export"))
         self.checkpoints.poll(wait=True)  # the last checkpoint is committed before we report success
 
     def _log_parameters(self) -> None:
@@ -177,10 +183,24 @@ class Trainer:
         t = self.cfg.train
         batches = eval_micro_batches(self.data.eval, self.engine.dp_rank, self.engine.dp_size,
                                      t.micro_batch_size, t.eval_batches)
-        loss_sum, count = self.engine.eval_loss_sum(batches)
+        tic = time.perf_counter()
+        loss_sum, count = self.engine.eval_loss_sum(batches, beat=self._phase("eval"))
         loss = loss_sum / max(count, 1)
-        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count})
+        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count,
+                          "eval_s": round(time.perf_counter() - tic, 3)})
         return loss
+
+    def _phase(self, phase: str, step: int | None = None) -> Callable[[], None]:
+        """Beat ``phase`` (``launch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
+        default the loop's); the callable returned is called after each unit of the phase's work (a
+        micro-batch, a file, a tensor) and beats again, so long healthy work is never taken for a
+        hang while a stuck one still is (an injected ``slow_<phase>`` fault delays each unit)."""
+        self.monitor.heartbeat.beat(self.step if step is None else step, phase)
+
+        def beat() -> None:
+            self.hooks.in_progress(phase, self.step)
+            self.monitor.heartbeat.progress()
+        return beat
 
     # --- checkpoints (toolkit/checkpoint/checkpointer.py) -------------------------------------------
 
