@@ -36,7 +36,7 @@ class ToolkitAgent(LocalElasticAgent):
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.hang_timeout_s, self.load_timeout_s = hang_timeout_s, load_timeout_s
-        self._started = time.time()
+        self._started, self._killed_as_hung = time.time(), False
         self.attempt = 0
         self.preempted = False
         self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
@@ -45,7 +45,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup):
         clear_heartbeats(self.run_dir)
-        self._started = time.time()
+        self._started, self._killed_as_hung = time.time(), False
         pids = super()._start_workers(worker_group)
         self._exits = {}
         if getattr(self._pcontext, "_pc", None) is not None:  # ranks run a function (forkserver)
@@ -116,8 +116,8 @@ class ToolkitAgent(LocalElasticAgent):
     # --- hangs -------------------------------------------------------------------------------------
 
     def _watch_for_hang(self, worker_group: WorkerGroup) -> None:
-        if not self.hang_timeout_s or self._pcontext is None:
-            return
+        if not self.hang_timeout_s or self._pcontext is None or self._killed_as_hung:
+            return  # (killed: until torch's monitor sees the exits, the old beats would read as a second hang)
         local = [w.global_rank for w in worker_group.workers]
         hang = find_hang(read_heartbeats(self.run_dir), local, time.time(), self._started,
                          self.hang_timeout_s, self.load_timeout_s)
@@ -132,6 +132,7 @@ class ToolkitAgent(LocalElasticAgent):
              phases={r: b["phase"] for r, b in sorted(hang.items())},
              seconds_without_progress=round(time.time() - max(b["time"] for b in hang.values()), 1),
              budgets_s={r: b["budget_s"] for r, b in sorted(hang.items())}, stacks=str(self.run_dir / STACKS_DIR))
+        self._killed_as_hung = True
         for pid in self._pcontext.pids().values():
             _kill(pid, signal.SIGKILL)  # the next monitor pass sees the failure and restarts
 
