@@ -96,10 +96,10 @@ def uninterrupted(runs):
 @pytest.mark.slow
 def test_long_eval_save_and_export_are_not_hangs(tmp_path, data_cache, uninterrupted):
     """Each longer than hang_timeout_s, beating as they go: an eval of 4 micro-batches x 1.5 s, a save
-    of 2-3 files x 2 s per rank, an export of 39 tensors x 0.15 s. Before phases, a beat came only at
-    step boundaries and the watchdog killed the eval, restarted the job and killed it again."""
+    of 2-3 files x 2.5 s per rank, an export of 39 tensors x 0.15 s. Before phases, a beat came only
+    at step boundaries and the watchdog killed the eval, restarted the job and killed it again."""
     run_dir = tmp_path / "run"
-    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_save:step=4:ms=2000:rank={r};"
+    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_save:step=4:ms=2500:rank={r};"
                     f"slow_export:step=6:ms=150:rank={r}" for r in (0, 1))
     train(run_dir, data_cache, *PHASES, "train.eval_every=3", "train.export_hf=true",
           "restart.load_timeout_s=120", env={"TOOLKIT_FAULT": slow})
@@ -110,7 +110,7 @@ def test_long_eval_save_and_export_are_not_hangs(tmp_path, data_cache, uninterru
     evals = {r["step"]: r["eval_s"] for r in metrics if "eval_loss" in r}
     assert evals[3] > HANG_TIMEOUT_S, evals
     saves = {r["step"]: r["checkpoint_blocked_s"] for r in metrics if r.get("event") == "checkpoint"}
-    assert saves[4] > HANG_TIMEOUT_S, saves
+    assert saves[4] > 1.5 * HANG_TIMEOUT_S, saves  # longer than the save budget (4.2 s) too
     assert (run_dir / "hf_final" / "config.json").exists()
 
 
