@@ -30,7 +30,8 @@ def test_budgets_scale_with_the_model_bytes_and_can_be_set():
     explicit = phase_budgets(RestartConfig(hang_timeout_s=60, save_timeout_s=5, eval_timeout_s=7), 1000, 1000)
     assert explicit["save"] == 5 and explicit["eval"] == 7
     assert phase_budgets(RestartConfig(hang_timeout_s=0), 1000, 1000) == {}  # the watchdog is off
-    assert collective_timeout_s(b) > max(b.values())  # a waiting rank never times out before the watchdog judges
+    big = phase_budgets(RestartConfig(), 70_000_000_000, 70_000_000_000)  # the defaults, a 70B model
+    assert max(big.values()) > 600 and collective_timeout_s(big) > max(big.values())  # the watchdog judges first
     assert collective_timeout_s(phase_budgets(RestartConfig(hang_timeout_s=2), 10, 10)) == 600
 
 
