@@ -128,6 +128,11 @@ def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(tmp_path, 
     hangs = [e for e in events(run_dir) if e["kind"] == "hang"]
     assert [(h["phase"], h["stuck_ranks"]) for h in hangs] == [("save", [1]), ("load", [0])], hangs
     assert hangs[0]["step"] == 4 and hangs[1]["step"] == 2
+    for recovered in [e for e in events(run_dir) if e["kind"] == "recovered"]:  # where each recovery's time went
+        b = recovered["breakdown_s"]
+        assert 0 <= b["backoff"] <= b["torn_down"] <= b["rendezvous"] <= b["ranks_started"], b
+        assert b["rendezvous"] <= b["rank_up"] <= b["checkpoint_loaded"] <= b["first_step_done"], b
+        assert b["first_step_done"] >= recovered["time_to_recover_s"] - 0.1, (b, recovered)  # detected before the event
     stacks = {r: (run_dir / "stacks" / f"rank_{r:05d}.txt").read_text() for r in (0, 1)}
     assert "rank 1 silent in phase 'save' (step 4" in stacks[1] and "in_save" in stacks[1]
     assert "rank 0 silent in phase 'load' (step 2" in stacks[0] and "in_load" in stacks[0]

@@ -37,6 +37,7 @@ class ToolkitAgent(LocalElasticAgent):
         self.backoff_s = backoff_s
         self.hang_timeout_s, self.load_timeout_s = hang_timeout_s, load_timeout_s
         self._started, self._killed_as_hung = time.time(), False
+        self._recovery: dict[str, float] = {}  # when the last failure was detected, and the restart's steps
         self.attempt = 0
         self.preempted = False
         self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
@@ -47,6 +48,7 @@ class ToolkitAgent(LocalElasticAgent):
         clear_heartbeats(self.run_dir)
         self._started, self._killed_as_hung = time.time(), False
         pids = super()._start_workers(worker_group)
+        self._recovery["ranks_started"] = time.time()
         self._exits = {}
         if getattr(self._pcontext, "_pc", None) is not None:  # ranks run a function (forkserver)
             self._note_every_exit(self._pcontext._pc)
@@ -74,6 +76,8 @@ class ToolkitAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self._watch_for_hang(worker_group)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            if not self._killed_as_hung:  # a hang was detected when it was judged, not when its kill is seen
+                self._recovery = {"detected": time.time()}
             self._add_noted_failures(worker_group, result)
             self._record_failure(result)
         return result
@@ -83,6 +87,11 @@ class ToolkitAgent(LocalElasticAgent):
         rank blocked in a collective would sit out the timeout. Checkpoints are atomic, so nothing
         is lost. (A signal to the agent itself still reaches the ranks as that signal.)"""
         self._shutdown(death_sig=signal.SIGKILL, timeout=5)
+        self._recovery["torn_down"] = time.time()
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._recovery["rendezvous"] = time.time()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.attempt += 1
@@ -90,7 +99,19 @@ class ToolkitAgent(LocalElasticAgent):
         emit(self.run_dir, "restart", attempt=self.attempt, delay_s=delay,
              restarts_left=self._remaining_restarts, max_restarts=self.max_restarts)
         time.sleep(delay)
+        self._recovery["backoff"] = time.time()
         super()._restart_workers(worker_group)
+        self._emit_restart_timeline()
+
+    def _emit_restart_timeline(self) -> None:
+        """``restarted``: seconds from the failure's detection to the end of the backoff, the ranks
+        torn down, the rendezvous closed and the ranks started (the ranks add theirs to ``recovered``: ``Trainer._note_recovery``)."""
+        marks = self._recovery
+        if "detected" not in marks:
+            return
+        emit(self.run_dir, "restarted", attempt=self.attempt, detected_at=marks["detected"],
+             **{f"{step}_s": round(marks[step] - marks["detected"], 3)
+                for step in ("backoff", "torn_down", "rendezvous", "ranks_started") if step in marks})
 
     # --- failures ----------------------------------------------------------------------------------
 
@@ -123,6 +144,7 @@ class ToolkitAgent(LocalElasticAgent):
                          self.hang_timeout_s, self.load_timeout_s)
         if hang is None:
             return
+        self._recovery = {"detected": time.time()}
         stacks = self._dump_stacks(worker_group, hang)
         stuck = [r for r, text in stacks.items() if text and not _waiting_in_collective(text)]
         stuck = stuck or [min(hang, key=lambda r: hang[r]["time"])]

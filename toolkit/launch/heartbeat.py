@@ -31,6 +31,7 @@ class Heartbeat:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"rank_{rank:05d}.json"
         self.rank, self.budgets = rank, budgets or {}
+        self.started_at = time.time()  # made first thing in a rank: when the rank came up
         self.step, self.phase, self._last = None, None, 0.0
 
     def beat(self, step: int | None, phase: str = "step") -> None:

@@ -53,6 +53,7 @@ class Trainer:
                                         phase=self._phase)
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._recovering = self._restart_count > 0
+        self._resumed_at = None
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -144,13 +145,29 @@ class Trainer:
                                   f"{write_summary(self.profiler.dir)}")
 
     def _note_recovery(self) -> None:
-        """After a restart, the first finished step closes the recovery: measure it."""
+        """After a restart, the first finished step closes the recovery: measure it, and where its
+        time went (``breakdown_s``)."""
         if self._recovering and self.rank == 0:
-            failures = [e for e in read_events(self.run_dir) if e["kind"] in ("failure", "hang")]
+            events = read_events(self.run_dir)
+            failures = [e for e in events if e["kind"] in ("failure", "hang")]
             since = time.time() - failures[-1]["time"] if failures else None
             emit(self.run_dir, "recovered", step=self.step, restart_count=self._restart_count,
-                 time_to_recover_s=round(since, 2) if since is not None else None)
+                 time_to_recover_s=round(since, 2) if since is not None else None,
+                 breakdown_s=self._recovery_breakdown(events))
         self._recovering = False
+
+    def _recovery_breakdown(self, events: list[dict]) -> dict | None:
+        """Seconds from the failure's detection (the agent's ``restarted`` event: backoff, ranks torn
+        down, rendezvous, ranks started) to this rank up, its checkpoint loaded, its first step done."""
+        restarted = [e for e in events if e["kind"] == "restarted"]
+        if not restarted:
+            return None
+        detected = restarted[-1]["detected_at"]
+        marks = {k[:-2]: v for k, v in restarted[-1].items() if k.endswith("_s")}
+        marks.update(rank_up=self.monitor.heartbeat.started_at - detected,
+                     checkpoint_loaded=(self._resumed_at or time.time()) - detected,
+                     first_step_done=time.time() - detected)
+        return {k: round(v, 3) for k, v in marks.items()}
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
@@ -209,6 +226,7 @@ class Trainer:
 
     def resume(self) -> None:
         progress = self.checkpoints.resume()
+        self._resumed_at = time.time()
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
 
