@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.conftest import losses, resumes, train
+from tests.helpers.runs import losses, resumes, train
 from toolkit.config import RestartConfig
 from toolkit.launch.agent import find_hang
 from toolkit.launch.budgets import collective_timeout_s, phase_budgets
