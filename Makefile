@@ -30,11 +30,11 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not container and not gpu"
 
-# ruff.toml holds the rules; tests/test_lint.py runs the same check in the suite.
+# ruff.toml holds the rules; tests/unit/test_lint.py runs the same check in the suite.
 lint: setup
 	$(BIN)/ruff check .
 
-# The pages of docs/ as a site in site/ (mkdocs.yml); tests/test_docs.py builds it with --strict.
+# The pages of docs/ as a site in site/ (mkdocs.yml); tests/unit/test_docs.py builds it with --strict.
 docs: setup
 	$(BIN)/mkdocs build --strict --site-dir site
 

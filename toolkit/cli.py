@@ -209,12 +209,14 @@ def _data_line(cfg: RunConfig, data) -> str:
 
 
 def _launch(cfg: RunConfig, args, plan_path: Path) -> int:
+    from toolkit.launch.budgets import load_budget
     from toolkit.launch.elastic import LaunchSpec
     r = cfg.restart
     entrypoint, lead, preload = _rank_entrypoint(cfg)
     spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, preload=preload,
-                      max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s)
+                      max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s,
+                      load_timeout_s=load_budget(plan_path))
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
     code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)])
     if code == 0:

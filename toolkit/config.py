@@ -206,7 +206,25 @@ class RestartConfig(_Section):
     backoff_s: float = 1.0
     """Wait before restart k: backoff_s x 2^(k-1), capped at 30 s."""
     hang_timeout_s: float = 300.0
-    """A rank whose heartbeat is this old is hung: stacks are dumped, the job is restarted (0 = off)."""
+    """A rank silent this long in a step (or an eval batch) is hung: stacks are dumped, the job is
+    restarted (0 = off, every phase). Load, reshard, save and export have budgets of their own:"""
+    io_bytes_per_s: float = Field(100e6, gt=0)
+    """The slowest read/write rate a healthy rank sees (a loaded shared filesystem): the default
+    budget of load, reshard, save and export is hang_timeout_s + the model's bytes / this
+    (``toolkit/launch/budgets.py``)."""
+    startup_s: float = Field(300.0, gt=0)
+    """What a rank's load costs before it moves the model's bytes (imports, process group, tokenizer,
+    a first build of DeepSpeed's CPU ops): the default load budget is this + the model's bytes / io_bytes_per_s."""
+    load_timeout_s: float | None = Field(None, gt=0)
+    """Longest silence from the start of a rank (or a restart) through resuming; None: the rule above."""
+    reshard_timeout_s: float | None = Field(None, gt=0)
+    """...while converting a checkpoint written at another layout."""
+    save_timeout_s: float | None = Field(None, gt=0)
+    """...while writing a checkpoint (beaten per file written)."""
+    export_timeout_s: float | None = Field(None, gt=0)
+    """...while writing hf_final (beaten per tensor)."""
+    eval_timeout_s: float | None = Field(None, gt=0)
+    """...in an eval (beaten per micro-batch); None: hang_timeout_s."""
     straggler_every: int = 50
     """Compare per-rank compute time every N steps (0 = off)."""
     straggler_factor: float = 1.5

@@ -36,7 +36,7 @@ class StepStats:
 
 class Engine(Protocol):
     """What the loop, the checkpointer and the health monitor call; ``adapters/deepspeed.py`` and
-    ``adapters/megatron/engine.py`` implement it (``tests/test_architecture.py`` checks the names
+    ``adapters/megatron/engine.py`` implement it (``tests/unit/test_architecture.py`` checks the names
     and signatures match)."""
     dp_rank: int
     dp_size: int
@@ -50,17 +50,20 @@ class Engine(Protocol):
         gradient is that of ``sum(token losses) / loss_tokens`` whatever the DP size or accumulation.
         """
 
-    def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        """Summed token loss and valid-token count over the whole DP group (already reduced)."""
+    def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]], beat=None) -> tuple[float, int]:
+        """Summed token loss and valid-token count over the whole DP group (already reduced).
+        ``beat()``, if given, after each micro-batch: the heartbeat's progress (here and below)."""
 
-    def save(self, path: Path, step: int) -> None:
-        """Write this engine's state (model, optimizer) of ``step`` under ``path``; collective."""
+    def save(self, path: Path, step: int, beat=None) -> None:
+        """Write this engine's state (model, optimizer) of ``step`` under ``path``; collective;
+        ``beat()`` after each file written (where the backend's writer lets us see them)."""
 
     def load(self, path: Path) -> None:
         """Restore what ``save`` wrote; collective."""
 
-    def export_hf(self, path: Path, tokenizer) -> None:
-        """Write the current weights as an HF ``save_pretrained`` directory; collective."""
+    def export_hf(self, path: Path, tokenizer, beat=None) -> None:
+        """Write the current weights as an HF ``save_pretrained`` directory; collective; ``beat()``
+        after each tensor."""
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """This rank's model parameters (its shard under TP/PP; the full model below ZeRO-3)."""

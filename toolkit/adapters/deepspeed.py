@@ -134,7 +134,7 @@ class DeepSpeedEngine:
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss_sum(self, micro_batches):
+    def eval_loss_sum(self, micro_batches, beat=None):
         self.engine.eval()
         totals = device.zeros(2, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
@@ -142,15 +142,19 @@ class DeepSpeedEngine:
             loss_sum, count = token_loss_sum(logits, mb["labels"])
             del logits  # not alive while the next micro-batch's are computed
             totals += torch.stack([loss_sum.double(), count.double()])
+            if beat:
+                beat()
         self.engine.train()
         dist.all_reduce(totals)
         return totals[0].item(), int(totals[1].item())
 
-    def save(self, path: Path, step: int) -> None:
+    def save(self, path: Path, step: int, beat=None) -> None:
         """A LoRA run saves only what it trains (adapters, modules to save, their optimizer state): the
-        frozen base is the model it started from, identified in meta.json (``storage/meta.py``)."""
-        self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={},
-                                    exclude_frozen_parameters=self.lora is not None)
+        frozen base is the model it started from, identified in meta.json (``storage/meta.py``).
+        ``beat()`` after each file DeepSpeed's checkpoint engine writes."""
+        with _beating_per_file(self.engine.checkpoint_engine, beat):
+            self.engine.save_checkpoint(str(path), tag=f"global_step{step}", client_state={},
+                                        exclude_frozen_parameters=self.lora is not None)
 
     def load(self, path: Path) -> None:
         path, resharded = Path(path), None
@@ -197,7 +201,7 @@ class DeepSpeedEngine:
         finally:
             config.load_universal_checkpoint = saved
 
-    def export_hf(self, path: Path, tokenizer) -> None:
+    def export_hf(self, path: Path, tokenizer, beat=None) -> None:
         """Collective: ``path`` in fp32, written tensor by tensor (under ZeRO-3 each parameter is
         gathered alone, so no rank holds more than one beyond its partition). A LoRA run writes the
         merged model there, and its adapter as an HF-PEFT directory beside it (``adapter/``), both
@@ -207,11 +211,11 @@ class DeepSpeedEngine:
         generation_config = getattr(module, "generation_config", None)
         if not self.lora:
             write_streamed(ModuleSource(module, module.config.model_type, gather=gather), path, tokenizer,
-                           generation_config)
+                           generation_config, beat=beat)
             return
         trained = trained_fp32(module, gather)
         base = model_dir(self.cfg.model.name_or_path) if self.cfg.model.init == "pretrained" else None
-        write_merged(module, trained, path, tokenizer, generation_config, gather, base)
+        write_merged(module, trained, path, tokenizer, generation_config, gather, base, beat=beat)
         write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
                       if base else None)
 
@@ -284,6 +288,25 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
 
 def _attention_dropout(hf_config) -> bool:
     return bool(getattr(hf_config, "attention_dropout", 0.0) or getattr(hf_config, "attn_pdrop", 0.0))
+
+
+@contextlib.contextmanager
+def _beating_per_file(checkpoint_engine, beat):
+    """``beat()`` after each file DeepSpeed's checkpoint engine writes (its ``save(state, path)``)."""
+    if beat is None:
+        yield
+        return
+    save = checkpoint_engine.save
+
+    def save_and_beat(*args, **kwargs):
+        result = save(*args, **kwargs)
+        beat()
+        return result
+    checkpoint_engine.save = save_and_beat
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
 
 
 @contextlib.contextmanager

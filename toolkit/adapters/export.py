@@ -110,13 +110,13 @@ def trained_fp32(module: torch.nn.Module, gather=None) -> dict[str, torch.Tensor
 
 
 def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, tokenizer, generation_config,
-                 gather=None, base: str | None = None) -> None:
+                 gather=None, base: str | None = None, beat=None) -> None:
     """Collective: ``hf_final/`` of a LoRA run, merged in fp32. A pretrained ``base`` is read from
     its files by rank 0 (the converter's HF reader), so a bf16 or fp16 run does not round the frozen
     weights it never changed; a random-init base exists only in the module (``MergedLoraSource``)."""
     if base is None:
         write_streamed(MergedLoraSource(module, module.config.model_type, trained, gather), path, tokenizer,
-                       generation_config)
+                       generation_config, beat=beat)
         return
     if dist.get_rank() != 0:
         write_streamed(None, path)
@@ -125,7 +125,7 @@ def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, toke
     from toolkit.convert.peft import merged_source
     reader = HFSource(Path(base))
     try:
-        write_streamed(merged_source(reader, module, trained), path, tokenizer, generation_config)
+        write_streamed(merged_source(reader, module, trained), path, tokenizer, generation_config, beat=beat)
     finally:
         reader.close()
 
@@ -169,6 +169,18 @@ def fp32_config(config) -> dict:
     return out
 
 
+def _beating(source: Source, beat) -> Source:
+    """``source`` whose ``read`` beats after each tensor (an attribute of this instance only)."""
+    read = source.read
+
+    def read_and_beat(name, state="param"):
+        tensor = read(name, state)
+        beat()
+        return tensor
+    source.read = read_and_beat
+    return source
+
+
 @contextlib.contextmanager
 def _drained_on_failure(source: Source):
     """If rank 0's writing fails (a full disk), it still makes the reads the other ranks are waiting
@@ -192,11 +204,13 @@ def _drained_on_failure(source: Source):
         source.read = read
 
 
-def write_streamed(source: Source | None, path: Path, tokenizer=None, generation_config=None) -> None:
+def write_streamed(source: Source | None, path: Path, tokenizer=None, generation_config=None, beat=None) -> None:
     """Collective: every rank reads every tensor in the writer's order (a source rank 0 reads alone,
     ``collective`` False, may be None on the others); rank 0 writes ``path`` (replaced whole: built
-    beside it, then renamed)."""
+    beside it, then renamed). ``beat()`` after each tensor read (the heartbeat's progress)."""
     path = Path(path)
+    if beat is not None and source is not None:
+        source = _beating(source, beat)
     if dist.get_rank() != 0:
         for name in source.infos if source is not None and source.collective else ():  # the writer's order
             source.read(name)

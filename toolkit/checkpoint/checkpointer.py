@@ -25,9 +25,13 @@ from toolkit.storage import meta
 
 
 class Checkpointer:
-    def __init__(self, plan: Plan, engine, run_dir: Path, rank: int, metrics, hooks):
+    def __init__(self, plan: Plan, engine, run_dir: Path, rank: int, metrics, hooks, phase=None):
+        """``phase(name, step=None)``: beats the heartbeat phase ``name`` (at ``step``, default the
+        loop's) and returns the callable that beats again after each unit of its work
+        (``Trainer._phase``); None: no heartbeat."""
         self.plan, self.engine, self.run_dir, self.rank = plan, engine, Path(run_dir), rank
         self.metrics, self.hooks = metrics, hooks
+        self.phase = phase or (lambda name, step=None: lambda: None)
         self.lora_meta = _lora_meta(plan)
         c = plan.config.checkpoint
         self.manager = CheckpointManager(self.run_dir, c.keep_last)
@@ -63,7 +67,7 @@ class Checkpointer:
         if self.rank == 0:
             self.manager.begin(step)
         dist.barrier()
-        self._write(snapshot, step, progress)
+        self._write(snapshot, step, progress, self.phase("save"))
         dist.barrier()
         self.async_ckpt.start(step)
         self._log_save(step, tic, asynchronous=True)
@@ -84,8 +88,10 @@ class Checkpointer:
         if self.rank == 0:
             self.manager.begin(step)
         dist.barrier()
-        self._write(stage, step, progress)
+        beat = self.phase("save")
+        self._write(stage, step, progress, beat)
         dist.barrier()
+        beat()
         final = None
         if self.rank == 0:
             final = self.manager.commit(step)
@@ -95,12 +101,14 @@ class Checkpointer:
         self._log_save(step, tic, asynchronous=False)
         return final
 
-    def _write(self, stage: Path, step: int, progress: dict) -> None:
-        """This rank's files of the checkpoint (engine state, RNG; rank 0 the descriptions)."""
-        self.engine.save(stage / "engine", step)
+    def _write(self, stage: Path, step: int, progress: dict, beat) -> None:
+        """This rank's files of the checkpoint (engine state, RNG; rank 0 the descriptions); ``beat``
+        after each file."""
+        self.engine.save(stage / "engine", step, beat=beat)
         self.hooks.in_save(step)
         meta.rng_file(stage, self.rank).parent.mkdir(exist_ok=True)
         torch.save({**rng_state(), "engine": self.engine.rng_state()}, meta.rng_file(stage, self.rank))
+        beat()
         if self.rank == 0:
             cfg, spec = self.plan.config, self.plan.model
             meta.write_descriptions(stage, cfg.backend, spec.model_type, spec.hf, self.engine.layout_record(),
@@ -126,12 +134,14 @@ class Checkpointer:
         check_same_model(ckpt, self.plan.model.hf)
         saved_meta = meta.read_meta(ckpt)
         check_same_lora(ckpt, saved_meta, self.lora_meta.get("lora"), self.lora_meta.get("base_model"))
-        saved_layout = saved_meta["layout"]
+        saved_layout, progress = saved_meta["layout"], meta.read_progress(ckpt)
+        self.phase("load" if saved_layout == self.engine.layout_record() else "reshard", progress["step"])
         engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.plan.config.backend,
                                               self.run_dir, self.rank, note=self.metrics.note)
         self.engine.load(engine_dir)
+        self.hooks.in_load(progress["step"])
+        self.phase("load", progress["step"])
         drop_conversion(engine_dir, self.run_dir, self.rank)
-        progress = meta.read_progress(ckpt)
         if loaded == "as saved":  # per-rank RNG streams only mean something for the same ranks
             state = torch.load(meta.rng_file(ckpt, self.rank), weights_only=True)
             set_rng_state(state)

@@ -81,7 +81,7 @@ class ZeroBytes:
 def _check_no_packed_experts(config: dict) -> None:
     """transformers >= 5 packs a layer's experts in one module parameter; the family table that
     unpacks them into checkpoint tensors (``zero.module_layout``) needs torch. Only mixture-of-experts
-    families pack (tests/test_convert_torchfree.py checks every family), and their configs name
+    families pack (tests/distributed/test_convert_torchfree.py checks every family), and their configs name
     their experts."""
     if any("expert" in key and value for key, value in config.items()):
         raise NotDirect("a mixture-of-experts config: packed experts are unpacked by the family table")

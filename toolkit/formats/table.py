@@ -3,7 +3,7 @@
 ``locate`` (``detect.py``) asks each format in ``FORMATS`` order whether a path holds it; the
 ``convert`` command writes through ``for_target(--to)``. Adding a format is its module (a
 ``canonical.Source`` reader and/or a ``write(source, out, request, progress) -> layout record``),
-one ``Format(...)`` line below, and a case in tests/test_formats_table.py.
+one ``Format(...)`` line below, and a case in tests/distributed/test_formats_table.py.
 
 Detection stays torch-free (the direct ZeRO -> HF route decides with it before any reader is
 imported): ``detect`` and the table itself import no torch; ``reader`` and ``writer`` are named

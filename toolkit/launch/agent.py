@@ -2,8 +2,9 @@
 
 The agent (the machinery of torchrun) starts the ranks, watches them and restarts the whole group
 on a failure; we add: an event per failure/restart/hang/preemption in ``RUN_DIR/events.jsonl``,
-exponential backoff between restarts, a heartbeat watchdog that dumps every rank's Python stack and
-kills a hung job so that it restarts, and preemption (all ranks exiting with ``PREEMPTED_EXIT``)
+exponential backoff between restarts, a heartbeat watchdog that judges each rank's silence against
+its phase's budget (``launch/budgets.py``), dumps every rank's Python stack under a header naming
+its phase and kills a hung job so that it restarts, and preemption (all ranks exiting with ``PREEMPTED_EXIT``)
 ending the job instead of restarting it.
 """
 from __future__ import annotations
@@ -26,12 +27,17 @@ _COLLECTIVE_FRAMES = ("distributed_c10d.py", "deepspeed/comm/", "torch/distribut
 
 
 class ToolkitAgent(LocalElasticAgent):
-    def __init__(self, *, run_dir: Path, max_restarts: int, backoff_s: float, hang_timeout_s: float, **kwargs):
+    def __init__(self, *, run_dir: Path, max_restarts: int, backoff_s: float, hang_timeout_s: float,
+                 load_timeout_s: float | None = None, **kwargs):
+        """``load_timeout_s``: watch ranks from their start, before their first beat (ranks that beat
+        through their load: ``toolkit train``); each beat is judged by the budget it states."""
         super().__init__(**kwargs)
         self.run_dir = Path(run_dir)
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
-        self.hang_timeout_s = hang_timeout_s
+        self.hang_timeout_s, self.load_timeout_s = hang_timeout_s, load_timeout_s
+        self._started, self._killed_as_hung = time.time(), False
+        self._recovery: dict[str, float] = {}  # when the last failure was detected, and the restart's steps
         self.attempt = 0
         self.preempted = False
         self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
@@ -40,7 +46,9 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup):
         clear_heartbeats(self.run_dir)
+        self._started, self._killed_as_hung = time.time(), False
         pids = super()._start_workers(worker_group)
+        self._recovery["ranks_started"] = time.time()
         self._exits = {}
         if getattr(self._pcontext, "_pc", None) is not None:  # ranks run a function (forkserver)
             self._note_every_exit(self._pcontext._pc)
@@ -68,6 +76,8 @@ class ToolkitAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self._watch_for_hang(worker_group)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            if not self._killed_as_hung:  # a hang was detected when it was judged, not when its kill is seen
+                self._recovery = {"detected": time.time()}
             self._add_noted_failures(worker_group, result)
             self._record_failure(result)
         return result
@@ -77,6 +87,11 @@ class ToolkitAgent(LocalElasticAgent):
         rank blocked in a collective would sit out the timeout. Checkpoints are atomic, so nothing
         is lost. (A signal to the agent itself still reaches the ranks as that signal.)"""
         self._shutdown(death_sig=signal.SIGKILL, timeout=5)
+        self._recovery["torn_down"] = time.time()
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._recovery["rendezvous"] = time.time()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.attempt += 1
@@ -84,7 +99,19 @@ class ToolkitAgent(LocalElasticAgent):
         emit(self.run_dir, "restart", attempt=self.attempt, delay_s=delay,
              restarts_left=self._remaining_restarts, max_restarts=self.max_restarts)
         time.sleep(delay)
+        self._recovery["backoff"] = time.time()
         super()._restart_workers(worker_group)
+        self._emit_restart_timeline()
+
+    def _emit_restart_timeline(self) -> None:
+        """``restarted``: seconds from the failure's detection to the end of the backoff, the ranks
+        torn down, the rendezvous closed and the ranks started (the ranks add theirs to ``recovered``: ``Trainer._note_recovery``)."""
+        marks = self._recovery
+        if "detected" not in marks:
+            return
+        emit(self.run_dir, "restarted", attempt=self.attempt, detected_at=marks["detected"],
+             **{f"{step}_s": round(marks[step] - marks["detected"], 3)
+                for step in ("backoff", "torn_down", "rendezvous", "ranks_started") if step in marks})
 
     # --- failures ----------------------------------------------------------------------------------
 
@@ -110,37 +137,74 @@ class ToolkitAgent(LocalElasticAgent):
     # --- hangs -------------------------------------------------------------------------------------
 
     def _watch_for_hang(self, worker_group: WorkerGroup) -> None:
-        if not self.hang_timeout_s or self._pcontext is None:
+        if not self.hang_timeout_s or self._pcontext is None or self._killed_as_hung:
+            return  # (killed: until torch's monitor sees the exits, the old beats would read as a second hang)
+        local = [w.global_rank for w in worker_group.workers]
+        hang = find_hang(read_heartbeats(self.run_dir), local, time.time(), self._started,
+                         self.hang_timeout_s, self.load_timeout_s)
+        if hang is None:
             return
-        now, beats = time.time(), read_heartbeats(self.run_dir)
-        # Only ranks that have beaten are watched: a script that never calls beat() is never killed.
-        ranks = [w.global_rank for w in worker_group.workers if w.global_rank in beats]
-        last = {r: beats[r]["time"] for r in ranks}
-        if not last or all(now - t <= self.hang_timeout_s for t in last.values()):
-            return
-        stacks = self._dump_stacks(worker_group)
+        self._recovery = {"detected": time.time()}
+        stacks = self._dump_stacks(worker_group, hang)
         stuck = [r for r, text in stacks.items() if text and not _waiting_in_collective(text)]
-        stuck = stuck or [min(last, key=last.get)]
-        emit(self.run_dir, "hang", stuck_ranks=sorted(stuck), step=min(beats[r]["step"] for r in ranks),
-             seconds_without_progress=round(now - min(last.values()), 1),
-             stacks=str(self.run_dir / STACKS_DIR))
+        stuck = stuck or [min(hang, key=lambda r: hang[r]["time"])]
+        phases = sorted({hang[r]["phase"] for r in stuck if r in hang} or {b["phase"] for b in hang.values()})
+        steps = [b["step"] for b in hang.values() if b.get("step") is not None]
+        emit(self.run_dir, "hang", stuck_ranks=sorted(stuck), step=min(steps, default=None), phase=",".join(phases),
+             phases={r: b["phase"] for r, b in sorted(hang.items())},
+             seconds_without_progress=round(time.time() - max(b["time"] for b in hang.values()), 1),
+             budgets_s={r: b["budget_s"] for r, b in sorted(hang.items())}, stacks=str(self.run_dir / STACKS_DIR))
+        self._killed_as_hung = True
         for pid in self._pcontext.pids().values():
             _kill(pid, signal.SIGKILL)  # the next monitor pass sees the failure and restarts
 
-    def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
-        """Ask every rank for its Python stacks (faulthandler on SIGUSR2, see trainer)."""
+    def _dump_stacks(self, worker_group: WorkerGroup, hang: dict[int, dict]) -> dict[int, str]:
+        """Ask every rank for its Python stacks (faulthandler on SIGUSR2, registered first thing by
+        each rank: ``launch.monitor.register_stack_dump``), each dump headed by the rank's phase."""
         paths = {w.global_rank: self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
                  for w in worker_group.workers}
-        offsets = {r: p.stat().st_size if p.exists() else 0 for r, p in paths.items()}
+        (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)
+        for rank, path in paths.items():
+            with open(path, "a") as f:
+                f.write(_stack_header(rank, hang.get(rank), self.attempt))
+        offsets = {r: p.stat().st_size for r, p in paths.items()}
         for pid in self._pcontext.pids().values():
             _kill(pid, signal.SIGUSR2)
         time.sleep(1.0)
         stacks = {}
         for rank, path in paths.items():  # the files accumulate across attempts: read this dump only
-            with open(path) if path.exists() else open(os.devnull) as f:
+            with open(path) as f:
                 f.seek(offsets[rank])
                 stacks[rank] = f.read()
         return stacks
+
+
+def find_hang(beats: dict[int, dict], local_ranks: list[int], now: float, started: float,
+              default_budget_s: float, load_timeout_s: float | None) -> dict[int, dict] | None:
+    """Every watched rank's beat (with its ``budget_s``) when all of them are silent beyond their
+    phase's budget, else None.
+
+    Watched: every rank that has beaten (on any node: the run directory is shared), and, when
+    ``load_timeout_s`` is given (``toolkit train``), every local rank from its start: one that has
+    not beaten yet is in ``load`` since ``started``. A plain script under ``toolkit supervise`` is
+    watched once it beats. The job is hung only when no rank progresses: a rank waiting in a
+    collective for a peer that writes alone (rank 0's export, a slow shard) is silent but not stuck,
+    and a stuck rank soon leaves every peer waiting on it."""
+    watched = {r: {**b, "budget_s": b.get("budget_s", default_budget_s)} for r, b in beats.items()}
+    if load_timeout_s is not None:
+        for rank in local_ranks:
+            watched.setdefault(rank, {"rank": rank, "step": None, "phase": "load", "time": started,
+                                      "budget_s": load_timeout_s})
+    if not watched or any(now - b["time"] <= b["budget_s"] for b in watched.values()):
+        return None
+    return watched
+
+
+def _stack_header(rank: int, beat: dict | None, attempt: int) -> str:
+    if beat is None:
+        return f"\n=== hang watchdog, attempt {attempt}: rank {rank} (no heartbeat seen) ===\n"
+    return (f"\n=== hang watchdog, attempt {attempt}: rank {rank} silent in phase {beat['phase']!r} "
+            f"(step {beat.get('step')}, budget {beat['budget_s']} s) ===\n")
 
 
 def _waiting_in_collective(stacks: str) -> bool:

@@ -32,6 +32,7 @@ class LaunchSpec:
     max_restarts: int = 0
     backoff_s: float = 1.0
     hang_timeout_s: float = 0.0
+    load_timeout_s: float | None = None  # watch ranks from their start (they beat while loading)
 
 
 def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str, str] | None = None):
@@ -74,7 +75,8 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
         monitor_interval=0.2, local_addr=rdzv.local_addr)
     agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(),
                          start_method=_start_method(entrypoint, spec.preload), run_dir=spec.run_dir,
-                         max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s)
+                         max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s,
+                         load_timeout_s=spec.load_timeout_s)
     shutdown_rdzv = True
     try:
         result = agent.run()

@@ -10,6 +10,11 @@
                    fires on the node's local rank 0, which runs that writer)
   corrupt   after committing the checkpoint of step S, flip one byte in it (rank 0)
   slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
+  slow_eval, slow_save, slow_export  sleep ``ms`` milliseconds after each unit of that phase's work
+            at step S (an eval micro-batch, a checkpoint file, an exported tensor; export runs at the
+            last step): long healthy work that beats as it goes (every time, not once)
+  hang_in_save  sleep forever while writing the checkpoint of step S (after the engine files)
+  hang_in_load  sleep forever while resuming the checkpoint of step S (after the engine loaded it)
   diverge   perturb one parameter on this rank after step S (replicas drift apart)
   overflow  make step S's gradients infinite on this rank (fp16: the loss scaler must skip the step)
   host_collective  all-reduce a tensor made without ``device=`` after step S (strict device mode
@@ -25,7 +30,7 @@ import time
 from pathlib import Path
 
 FAULT_KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
-         "overflow", "host_collective"}
+         "overflow", "host_collective", "slow_eval", "slow_save", "slow_export", "hang_in_save", "hang_in_load"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -80,8 +85,7 @@ class FaultInjector:
         if self._take("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._take("hang", step):
-            while True:
-                time.sleep(3600)
+            _sleep_forever()
         if self._take("raise", step):
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
         if self._take("sigterm", step):
@@ -117,6 +121,19 @@ class FaultInjector:
     def in_save(self, step: int) -> None:
         if self.faults and self._take("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults and self._take("hang_in_save", step):
+            _sleep_forever()
+
+    def in_load(self, step: int) -> None:
+        """Called once the engine loaded the checkpoint of ``step``, before the rank goes on."""
+        if self.faults and self._take("hang_in_load", step):
+            _sleep_forever()
+
+    def in_progress(self, phase: str, step: int) -> None:
+        """Called after each unit of a phase's work (``Trainer._phase``)."""
+        for f in self.faults:
+            if f["kind"] == f"slow_{phase}" and f["step"] == step:
+                time.sleep(f.get("ms", 200) / 1000)
 
     def in_persist(self, step: int | None) -> None:
         """Called by the background writer after each file it persisted."""
@@ -129,3 +146,8 @@ class FaultInjector:
             data = bytearray(victim.read_bytes())
             data[len(data) // 2] ^= 0xFF
             victim.write_bytes(bytes(data))
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(3600)

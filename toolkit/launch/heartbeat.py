@@ -1,5 +1,10 @@
 """Per-rank heartbeats (``RUN_DIR/heartbeat/rank_XXXXX.json``) read by the agent's hang watchdog.
 
+A beat says what the rank is doing (its phase, ``PHASES``) and how long it may stay silent in it
+(``budget_s``, from ``toolkit.launch.budgets``). Long work beats as it progresses (per eval batch, per
+checkpoint file, per exported tensor: ``Heartbeat.progress``), never from a timer thread, which
+would beat on through a real hang.
+
 Any training script can beat: ``toolkit.launch.heartbeat.beat(step)`` finds the run directory and
 rank from the environment ``toolkit supervise`` sets.
 """
@@ -11,21 +16,40 @@ import time
 from pathlib import Path
 
 HEARTBEAT_DIR = "heartbeat"
+PHASES = ("load", "reshard", "ready", "step", "eval", "save", "export")
+"""load: process group, data, engine build and resume; reshard: converting a checkpoint written at
+another layout; ready: resumed, before the first step; step: training (beaten per step); eval, save,
+export: the long work at step boundaries and at the end."""
+PROGRESS_EVERY_S = 0.2  # progress beats closer than this are skipped (a file write per tensor costs)
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path | str, rank: int):
+    def __init__(self, run_dir: Path | str, rank: int, budgets: dict[str, float] | None = None):
+        """``budgets``: the longest silence allowed per phase (``launch.budgets.phase_budgets``);
+        without one, the agent judges a beat by ``restart.hang_timeout_s``."""
         self.dir = Path(run_dir) / HEARTBEAT_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"rank_{rank:05d}.json"
-        self.rank = rank
+        self.rank, self.budgets = rank, budgets or {}
+        self.started_at = time.time()  # made first thing in a rank: when the rank came up
+        self.step, self.phase, self._last = None, None, 0.0
 
-    def beat(self, step: int, phase: str = "step") -> None:
+    def beat(self, step: int | None, phase: str = "step") -> None:
         """Atomic replace of a tiny file: the watchdog never reads half a beat."""
+        if phase not in PHASES:
+            raise ValueError(f"heartbeat phase {phase!r} is not one of {PHASES}")
+        self.step, self.phase, self._last = step, phase, time.monotonic()
+        record = {"rank": self.rank, "step": step, "phase": phase, "time": time.time(), "pid": os.getpid()}
+        if phase in self.budgets:
+            record["budget_s"] = self.budgets[phase]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "phase": phase, "time": time.time(),
-                                   "pid": os.getpid()}))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
+
+    def progress(self) -> None:
+        """A unit of the current phase's work is done (a tensor, a file, a batch): beat again."""
+        if self.phase is not None and time.monotonic() - self._last >= PROGRESS_EVERY_S:
+            self.beat(self.step, self.phase)
 
 
 _default: Heartbeat | None = None

@@ -30,22 +30,32 @@ class DivergenceError(RuntimeError):
     pass
 
 
+_stack_files: dict[Path, object] = {}  # kept open: faulthandler writes to its descriptor from a signal handler
+
+
+def register_stack_dump(run_dir: Path, rank: int) -> None:
+    """Python stacks of every thread to ``RUN_DIR/stacks/rank_XXXXX.txt`` on SIGUSR2 (the hang
+    watchdog's request); first thing in a rank, so a hang while loading is dumped too (SIGUSR2's
+    default action would kill the rank without a word). Once per file and process."""
+    path = Path(run_dir) / STACKS_DIR / f"rank_{rank:05d}.txt"
+    if path in _stack_files:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _stack_files[path] = open(path, "a")  # kept across restarts
+    faulthandler.register(signal.SIGUSR2, file=_stack_files[path], all_threads=True)
+
+
 class RankMonitor:
-    def __init__(self, run_dir: Path, policy: RestartConfig, log=print):
+    def __init__(self, run_dir: Path, policy: RestartConfig, log=print, heartbeat: Heartbeat | None = None):
+        """``heartbeat``: the rank's, when it has beaten since its start (``train.worker``)."""
         self.run_dir, self.policy, self.log = Path(run_dir), policy, log
         self.rank = dist.get_rank()
-        self.heartbeat = Heartbeat(run_dir, self.rank)
+        self.heartbeat = heartbeat or Heartbeat(run_dir, self.rank)
         self._stop_requested = False
         self._busy_s = 0.0
-        self._stack_file = self._register_stack_dump()
+        register_stack_dump(self.run_dir, self.rank)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._request_stop)
-
-    def _register_stack_dump(self):
-        (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)
-        f = open(self.run_dir / STACKS_DIR / f"rank_{self.rank:05d}.txt", "a")  # kept across restarts
-        faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
-        return f  # kept open: faulthandler writes to its descriptor from a signal handler
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True

@@ -11,6 +11,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from toolkit.engine import Engine, StepStats
 from toolkit.launch.agent import PREEMPTED_EXIT
 from toolkit.launch.events import emit, read_events
 from toolkit.launch.faults import FaultInjector
+from toolkit.launch.heartbeat import Heartbeat
 from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
@@ -30,7 +32,9 @@ from toolkit.train.schedule import lr_at
 
 
 class Trainer:
-    def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path):
+    def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path,
+                 heartbeat: Heartbeat | None = None):
+        """``heartbeat``: the rank's, beating ``load`` since its start (``train.worker``)."""
         self.plan, self.cfg, self.engine, self.data, self.tokenizer = plan, plan.config, engine, data, tokenizer
         self.run_dir, self.rank = Path(run_dir), dist.get_rank()
         cfg = self.cfg
@@ -44,16 +48,19 @@ class Trainer:
         self._peak = peak_flops(cfg.model.dtype, tf32=cfg.model.tf32)  # None on CPU: no MFU there
         self._flops_per_token = flops_per_token(plan.model, cfg.data.seq_len)
         self.hooks = FaultInjector(self.run_dir, self.rank, params=engine.parameters)
-        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note)
-        self.checkpoints = Checkpointer(plan, engine, self.run_dir, self.rank, self.metrics, self.hooks)
+        self.monitor = RankMonitor(self.run_dir, cfg.restart, log=self.metrics.note, heartbeat=heartbeat)
+        self.checkpoints = Checkpointer(plan, engine, self.run_dir, self.rank, self.metrics, self.hooks,
+                                        phase=self._phase)
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._recovering = self._restart_count > 0
+        self._resumed_at = None
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
         self._log_parameters()
         if self.cfg.resume == "auto":
+            self._phase("load")
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
         start = time.perf_counter()
@@ -68,7 +75,7 @@ class Trainer:
                 self._log_step(stats, counts, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
         if self.cfg.train.export_hf:
-            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer)
+            self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer, beat=self._phase("export"))
         self.checkpoints.poll(wait=True)  # the last checkpoint is committed before we report success
 
     def _log_parameters(self) -> None:
@@ -138,13 +145,29 @@ class Trainer:
                                   f"{write_summary(self.profiler.dir)}")
 
     def _note_recovery(self) -> None:
-        """After a restart, the first finished step closes the recovery: measure it."""
+        """After a restart, the first finished step closes the recovery: measure it, and where its
+        time went (``breakdown_s``)."""
         if self._recovering and self.rank == 0:
-            failures = [e for e in read_events(self.run_dir) if e["kind"] in ("failure", "hang")]
+            events = read_events(self.run_dir)
+            failures = [e for e in events if e["kind"] in ("failure", "hang")]
             since = time.time() - failures[-1]["time"] if failures else None
             emit(self.run_dir, "recovered", step=self.step, restart_count=self._restart_count,
-                 time_to_recover_s=round(since, 2) if since is not None else None)
+                 time_to_recover_s=round(since, 2) if since is not None else None,
+                 breakdown_s=self._recovery_breakdown(events))
         self._recovering = False
+
+    def _recovery_breakdown(self, events: list[dict]) -> dict | None:
+        """Seconds from the failure's detection (the agent's ``restarted`` event: backoff, ranks torn
+        down, rendezvous, ranks started) to this rank up, its checkpoint loaded, its first step done."""
+        restarted = [e for e in events if e["kind"] == "restarted"]
+        if not restarted:
+            return None
+        detected = restarted[-1]["detected_at"]
+        marks = {k[:-2]: v for k, v in restarted[-1].items() if k.endswith("_s")}
+        marks.update(rank_up=self.monitor.heartbeat.started_at - detected,
+                     checkpoint_loaded=(self._resumed_at or time.time()) - detected,
+                     first_step_done=time.time() - detected)
+        return {k: round(v, 3) for k, v in marks.items()}
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
@@ -177,10 +200,24 @@ class Trainer:
         t = self.cfg.train
         batches = eval_micro_batches(self.data.eval, self.engine.dp_rank, self.engine.dp_size,
                                      t.micro_batch_size, t.eval_batches)
-        loss_sum, count = self.engine.eval_loss_sum(batches)
+        tic = time.perf_counter()
+        loss_sum, count = self.engine.eval_loss_sum(batches, beat=self._phase("eval"))
         loss = loss_sum / max(count, 1)
-        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count})
+        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_tokens": count,
+                          "eval_s": round(time.perf_counter() - tic, 3)})
         return loss
+
+    def _phase(self, phase: str, step: int | None = None) -> Callable[[], None]:
+        """Beat ``phase`` (``launch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
+        default the loop's); the callable returned is called after each unit of the phase's work (a
+        micro-batch, a file, a tensor) and beats again, so long healthy work is never taken for a
+        hang while a stuck one still is (an injected ``slow_<phase>`` fault delays each unit)."""
+        self.monitor.heartbeat.beat(self.step if step is None else step, phase)
+
+        def beat() -> None:
+            self.hooks.in_progress(phase, self.step)
+            self.monitor.heartbeat.progress()
+        return beat
 
     # --- checkpoints (toolkit/checkpoint/checkpointer.py) -------------------------------------------
 
@@ -189,6 +226,7 @@ class Trainer:
 
     def resume(self) -> None:
         progress = self.checkpoints.resume()
+        self._resumed_at = time.time()
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
 

@@ -5,6 +5,7 @@ torchrun, srun or the deepspeed launcher; reads its rank from the environment th
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,29 +14,48 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.config import RunConfig
 from toolkit.data import load_tokenizer, prepare_data
-from toolkit.parallel import init_process_group, seed_everything
+from toolkit.launch.budgets import collective_timeout_s, phase_budgets
+from toolkit.launch.heartbeat import Heartbeat
+from toolkit.launch.monitor import register_stack_dump
+from toolkit.parallel import adopt_slurm_env, init_process_group, seed_everything
 from toolkit.plan import Plan, read_plan, write_plan
 
 
 def run_worker(plan: Plan, record_plan: bool = False) -> None:
     """``record_plan``: this job's ranks made the plan themselves (torchrun, srun, the deepspeed
     launcher): rank 0 writes it to RUN_DIR/plan.json, replacing a previous job's."""
-    init_process_group()
+    run_dir = Path(plan.config.run_dir)
+    budgets = phase_budgets(plan.config.restart, *plan.trainable_parameters())
+    adopt_slurm_env()  # RANK before the process group: the heartbeat and stack files are per rank
+    heartbeat = _loading_heartbeat(run_dir, budgets)
+    init_process_group(timeout_s=collective_timeout_s(budgets))
     rank = dist.get_rank()
+    heartbeat.progress()
     if device.strict_requested():
         device.enable_strict()
     device.use_tf32(plan.config.model.tf32)
-    run_dir = Path(plan.config.run_dir)
     if record_plan and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_plan(plan, run_dir)
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
+    heartbeat.progress()
     seed_everything(plan.config.train.seed)
     engine = _build_engine(plan, run_dir, rank)
+    heartbeat.progress()
     from toolkit.train.trainer import Trainer
-    Trainer(plan, engine, data, tokenizer, run_dir).fit()
+    Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _loading_heartbeat(run_dir: Path, budgets: dict[str, float]) -> Heartbeat:
+    """The rank's heartbeat, in phase ``load`` from its first moment (the agent watches a rank from
+    its start), and its stacks dumpable on the watchdog's request before the process group exists."""
+    rank = int(os.environ.get("RANK", "0"))
+    register_stack_dump(run_dir, rank)
+    heartbeat = Heartbeat(run_dir, rank, budgets)
+    heartbeat.beat(None, "load")
+    return heartbeat
 
 
 def _prepare_data_rank0_first(cfg: RunConfig, rank: int):

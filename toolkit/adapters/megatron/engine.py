@@ -174,11 +174,12 @@ class MegatronEngine:
         loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size, self.tp_rank)
         return loss_sum / self._loss_tokens, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
 
-    def _run_schedule(self, micro_batches, forward_only: bool) -> torch.Tensor:
-        """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only)."""
+    def _run_schedule(self, micro_batches, forward_only: bool, beat=None) -> torch.Tensor:
+        """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only);
+        ``beat()`` each time the schedule takes the next micro-batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         chunks = len(self.model)
-        iters = [iter(micro_batches) for _ in range(chunks)]
+        iters = [_beating(micro_batches, beat) if beat else iter(micro_batches) for _ in range(chunks)]
         mb = micro_batches[0]["input_ids"]
         out = get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=iters if chunks > 1 else iters[0],
@@ -237,10 +238,10 @@ class MegatronEngine:
         return total.item()
 
     @torch.no_grad()
-    def eval_loss_sum(self, micro_batches):
+    def eval_loss_sum(self, micro_batches, beat=None):
         for chunk in self.model:
             chunk.eval()
-        totals = (self._run_schedule(micro_batches, forward_only=True) if micro_batches
+        totals = (self._run_schedule(micro_batches, forward_only=True, beat=beat) if micro_batches
                   else device.zeros(2, dtype=torch.float64))
         for chunk in self.model:
             chunk.train()
@@ -278,8 +279,11 @@ class MegatronEngine:
 
     # --- checkpoints and export (toolkit/adapters/megatron/state.py, export.py) ----------------------
 
-    def save(self, path: Path, step: int = 0) -> None:
+    def save(self, path: Path, step: int = 0, beat=None) -> None:
+        """megatron's dist_checkpointing writes every file in one call: ``beat()`` after it."""
         state.save(self, path)
+        if beat:
+            beat()
 
     def load(self, path: Path) -> None:
         state.load(self, path)
@@ -295,8 +299,8 @@ class MegatronEngine:
         """A LoRA run's adapters (or ``attr`` of them, e.g. ``main_grad``) in HF-PEFT names on rank 0."""
         return lora.gather_adapters(self, attr)
 
-    def export_hf(self, path: Path, tokenizer) -> None:
-        export.export_hf(self, path, tokenizer)
+    def export_hf(self, path: Path, tokenizer, beat=None) -> None:
+        export.export_hf(self, path, tokenizer, beat)
 
     def can_load_layout(self, saved: dict) -> bool:
         """torch_dist with a fully reshardable optimizer: megatron reshards any TP/PP/DP on load."""
@@ -362,3 +366,11 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> MegatronEngine:
     if rank == 0:
         print(engine.attention_kernels(), flush=True)
     return engine
+
+
+def _beating(micro_batches, beat):
+    """The micro-batches, ``beat()`` before each after the first (the previous one's work is done)."""
+    for i, mb in enumerate(micro_batches):
+        if i:
+            beat()
+        yield mb

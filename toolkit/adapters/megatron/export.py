@@ -45,7 +45,7 @@ def engine_embedding(state: dict) -> torch.Tensor:
     return next(t for n, t in state.items() if n.endswith(("embed_tokens.weight", "wte.weight")))
 
 
-def export_hf(engine, path: Path, tokenizer) -> None:
+def export_hf(engine, path: Path, tokenizer, beat=None) -> None:
     """Collective: ``path`` as the converter's HF writer writes it (fp32, checkpoint names). A LoRA
     run writes the merged model there and its adapter as an HF-PEFT directory beside it
     (``adapter/``), every TP shard of every adapter joined (``export_lora``)."""
@@ -54,12 +54,12 @@ def export_hf(engine, path: Path, tokenizer) -> None:
     from toolkit.adapters.export import write_streamed
     generation = GenerationConfig.from_model_config(engine.hf_config)
     if engine.lora is not None:
-        export_lora(engine, Path(path), tokenizer, generation)
+        export_lora(engine, Path(path), tokenizer, generation, beat)
         return
-    write_streamed(MegatronSource(engine), path, tokenizer, generation)
+    write_streamed(MegatronSource(engine), path, tokenizer, generation, beat=beat)
 
 
-def export_lora(engine, path: Path, tokenizer, generation) -> None:
+def export_lora(engine, path: Path, tokenizer, generation, beat=None) -> None:
     """Collective: ``hf_final/`` and ``adapter/`` with the DeepSpeed path's writers
     (``adapters/export.py``): the trained tensors (adapters joined over TP and gathered from every
     stage, modules to save) whole on rank 0, in peft's names, with peft's model of the base on the
@@ -73,9 +73,9 @@ def export_lora(engine, path: Path, tokenizer, generation) -> None:
     m = engine.cfg.model
     base = model_dir(m.name_or_path) if m.init == "pretrained" else None
     if base is not None:
-        write_merged(model, trained, path, tokenizer, generation, base=base)
+        write_merged(model, trained, path, tokenizer, generation, base=base, beat=beat)
     else:
-        write_streamed(MergedLoraSource(engine, model, trained), path, tokenizer, generation)
+        write_streamed(MergedLoraSource(engine, model, trained), path, tokenizer, generation, beat=beat)
     write_adapter(model, path.parent / "adapter", trained, base_name=m.name_or_path if base else None)
 
 
