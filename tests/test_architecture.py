@@ -140,3 +140,11 @@ def test_both_engines_implement_the_protocol_as_declared():
             impl = getattr(engine, name, None)
             assert impl is not None, f"{engine.__name__} lacks {name}"
             assert list(inspect.signature(impl).parameters) == list(sig.parameters), (engine.__name__, name)
+
+
+def test_compat_layers_do_not_depend_on_the_data_pipeline():
+    """compat/ patches libraries and keeps their caches; the cache root it needs lives in storage/."""
+    known = modules()
+    found = {name: sorted(m for m in imports(path, name, known) if m.startswith("toolkit.data"))
+             for name, path in known.items() if name.startswith("toolkit.compat")}
+    assert {n: m for n, m in found.items() if m} == {}

@@ -72,7 +72,8 @@ class DataConfig(_Section):
     eval_fraction: float = 0.05
     num_proc: int = 1
     cache_dir: str | None = None
-    """Where tokenized/packed data is cached; default: ``~/.cache/toolkit/data``."""
+    """Where tokenized/packed data is cached; default: ``cache_root()/data``, ``~/.cache/toolkit/data`` unless
+    ``TOOLKIT_CACHE_DIR`` or ``XDG_CACHE_HOME`` says otherwise (``toolkit/storage/cache.py``)."""
 
     @field_validator("seq_len")
     @classmethod
