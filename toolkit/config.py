@@ -279,7 +279,9 @@ class RunConfig(_Section):
 # --- loading -----------------------------------------------------------------------------------
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate."""
+    """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate.
+    ``overrides``: strings as ``--set`` takes them (``"train.steps=100"``, values parsed as YAML).
+    Raises ``ConfigError`` naming the field and the fix."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

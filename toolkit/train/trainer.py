@@ -30,6 +30,11 @@ from toolkit.train.schedule import lr_at
 
 
 class Trainer:
+    """One rank's training loop over any ``Engine`` (``toolkit.build_engine``): ``fit()`` trains
+    ``plan.config.train.steps`` global batches of ``data`` (``PackedData``), resuming from ``run_dir``'s
+    newest complete checkpoint when ``resume=auto``, and writes ``run_dir``/metrics.jsonl, checkpoints
+    and ``run_dir``/hf_final (``train.export_hf``). Needs the job's process group."""
+
     def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path):
         self.plan, self.cfg, self.engine, self.data, self.tokenizer = plan, plan.config, engine, data, tokenizer
         self.run_dir, self.rank = Path(run_dir), dist.get_rank()
