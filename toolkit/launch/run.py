@@ -145,12 +145,12 @@ def _rank_entrypoint(cfg: RunConfig):
 
 def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from toolkit.launch.elastic import launch_workers
     from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.launch.elastic import launch_workers
     from toolkit.launch.events import emit
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     try:
         launch_workers(spec, entrypoint, args)
     except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved
