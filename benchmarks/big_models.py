@@ -18,7 +18,7 @@ above the rank's floor (RSS after imports and the process group, before the mode
 No optimizer step is taken (a 1.5B model's Adam moments would not fit 2 ranks in 24 GiB); the model
 states DeepSpeed and megatron allocate at initialization (fp32 master partitions, gradient
 buffers) are part of "load". Results: benchmarks/results/big_models.json; ``--table`` prints the
-markdown table of benchmarks/README.md from it, with the bounds ``toolkit estimate`` predicts (its
+markdown table of docs/benchmarks.md from it, with the bounds ``toolkit estimate`` predicts (its
 ``host_load``/``host_export`` and the model states; the runtime is the tiny model's figure, same case).
 """
 from __future__ import annotations

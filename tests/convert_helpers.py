@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from tests.test_families import TINY_MOE, tiny_model
 from toolkit.adapters.hf import param_groups
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_model
 
-FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3", "gemma2")
+FAMILIES = tuple(sorted(TINY))  # every dense family: a new one is converted by being added
 MOE_FAMILIES = tuple(sorted(TINY_MOE))
 FROZEN = "llama_frozen"
 """llama with its input embedding and layer 0's q_proj frozen (requires_grad=False), as a LoRA or

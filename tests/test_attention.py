@@ -201,7 +201,7 @@ def test_kernel_choice_refuses_what_a_kernel_cannot_do(mode, need, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_flex_is_refused_before_launch_without_a_gpu():
-    from tests.test_families import tiny_config
+    from toolkit.families.tiny import tiny_config
     from toolkit.adapters.megatron import check_machine
     from toolkit.config import validate
     from toolkit.plan import build_plan
@@ -312,7 +312,7 @@ def _packed_case(family, tp, pp, extra) -> dict:
     """HF's own forward of the packed rows (positions restarting per document) against the engine's:
     logits, gradients of the mean token loss, and for MoE the tokens per expert of real tokens."""
     from tests.conftest import megatron_engine
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     from toolkit.adapters import moe
     from toolkit.config import validate
     from toolkit.engine import IGNORE_INDEX, token_loss_sum
@@ -497,7 +497,7 @@ def test_without_compile_the_gpu_takes_the_cpus_kernels(monkeypatch):
 def test_megatron_fusions_need_a_working_compile(monkeypatch, compiles):
     """megatron's fused bias-dropout-add and SwiGLU (torch.compile'd, on by default on GPUs) are
     off where the compile probe fails, on where it works (a GPU is pretended: the fusions are GPU only)."""
-    from tests.test_families import tiny_config
+    from toolkit.families.tiny import tiny_config
     from toolkit.adapters.megatron import model as megatron_model
     from toolkit.config import validate
     from toolkit.families import get_family

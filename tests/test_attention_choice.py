@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_families import tiny_config
 from toolkit.adapters import hf
 from toolkit.config import validate
+from toolkit.families.tiny import tiny_config
 from toolkit.plan import build_plan
 
 

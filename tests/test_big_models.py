@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from tests.test_families import TINY, TINY_MOE, tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from toolkit.adapters import hf
 from toolkit.config import validate
+from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 from toolkit.plan import build_plan
 
 FAMILIES = sorted(TINY) + sorted(TINY_MOE)
@@ -73,7 +73,7 @@ def _counting_reads(source_class):
 
 def _zero3_rank(rank, world, model_dir, family):
     from toolkit.adapters import deepspeed as ds_adapter
-    from toolkit.convert.hf import HFSource
+    from toolkit.formats.hf import HFSource
     counted = _counting_reads(HFSource)
     cfg = validate({"model": {"name_or_path": str(model_dir), "init": "pretrained"}, "zero": {"stage": 3},
                     "train": {"global_batch_size": 4, "micro_batch_size": 1}})
@@ -115,7 +115,7 @@ def test_zero3_ranks_read_only_their_elements_and_build_the_same_model(tmp_path,
 
 def _megatron_rank(rank, world, model_dir, tp, pp):
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.convert.hf import HFSource
+    from toolkit.formats.hf import HFSource
     counted = _counting_reads(HFSource)
     cfg = validate({"backend": "megatron", "megatron": {"tp": tp, "pp": pp},
                     "model": {"name_or_path": str(model_dir), "init": "pretrained"},

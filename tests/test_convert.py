@@ -21,7 +21,7 @@ from tests.convert_helpers import (FAMILIES, FROZEN, MOE_FAMILIES, STAGES, build
                                     save_legacy_megatron)
 from tests.test_megatron_compat import run_ranks
 from toolkit.convert import ConvertError, convert, open_source
-from toolkit.convert.canonical import hf_config_object
+from toolkit.formats.canonical import hf_config_object
 from toolkit.families import find_family, unpack
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -37,10 +37,24 @@ PREBUILT = os.environ.get("TOOLKIT_CONVERT_CKPTS")
 
 
 @pytest.fixture(scope="session")
-def zero_ckpts(tmp_path_factory) -> Path:
+def zero_ckpts(request, tmp_path_factory) -> Path:
     if PREBUILT:
         return Path(PREBUILT)
-    return build_zero_checkpoints(tmp_path_factory, "zero_ckpts", MATRIX)
+    return build_zero_checkpoints(tmp_path_factory, "zero_ckpts", selected_cells(request))
+
+
+def selected_cells(request) -> list[tuple[str, int, int]]:
+    """The MATRIX cells of the families the selected tests name (``-k olmo2`` saves olmo2's only);
+    all of MATRIX when a selected test using the checkpoints names no family."""
+    families = set()
+    for item in request.session.items:
+        if "zero_ckpts" not in item.fixturenames:
+            continue
+        family = getattr(item, "callspec", None) and item.callspec.params.get("family")
+        if family is None:
+            return MATRIX
+        families.add(family)
+    return [cell for cell in MATRIX if cell[0] in families]
 
 
 def _equal_sources(a, b, states=("param",)) -> None:
@@ -92,7 +106,7 @@ def test_matrix_zero_megatron_hf_zero_exact(zero_ckpts, tmp_path, monkeypatch, f
     """ZeRO -> Megatron at TP {1,2} x PP {1,2} -> HF -> ZeRO: exact tensors at every hop; Adam
     moments and step carried through Megatron and back to ZeRO. Vocab matrices are written in
     small row blocks (as large models' are), the last one partly vocab padding."""
-    monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr("toolkit.formats.megatron.ROW_BLOCK_BYTES", 4096)
     zero = open_source(zero_ckpts / f"{family}-z{stage}-dp{dp}")
     for tp, pp in megatron_layouts(stage, dp):
         meg = tmp_path / f"meg-tp{tp}-pp{pp}"
@@ -116,7 +130,7 @@ def test_hf_output_loads_with_transformers_same_logits(zero_ckpts, tmp_path, fam
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     ckpt = zero_ckpts / f"{family}-z3-dp3"
     convert(ckpt, tmp_path / "hf", to="hf", max_shard_bytes=64 << 10)  # several shards + index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -147,7 +161,7 @@ def test_megatron_core_loads_converted_checkpoint(zero_ckpts, tmp_path, monkeypa
     """megatron-core's dist_checkpointing.load of our torch_dist output (converted from ZeRO-3;
     tied and untied embeddings, QKV biases, learned positions, vocab in row blocks) at TP/PP 1 and 2
     gives exactly the source weights, for every dense family (one job per layout loads them in turn)."""
-    monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr("toolkit.formats.megatron.ROW_BLOCK_BYTES", 4096)
     sources = {f: open_source(zero_ckpts / f"{f}-z3-dp3") for f in FAMILIES}
     for family, src in sources.items():
         convert(src.path, tmp_path / family, to="megatron", tp=tp, pp=pp)
@@ -288,7 +302,7 @@ def test_existing_dst_untouched_and_interrupted_conversion_leaves_no_dst(zero_ck
     with pytest.raises(ConvertError, match="already exists"):
         convert(zero_ckpts / "llama-z2-dp2", dst, to="hf")
     assert [p.name for p in dst.iterdir()] == ["mine.txt"]
-    from toolkit.convert import hf
+    from toolkit.formats import hf
 
     def crash(*a, **k):
         raise KeyboardInterrupt  # an interrupt half-way through the writes
@@ -329,7 +343,7 @@ def _verify_cli(src: Path, dst: Path, *args: str):
 
 def test_verify_exits_1_when_dst_holds_a_wrong_tensor(qwen2_megatron, tmp_path, monkeypatch):
     """A writer bug (one element of one tensor written as 0): --verify names it and exits 1."""
-    from toolkit.convert import hf
+    from toolkit.formats import hf
     correct = hf._tensor_writer
 
     def zeroes_the_last_element_of_the_norm(source, dtype):
@@ -354,7 +368,7 @@ def test_verify_judges_the_logits_of_dst_as_stored(qwen2_megatron, tmp_path, mon
     a nonzero rounding effect within the dtype's bound in bf16/fp16 (comparing rounded weights again
     would report 0). A DST whose tensors are all right but whose config.json is wrong (a writer bug:
     rms_norm_eps 1e-6 -> 1e-2) fails on the logits alone, with exit 1."""
-    from toolkit.convert import hf
+    from toolkit.formats import hf
     proc, (diff, allowed) = _verify_cli(qwen2_megatron, tmp_path / "good", "--dtype", dtype)
     assert proc.returncode == 0 and "0 differ" in proc.stdout, proc.stdout + proc.stderr
     print(f"\n{dtype}: logits max |diff| {diff:.3g}, allowed {allowed:.3g}")

@@ -1,5 +1,5 @@
 """The two mechanisms that keep a conversion's RSS within a few tensors of its floor
-(``toolkit/convert/pages.py``); the figures per conversion path are in benchmarks/convert.py.
+(``toolkit/formats/pages.py``); the figures per conversion path are in benchmarks/convert.py.
 
 Bugs these catch: freed tensors' pages kept by glibc's heap (the megatron writer grew by 100-300 MB
 over a write), a safetensors source's pages staying resident as it is read (an HF -> Megatron
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from toolkit.convert import pages
+from toolkit.formats import pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or pages._trim is None
                                 or "MALLOC_MMAP_THRESHOLD_" in os.environ,
@@ -45,7 +45,7 @@ def test_trim_heap_gives_back_freed_tensors_kept_by_the_heap():
 def test_source_maps_release_a_safetensors_source_pages_and_lose_nothing(tmp_path):
     from safetensors.torch import save_file
 
-    from toolkit.convert.hf import HFSource
+    from toolkit.formats.hf import HFSource
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')

@@ -1,4 +1,4 @@
-"""The direct ZeRO -> HF route (toolkit/convert/direct.py): byte for byte the torch path's output,
+"""The direct ZeRO -> HF route (toolkit/formats/direct.py): byte for byte the torch path's output,
 no torch import, and the torch path whenever the direct route does not apply.
 
 ZeRO checkpoints are written by DeepSpeed itself (spawned gloo ranks, as in test_convert.py), a
@@ -20,8 +20,8 @@ import torch
 from tests.convert_helpers import FROZEN, build_zero_checkpoints
 from tests.test_convert import PREBUILT
 from toolkit.convert import ConvertError, convert
-from toolkit.convert.detect import locate
-from toolkit.convert.direct import NotDirect, open_direct
+from toolkit.formats.detect import locate
+from toolkit.formats.direct import NotDirect, open_direct
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 CASES = [("qwen2", s, d) for d in (1, 3) for s in (1, 2, 3)] + [(FROZEN, s, 3) for s in (1, 2, 3)]
@@ -36,7 +36,7 @@ def direct_ckpts(tmp_path_factory) -> Path:
 
 
 def _torch_path(monkeypatch) -> None:
-    monkeypatch.setattr("toolkit.convert.direct.open_direct", lambda found: None)
+    monkeypatch.setattr("toolkit.formats.direct.open_direct", lambda found: None)
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -116,8 +116,8 @@ def test_dtype_and_missing_tie_flag_take_the_torch_path(direct_ckpts, tmp_path):
 def test_only_mixture_of_experts_families_pack_and_their_configs_say_so():
     """The direct route cannot unpack packed experts (the family table needs torch); it recognises
     them by the config naming experts. Every family that packs must be recognised, and no other."""
-    from tests.test_families import TINY, TINY_MOE, tiny_config
-    from toolkit.convert.direct import _check_no_packed_experts
+    from toolkit.families.tiny import TINY, TINY_MOE, tiny_config
+    from toolkit.formats.direct import _check_no_packed_experts
     from toolkit.families import find_family
     for family in sorted({**TINY, **TINY_MOE}):
         config = tiny_config(family).to_dict()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import tiny_model
 from toolkit.convert import ConvertError, convert, open_source
-from toolkit.convert.safeload import safe_load
+from toolkit.families.tiny import tiny_model
+from toolkit.formats.safeload import safe_load
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "qwen3", "gemma", "phi3", "gemma2"])
 def test_hf_megatron_hf_zero_round_trip_exact(tmp_path, monkeypatch, family):
-    monkeypatch.setattr("toolkit.convert.megatron.ROW_BLOCK_BYTES", 4096)  # vocab rows in blocks
+    monkeypatch.setattr("toolkit.formats.megatron.ROW_BLOCK_BYTES", 4096)  # vocab rows in blocks
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     state = model.state_dict()
@@ -34,7 +34,7 @@ def test_hf_megatron_hf_zero_round_trip_exact(tmp_path, monkeypatch, family):
 def test_keys_map_is_megatron_local_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from toolkit.convert.megatron import KEYS_MAP
+    from toolkit.formats.megatron import KEYS_MAP
     for norm in ("RMSNorm", "LayerNorm"):
         assert get_gpt_layer_local_spec(normalization=norm).submodules.sharded_state_dict_keys_map == KEYS_MAP
 
@@ -57,7 +57,7 @@ def test_torch_free_unpickler_reads_tensor_locations_and_lets_nothing_be_rewritt
     is refused (the caller then takes the torch reader)."""
     import pickle
 
-    from toolkit.convert import torchzip
+    from toolkit.formats import torchzip
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     torch.save({"w": t[1:]}, tmp_path / "x.pt")
     rec = torchzip.load(tmp_path / "x.pt")["w"]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.conftest import TINY, start_forkserver
-from tests.test_families import tiny_model
 from tests.test_megatron_compat import run_ranks
+from toolkit.families.tiny import tiny_model
 from toolkit.parallel import free_port
 from tests.test_megatron_parity import batches
 from toolkit.config import load_config, validate

@@ -3,88 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, padded_vocab_size, read_shard,
                               shard, supported, unshard)
-
-# Tiny configs of every family, shaped to exercise GQA, biases, tying and vocab padding (vocab 250
-# is not a multiple of 128 * tp). Shared with the megatron parity tests.
-TINY = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                  rope_theta=5000.0, tie_word_embeddings=False, pad_token_id=0,
-                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                    sliding_window=8, tie_word_embeddings=False, pad_token_id=0),  # < the parity tests' 16 tokens
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                  tie_word_embeddings=True, use_sliding_window=False, pad_token_id=0),
-    # head_dim 32 is not hidden / heads (16), as in published Qwen3 (hidden 1024, 16 heads of 128)
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
-                  max_position_embeddings=64, tie_word_embeddings=False, use_sliding_window=False, pad_token_id=0),
-    # gemma: sqrt(hidden)-scaled embedding, (1 + w) RMSNorm, gated GeLU-tanh, tied, head_dim 32
-    "gemma": dict(model_type="gemma", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
-                  max_position_embeddings=64, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
-                  pad_token_id=0),
-    # phi3: fused qkv_proj and gate_up_proj in the checkpoint, a sliding window shorter than the
-    # parity tests' 16 tokens
-    "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                 sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0),
-    # gemma2: four norms per layer, query_pre_attn_scalar, attention and final softcaps (small enough
-    # to bite at these logits), a window of 6 on every other layer
-    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
-                   max_position_embeddings=64, tie_word_embeddings=True, query_pre_attn_scalar=24,
-                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=6,
-                   layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=250, n_positions=64,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-}
-
-
-# Tiny MoE configs: GQA, 4 experts top-2, vocab padding; qwen2_moe with q/k/v biases, a gated shared
-# expert, tied embeddings and un-normalized top-k weights (megatron's pre-softmax routing).
-TINY_MOE = {
-    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                    num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False,
-                    sliding_window=8),
-    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
-                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
-                      pad_token_id=0),
-    # qwen3_moe: q/k norms, head_dim 32 (not hidden / heads), renormalized top-k, no shared expert
-    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
-                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=0),
-}
-
-
-def tiny_config(family: str, **changes):
-    kw = {**{**TINY, **TINY_MOE}[family], **changes}
-    return AutoConfig.for_model(kw.pop("model_type"), **kw)
-
-
-def tiny_model(family: str, seed: int = 0, **changes):
-    """A tiny seeded HF model of any family above (dense or mixture of experts)."""
-    torch.manual_seed(seed)
-    config = tiny_config(family, **changes)
-    # HF's eager applies an attention softcap; transformers 5.17 would pick sdpa for gemma2, which drops it
-    choice = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **choice)
-    with torch.no_grad():  # HF inits biases and norms to constants: randomize so mix-ups show
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+from toolkit.families.tiny import TINY, tiny_config, tiny_model
 
 
 def test_all_families_discovered():

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit import device
 from toolkit.adapters import moe
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
+from toolkit.families.tiny import tiny_model
 
 LAYOUTS = [(2, 1), (2, 4), (4, 1), (4, 4)]  # (layers, micro-batches)
 DENSE_SYNCS = 4

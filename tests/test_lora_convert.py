@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_families import tiny_model
 from tests.test_lora import base_dirs  # noqa: F401 - the fixture, shared
 from toolkit.convert import ConvertError, convert
+from toolkit.families.tiny import tiny_model
 
 ADAPTERS = {
     "llama": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],

@@ -104,7 +104,7 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     (``Geometry.b_parts``)."""
     import json
 
-    from tests.test_families import tiny_config
+    from toolkit.families.tiny import tiny_config
     from toolkit.convert.lora_ckpt import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
     from toolkit.plan import build_plan
     from toolkit.storage import meta as meta_io
@@ -149,7 +149,7 @@ def _trained_shapes(hf_config, spec):
 
 
 def _stored_metadata(engine):
-    from toolkit.convert.megatron import open_dist
+    from toolkit.formats.megatron import open_dist
     return open_dist(engine)[1].state_dict_metadata
 
 

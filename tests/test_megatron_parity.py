@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import TINY, tiny_model
 from tests.test_megatron_compat import run_ranks
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.families.tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo parity suite")
 
@@ -67,11 +67,11 @@ def run_config(tp: int, pp: int, **megatron):
 
 
 def _rank_parity(rank, world, layouts):
-    """Each layout, and each family in turn on these ranks."""
+    """Each layout, and each of its families in turn on these ranks."""
     from megatron.core import parallel_state
     results = {}
-    for name, (tp, pp, extra) in layouts.items():
-        for family in families_for(extra):
+    for name, (tp, pp, extra, families) in layouts.items():
+        for family in families:
             results[(name, family)] = _one_layout(family, tp, pp, extra)
             parallel_state.destroy_model_parallel()
     return results
@@ -136,11 +136,27 @@ def assert_logits_on_every_dp_rank(d: dict) -> None:
     assert not bad, bad
 
 
+LAYOUTS_BY_NAME = {f"tp{tp}_pp{pp}": (tp, pp, {}) for tp, pp in LAYOUTS} | EXTRA
+
+
+def selected(request) -> dict[str, list[str]]:
+    """layout name -> the families the selected tests of this module ask for there (``-k olmo2``
+    builds olmo2 only)."""
+    wanted: dict[str, set[str]] = {}
+    for item in request.session.items:
+        if item.module is not request.module or not hasattr(item, "callspec"):
+            continue
+        p = item.callspec.params
+        wanted.setdefault(p.get("name") or f"tp{p['tp']}_pp{p['pp']}", set()).add(p["family"])
+    return {name: sorted(families) for name, families in wanted.items()}
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    layouts = {f"tp{tp}_pp{pp}": (tp, pp, {}) for tp, pp in LAYOUTS} | EXTRA
-    jobs = {2: {n: x for n, x in layouts.items() if n != "tp2_pp2"}, 4: {"tp2_pp2": layouts["tp2_pp2"]}}
-    ranks = [r for world, job in jobs.items()
+def parity(request, tmp_path_factory):
+    layouts = {name: (*LAYOUTS_BY_NAME[name], families) for name, families in selected(request).items()}
+    jobs = {2: {n: x for n, x in layouts.items() if n != "tp2_pp2"},
+            4: {n: x for n, x in layouts.items() if n == "tp2_pp2"}}
+    ranks = [r for world, job in jobs.items() if job
              for r in run_ranks(_rank_parity, world, tmp_path_factory.mktemp(f"parity{world}"), job, timeout=1200)]
     merged = merge_ranks(ranks)
     print("\nHF vs megatron per family and layout: max |logit diff| per DP rank; worst gradient, relative "
@@ -155,13 +171,12 @@ def families_for(extra: dict) -> list[str]:
     return [f for f in FAMILIES if extra.get("attention") != "local" or not TINY[f].get("sliding_window")]
 
 
-@pytest.mark.parametrize("name", sorted(EXTRA))
-def test_layout_options_change_nothing(parity, name):
-    for family in families_for(EXTRA[name][2]):
-        d = parity[(name, family)]
-        assert_logits_on_every_dp_rank(d)
-        assert d["missing_grads"] == []
-        assert not grad_mismatches(d["grads"], GRAD_RTOL), family
+@pytest.mark.parametrize("name,family", [(n, f) for n in sorted(EXTRA) for f in families_for(EXTRA[n][2])])
+def test_layout_options_change_nothing(parity, name, family):
+    d = parity[(name, family)]
+    assert_logits_on_every_dp_rank(d)
+    assert d["missing_grads"] == []
+    assert not grad_mismatches(d["grads"], GRAD_RTOL), family
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)

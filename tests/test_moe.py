@@ -1,13 +1,12 @@
 """Mixture of experts (mixtral, qwen2_moe, qwen3_moe): family tables against transformers' own checkpoint layout,
 the load-balancing loss against HF's, and the megatron path against HF's own forward on 4 ranks at
 EP 1 and 2 (x DP 4), TP 2 with sequence parallelism (x DP 2, x EP 2) and PP 2 x EP 2: logits, routing and
-per-parameter gradients, aux loss included. The tiny configs live in tests/test_families.py."""
+per-parameter gradients, aux loss included. The tiny configs live beside each family (toolkit/families/, `TINY`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.test_families import TINY_MOE, tiny_config, tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import (assert_logits_on_every_dp_rank, batches, grad_gap, grad_mismatches, logit_gaps,
                                         worst_ratio)
@@ -16,6 +15,7 @@ from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families import (FamilyError, get_family, hf_to_mcore, mcore_to_hf, pack, padded_vocab_size, read_shard,
                               shard, unpack, unshard)
+from toolkit.families.tiny import TINY_MOE, tiny_config, tiny_model
 
 FAMILIES = sorted(TINY_MOE)
 AUX_COEFF = 0.1  # large, so a mis-scaled aux gradient shows in the router's gradients

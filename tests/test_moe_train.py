@@ -99,7 +99,7 @@ def test_megatron_ep2_to_zero3_resume_continues_loss(runs, tmp_path, data_cache,
 def test_conversions_across_ep_sizes_are_exact(runs, tmp_path):
     """EP 2 -> 1 -> 2 through megatron, ZeRO and HF: every tensor and Adam moment equal, logits too."""
     from toolkit.convert import convert
-    from toolkit.convert.detect import open_source
+    from toolkit.formats.detect import open_source
     from toolkit.convert.verify import compare_tensors, verify
     src = runs("ep2", *EP2) / "checkpoints" / "step_00000004"
     hops = [("ep1", {"to": "megatron", "ep": 1}), ("zero", {"to": "zero", "dp": 3, "zero_stage": 1}),

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.test_data import tok  # noqa: F401 - the demo tokenizer fixture
-from tests.test_families import tiny_model
 from toolkit import data
 from toolkit.adapters import hf_attention
 from toolkit.config import validate
 from toolkit.data.pack import document_pieces, fit_rows, pack_documents
 from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.families.tiny import tiny_model
 
 datasets.disable_progress_bars()
 

@@ -113,7 +113,7 @@ def test_megatron_refuses_a_config_json_without_its_shapes(tmp_path):
 
 def test_a_sliding_window_needs_the_toolkits_attention(tmp_path):
     """Phi-3's sliding window runs through the toolkit's core attention; megatron's local one has none."""
-    from tests.test_families import TINY
+    from toolkit.families.tiny import TINY
     (tmp_path / "config.json").write_text(json.dumps(TINY["phi3"]))
     args = ["backend=megatron", f"model.name_or_path={tmp_path}"]
     assert build_plan(load_config(None, args), [2]).model.model_type == "phi3"

@@ -59,7 +59,7 @@ def test_megatron_fp16_skips_overflows_counts_them_and_trains_on(tmp_path, data_
 
 def _loss_scale_of_engine(rank, world, initial):
     from tests.conftest import megatron_engine
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     from toolkit.config import validate
     cfg = validate({"backend": "megatron", "model": {"dtype": "fp16"}, "megatron": {"initial_loss_scale": initial},
                     "train": {"global_batch_size": 1, "micro_batch_size": 1}})

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families import tiny_model
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_parity import batches
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
+from toolkit.families.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.test_megatron_compat import run_ranks
-from tests.zoo import VARIANTS, convert_path, runs
+from tests.zoo import VARIANTS, convert_path, runs, selected
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -21,13 +21,13 @@ PATHS = runs("convert")
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(request, tmp_path_factory):
     """variant -> [(format, layout, directory, verify report)] along its path, the HF source first."""
     from toolkit.convert import convert
     from toolkit.convert.verify import verify
     root = tmp_path_factory.mktemp("zoo_convert")
     out = {}
-    for variant, setting in PATHS.items():
+    for variant, setting in selected(request, PATHS).items():
         prev = root / variant / "0-hf"
         VARIANTS[variant].model().save_pretrained(prev)
         hops = [("hf", {}, prev, None)]

@@ -20,7 +20,7 @@ import torch
 from tests.test_lora import (EXPORT_LOGIT_TOL, assert_adapters_match_peft, reference,
                              seeded_lora_engine, step_global_batch)
 from tests.test_megatron_compat import run_ranks
-from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base
+from tests.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base, selected
 from toolkit.config import validate
 from toolkit.engine import IGNORE_INDEX
 
@@ -136,9 +136,9 @@ def _zoo_rank(rank, world, bases, root):
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
+def zoo(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo_deepspeed")
-    bases = {v: save_base(v, root / "bases") for v in VARIANTS}
+    bases = {v: save_base(v, root / "bases") for v in selected(request, VARIANTS)}
     ranks = run_ranks(_zoo_rank, 2, tmp_path_factory.mktemp("zoo_deepspeed_ranks"), bases, str(root), timeout=1200)
     return {"ranks": ranks, "bases": bases, "root": root}
 

@@ -11,7 +11,7 @@ import torch
 from tests.test_lora import ALPHA, EXPORT_LOGIT_TOL, RANK, assert_adapters_match_peft, reference, seeded_adapter
 from tests.test_megatron_compat import run_ranks
 from tests.test_megatron_lora import GRAD_RTOL, LOGIT_TOL
-from tests.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base
+from tests.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base, selected
 from toolkit.config import validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
@@ -44,6 +44,8 @@ def _zoo_rank(rank, world, bases, root):
     from toolkit.plan import build_plan
     results = {}
     for variant, layout in LORA.items():
+        if variant not in bases:  # not selected
+            continue
         model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32)
         plan = build_plan(lora_config(bases[variant], layout), [world], hf_config=model.config)
         values = {n: seeded_adapter(n, tuple(t.shape)) for n, t in draw_adapters(model.config, plan.lora, 0).items()}
@@ -60,9 +62,9 @@ def _zoo_rank(rank, world, bases, root):
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
+def zoo(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo_megatron")
-    bases = {v: save_base(v, root / "bases") for v in LORA}
+    bases = {v: save_base(v, root / "bases") for v in selected(request, LORA)}
     ranks = run_ranks(_zoo_rank, 2, tmp_path_factory.mktemp("zoo_megatron_ranks"), bases, str(root), timeout=1200)
     out = {}
     for variant, d in ranks[0].items():  # rank 0 has the grads; the last stage's TP rank 0 the logits

@@ -1,7 +1,7 @@
 """The config zoo: tiny HF configs with the variants published checkpoints have, and which feature
 test meets which variant (``tests/test_zoo_*.py``).
 
-Each variant is one family's tiny config (``tests/test_families.py``) cut to 2 layers and changed
+Each variant is one family's tiny config (``toolkit/families/tiny.py``) cut to 2 layers and changed
 along the axes real checkpoints vary on, where HF's config class for the family allows it: tied or
 untied embeddings, attention biases, ``head_dim`` apart from hidden / heads, one KV head
 (multi-query attention), a vocabulary that is not a multiple of 64 (and one that is), RoPE scaling
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tests.test_families import tiny_config, tiny_model
+from toolkit.families.tiny import tiny_config, tiny_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -67,6 +67,8 @@ VARIANTS = {
     "gemma-mqa-hd": Variant("gemma", dict(num_key_value_heads=1, vocab_size=250),
                             "one KV head and head_dim 32 (Gemma 2B), tied"),
     "gemma2-tied-hd": Variant("gemma2", dict(vocab_size=250), "softcaps, post-norms, head_dim 32, tied"),
+    "olmo2-untied": Variant("olmo2", dict(vocab_size=250), "no pre-norms: post-norms and q/k norms over all "
+                                                           "heads' width, untied"),
     "gpt2-tied": Variant("gpt2", dict(vocab_size=259), "biases everywhere, learned positions, tied"),
     "phi3-untied-mqa-hd": Variant("phi3", dict(num_key_value_heads=1, head_dim=24, vocab_size=250),
                                "packed qkv/gate_up, one KV head, head_dim 24 != 64/4, sliding window 6"),
@@ -96,14 +98,14 @@ qwen2_moe-tied        zero2           pp2            h>m12>z3>h    z>m12>p      
 qwen3-tied-hd-mqa     zero3           pp2            h>z1>m12>h    z>m12>z>p     z1>z2    documents  lora-zero
 qwen3_moe-hd          zero2           tp2_sp         h>m21>z2>h    z>p>m12>p     z2>z3    documents  lora-megatron
 gemma-mqa-hd          zero3           pp2            h>z3>m12>h    z>m12>p       z3>z2    documents  zero
-gemma2-tied-hd        zero2           refused        h>m21>z1>h    z>p           z1>z3    documents  lora-zero
+gemma2-tied-hd        zero2           pp2            h>m21>z1>h    z>p           z1>z3    documents  lora-zero
+olmo2-untied          zero3           tp2            h>z2>m21>h    z>m21>p       z2>z1    documents  lora-megatron
 gpt2-tied             zero3           tp2            h>z2>m21>h    z>m21>z>p     z2>z1    documents  zero
 phi3-untied-mqa-hd    zero2           pp2            h>m12>z3>h    z>p>m12>p     z3>z2    documents  lora-megatron
 """
 
 REFUSALS = {  # (variant, feature): what the refusal must name
     ("llama-bias-yarn", "lora_megatron"): "attention_bias",
-    ("gemma2-tied-hd", "lora_megatron"): "followed by a norm",
 }
 """Cells the toolkit refuses before anything starts, and the words its message must hold."""
 
@@ -174,6 +176,21 @@ def axes(variant: str) -> set[str]:
 AXES = {"tied", "untied", "bias", "no-bias", "head_dim!=hidden/heads", "one-kv-head", "vocab%64!=0", "vocab%64==0",
         "rope:llama3", "rope:linear", "rope:yarn"}
 """Every axis value the zoo must hold (each feature must meet each of them too)."""
+
+
+def selected(request, table: dict) -> dict:
+    """The part of ``table`` (variant -> setting) that the selected tests using the requesting
+    fixture ask for (``-k olmo2`` builds the olmo2 variant only); all of it when one of those tests
+    is not parametrized by variant."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        variant = getattr(item, "callspec", None) and item.callspec.params.get("variant")
+        if variant is None:
+            return table
+        wanted.add(variant)
+    return {v: s for v, s in table.items() if v in wanted}
 
 
 def save_base(variant: str, root) -> str:

@@ -81,7 +81,7 @@ def in_fresh_process(fn, *args, tmp_path: Path):
 def _parity(family: str, dtype: str) -> dict:
     """Max relative errors of megatron's and HF's logits and gradients against HF in fp32 (IEEE, no
     TF32), for one batch; in ``dtype`` for the two under test."""
-    from tests.test_families import tiny_model
+    from toolkit.families.tiny import tiny_model
     from tests.conftest import megatron_engine
     from toolkit import device
     from toolkit.config import validate

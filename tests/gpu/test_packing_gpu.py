@@ -10,11 +10,11 @@ import torch
 
 from tests.gpu.measure import measure
 from tests.gpu.test_attention_gpu import DEVICE, pytestmark, strict_fp32  # noqa: F401 - gpu mark, fp32 fixture
-from tests.test_families import tiny_model
 from tests.test_packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
 from toolkit.adapters.attention import choose_kernel, flex_unavailable
 from toolkit.engine import token_loss_sum
+from toolkit.families.tiny import tiny_model
 
 
 def on_device(mb: dict) -> dict:

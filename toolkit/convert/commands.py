@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 
 
 def cmd_convert(args) -> int:
@@ -30,7 +30,7 @@ def cmd_convert(args) -> int:
 def _verify(args):
     from pathlib import Path
 
-    from toolkit.convert.detect import is_lora_source
+    from toolkit.convert.run import is_lora_source
     if is_lora_source(Path(args.src)) and args.to in ("zero", "megatron"):
         from toolkit.convert.lora import is_peft_dir
         from toolkit.convert.lora_ckpt import compare_lora_sources, open_lora_checkpoint

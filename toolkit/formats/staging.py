@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from toolkit.storage import COMPLETE, MANIFEST, build_manifest, verify_complete, write_json_durable
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 
 
 @contextlib.contextmanager

@@ -3,18 +3,15 @@ only: weights at any TP and even PP, unsharded through the family table (``megat
 torch_dist reader and writer this shares its layout with)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
-from toolkit.convert.canonical import Source, TensorInfo
-from toolkit.convert.errors import ConvertError
-from toolkit.convert.megatron import _Layout, storage_key
-from toolkit.convert.safeload import safe_load
-
-
-LEGACY_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+from toolkit.formats.canonical import Source, TensorInfo
+from toolkit.formats.describe import LEGACY_RE
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.megatron import _Layout, storage_key
+from toolkit.formats.safeload import safe_load
 
 
 class LegacySource(Source):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
@@ -28,7 +28,7 @@ def find_tag_dir(path: Path) -> Path | None:
     for cand in (path, path / "engine"):
         if not cand.is_dir():
             continue
-        if any(OPTIM_RE.match(p.name) for p in cand.iterdir()) or (cand / "zero" / "optimizer_state.pt").is_file():
+        if any(OPTIM_RE.match(p.name) for p in cand.iterdir()) or is_universal(cand):
             return cand
         for latest in ("latest", "latest_universal"):
             if (cand / latest).is_file():
@@ -38,6 +38,11 @@ def find_tag_dir(path: Path) -> Path | None:
                 raise ConvertError(f"{cand / latest} names tag {tag.name!r}, but {tag} is missing; the checkpoint "
                                    "is incomplete")
     return None
+
+
+def is_universal(tag_dir: Path) -> bool:
+    """DeepSpeed's universal layout (``zero/<param>/fp32.pt``), not the native per-rank partitions."""
+    return (Path(tag_dir) / "zero" / "optimizer_state.pt").is_file()
 
 
 @dataclass
@@ -94,10 +99,6 @@ class ZeroIndex:
         self._add_shared(model.get("shared_params") or {}, tied)
         self.hparams = _hparams(self.groups_state(0))
         self.step = _optimizer_step(self.groups_state(0), model.get("global_steps", 0))
-
-    @property
-    def layout(self) -> dict:
-        return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.stage}
 
     def _model_file(self) -> Path:
         name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage == 3 else "mp_rank_00_model_states.pt"

@@ -91,6 +91,23 @@ class Source:
         return sum(i.nbytes // i.dtype.itemsize for i in self.infos.values())
 
 
+@dataclass(frozen=True)
+class WriteRequest:
+    """What a writer is asked for (``Format.write``): the layout of the output, its dtype (None:
+    the source's), whether Adam's moments are left out, HF shard size, megatron's vocabulary divisor.
+    Each writer reads the fields that concern its format."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero_stage: int = 2
+    dtype: torch.dtype | None = None
+    weights_only: bool = False
+    max_shard_bytes: int = 5 << 30
+    vocab_divisor: int | None = None
+    """megatron.make_vocab_size_divisible_by of the run that resumes a megatron output (required there)."""
+
+
 def stream(source: Source, weights_only: bool = False) -> Iterator[Record]:
     """Records in model order, one full tensor (and its moments) at a time."""
     moments = source.has_optimizer and not weights_only

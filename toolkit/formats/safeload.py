@@ -11,7 +11,7 @@ import re
 import zipfile
 from pathlib import Path
 
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 
 class Fields:
     """Stand-in for a small object a checkpoint holds (LossScaler, fragment_address): keeps its

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
-from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
-from toolkit.convert.errors import ConvertError
-from toolkit.convert.pages import SourceMaps, give_back, trim_heap
-from toolkit.convert.safeload import safe_load
+from toolkit.formats.canonical import Source, TensorInfo, WriteRequest, hf_config_object
+from toolkit.formats.describe import (layout_record, megatron_description, read_megatron_description,
+                                      write_megatron_description)
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.pages import SourceMaps, give_back, trim_heap
+from toolkit.formats.safeload import safe_load
 
 KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
@@ -40,7 +42,6 @@ LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Layer modules (attention, MLP, each routed or shared expert) with an ``_extra_state`` entry in
 the checkpoint, one per layer (and expert): ``<key>._extra_state/shard_<index>_<stacked shape>``."""
 OPT_PREFIX = "optimizer.state."
-TOOLKIT_JSON = "toolkit_megatron.json"
 
 
 STORED_EXPERTS = "mlp.experts.experts."
@@ -142,7 +143,7 @@ class MegatronSource(Source):
     def __init__(self, path: Path, hf_config: dict, **kw):
         super().__init__(path=path, format="megatron-torch_dist", hf_config=hf_config, **kw)
         self._reader, self._md = open_dist(path)
-        tk = json.loads((path / TOOLKIT_JSON).read_text()) if (path / TOOLKIT_JSON).is_file() else {}
+        tk = read_megatron_description(path)
         self._check_family(tk)
         emb = self._md.state_dict_metadata.get("embedding.word_embeddings.weight")
         if emb is None:
@@ -247,6 +248,16 @@ class _StreamingSavePlanner:
         return Planner(*args, **kw)
 
 
+def write(source: Source, engine_dir: Path, request: WriteRequest, progress=None) -> dict:
+    """The table's writer (``table.Format.write``): ``write_megatron`` at the request's layout and
+    vocabulary divisor; returns the layout record."""
+    if request.vocab_divisor is None:
+        raise ConvertError("a megatron output needs the vocabulary divisor of the run that resumes it "
+                           "(megatron.make_vocab_size_divisible_by)")
+    return write_megatron(source, engine_dir, request.tp, request.pp, request.dp, request.dtype, request.vocab_divisor,
+                          request.weights_only, progress, ep=request.ep)["layout"]
+
+
 def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, dtype: torch.dtype | None,
                    vocab_divisor: int, weights_only: bool = False, progress=None, ep: int = 1) -> dict:
     """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` with
@@ -286,16 +297,19 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+    write_dist_metadata(engine_dir)
+    torch.save(_common(source, moments), engine_dir / "common.pt")
+    describe = megatron_description(layout.family.model_type, source.hf_config["vocab_size"], layout.padded_vocab,
+                                    vocab_divisor, layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep))
+    write_megatron_description(engine_dir, describe)
+    return describe
+
+
+def write_dist_metadata(engine_dir: Path) -> None:
+    """``metadata.json``: what megatron-core's ``dist_checkpointing`` reads first (its backends)."""
     (engine_dir / "metadata.json").write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}))
-    torch.save(_common(source, moments), engine_dir / "common.pt")
-    describe = {"format": "megatron-core torch_dist", "family": layout.family.model_type,
-                "vocab_size": source.hf_config["vocab_size"], "padded_vocab_size": layout.padded_vocab,
-                "make_vocab_size_divisible_by": vocab_divisor, "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
-                "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}
-    (engine_dir / TOOLKIT_JSON).write_text(json.dumps(describe, indent=2))
-    return describe
 
 
 def _check_names(source: Source, layout: _Layout) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from toolkit.convert.canonical import Source, TensorInfo
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.canonical import Source, TensorInfo, WriteRequest
+from toolkit.formats.errors import ConvertError
 
 if TYPE_CHECKING:  # annotations only: the writer runs without torch on the direct route
     import torch
@@ -115,7 +115,7 @@ class PickledShard:
     and containers only, never code), memory-mapped: a tensor's pages are read when it is touched."""
 
     def __init__(self, file: Path):
-        from toolkit.convert.safeload import safe_load
+        from toolkit.formats.safeload import safe_load
         state = safe_load(file)
         if not isinstance(state, dict):
             raise ConvertError(f"{file}: holds a {type(state).__name__}, not a state dict of tensors")
@@ -199,6 +199,12 @@ def write_hf(source: Source, out: Path, dtype: torch.dtype | None = None, max_sh
     if dtype is not None:
         config["dtype"] = _dtype_name(dtype)
     write_hf_files(out, slots, _tensor_writer(source, dtype), config, source.carry_files, max_shard_bytes, progress)
+
+
+def write(source: Source, out: Path, request: WriteRequest, progress=None) -> dict:
+    """The table's writer (``table.Format.write``); an HF directory has no parallel layout: {}."""
+    write_hf(source, out, request.dtype, request.max_shard_bytes, progress)
+    return {}
 
 
 def write_hf_files(out: Path, slots: dict[str, Slot], write: TensorWriter, config: dict, carry_files: list[Path],

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from toolkit.convert.canonical import Source, TensorInfo, hf_config_object
-from toolkit.convert.errors import ConvertError
-from toolkit.convert.pages import FileMaps, SourceMaps, give_back
-from toolkit.convert.safeload import safe_load
-from toolkit.convert.zero_index import ZeroIndex, spans, sub_frags
+from toolkit.formats.canonical import Source, TensorInfo, WriteRequest, hf_config_object
+from toolkit.formats.describe import layout_record, universal_layout
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.pages import FileMaps, SourceMaps, give_back
+from toolkit.formats.safeload import safe_load
+from toolkit.formats.zero_index import ZeroIndex, spans, sub_frags
 
 
 READ_BLOCK = 4 << 20
@@ -47,7 +48,7 @@ class ZeroSource(Source):
         self.stage, self.dp, self.frozen = self.index.stage, self.index.dp, self.index.frozen
         self.files = self.index.files
         self.has_optimizer = True
-        self.layout = self.index.layout
+        self.layout = layout_record("deepspeed", dp=self.dp, zero_stage=self.stage)
         self.infos = {n: TensorInfo(s, torch.float32) for n, s in self.index.shapes.items()}
         self._frags = self.index.frags
         self._unpack_modules()
@@ -123,7 +124,7 @@ class UniversalSource(Source):
         self._cache: tuple | None = None
         self.step = int(meta.get("step", 0))
         self.has_optimizer = bool(meta.get("has_optimizer", True))
-        self.layout = dict(meta.get("layout", {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0}))
+        self.layout = universal_layout(meta)
         self.optimizer_hparams = dict(meta.get("hparams", {}))
 
     def _load(self, name: str, key: str) -> torch.Tensor:
@@ -144,11 +145,17 @@ resuming engine's groups and copies their keys over the engine's (stage 3 copies
 every group, weight decay included); empty ones keep the resuming run's own hyperparameters."""
 
 
+def write(source: Source, engine_dir: Path, request: WriteRequest, progress=None) -> dict:
+    """The table's writer (``table.Format.write``): ``write_zero`` at the request's DP and stage."""
+    return write_zero(source, engine_dir, request.zero_stage, request.dp, request.weights_only, progress)
+
+
 def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_only: bool = False,
-               progress=None, module_state: dict | None = None) -> None:
+               progress=None, module_state: dict | None = None) -> dict:
     """``engine_dir/{latest,latest_universal}`` and ``global_stepN/`` in the universal layout;
     without moments (weights only, or an HF source) Adam starts fresh: zero moments, step 0.
-    ``module_state``: tensors for the model states' ``module`` (a LoRA load checks its names there)."""
+    ``module_state``: tensors for the model states' ``module`` (a LoRA load checks its names there).
+    Returns the layout record it wrote."""
     from importlib.metadata import version
     ds_version = version("deepspeed")  # recorded as DeepSpeed records it (its import is not needed to write)
     moments = source.has_optimizer and not weights_only
@@ -168,7 +175,7 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
         torch.save(opt_step, d / "step.pt")
         if progress:
             progress(module, _dtype(source, shape, pieces).itemsize * math.prod(shape) * (3 if moments else 1))
-    layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage}
+    layout = layout_record("deepspeed", dp=dp, zero_stage=stage)
     shapes = {m: list(shape) for m, (shape, _) in modules.items()}
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": ds_version,
                 "optimizer_state_dict": {"state": {0: {"step": opt_step}}, "param_groups": [{}]},
@@ -180,6 +187,7 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
         torch.save(model_states, tag / name)  # the stage 1/2 and the stage 3 name: any stage loads it
     for latest in ("latest", "latest_universal"):
         (engine_dir / latest).write_text(tag.name)
+    return layout
 
 
 def _module_params(source: Source) -> dict[str, tuple[tuple[int, ...], list]]:

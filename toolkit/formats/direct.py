@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from toolkit.convert import torchzip
-from toolkit.convert.errors import ConvertError
-from toolkit.convert.hf import Slot, copy_range, write_hf_files
-from toolkit.convert.zero_index import ZeroIndex, spans
+from toolkit.formats import torchzip
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.hf import Slot, copy_range, write_hf_files
+from toolkit.formats.zero_index import ZeroIndex, spans
 
 
 class NotDirect(Exception):

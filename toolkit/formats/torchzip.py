@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.convert.safeload import STAND_INS
+from toolkit.formats.safeload import STAND_INS
 
 
 class Unsupported(Exception):
