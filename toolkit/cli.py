@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
-from toolkit.config import ConfigError, RunConfig, dump_config, load_config
+from toolkit.config import ConfigError, RunConfig, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,33 +140,8 @@ def _config_from_args(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from toolkit.parallel import adopt_slurm_env, launched_externally
-    from toolkit.plan import build_plan, write_plan
-    from toolkit.train.worker import run_worker
-
-    cfg = _config_from_args(args)
-    if launched_externally(own_rendezvous=args.rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
-        adopt_slurm_env()
-        run_worker(build_plan(cfg, [int(os.environ.get("WORLD_SIZE", "1"))]), record_plan=True)
-        return 0
-    plan = build_plan(cfg, [cfg.nproc * n for n in range(_min_nnodes(args), args.nnodes + 1)])
-    if cfg.metrics.wandb_project:
-        from toolkit.observe.metrics import wandb_missing
-        if problem := wandb_missing():
-            raise ConfigError(problem)
-    _check_rank_devices(plan.config)
-    if plan.config.backend == "megatron":
-        from toolkit.adapters.megatron import check_machine
-        check_machine(plan)
-    data = _check_data_before_launch(plan.config)
-    if args.dry_run:  # after every check the launch makes: a dry run that passes, launches
-        from toolkit.plan.estimate import dry_run
-        print(_data_line(plan.config, data))
-        return dry_run(plan, args.nnodes)
-    run_dir = Path(plan.config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(plan.config, run_dir / "config.yaml")  # for people; the ranks read the plan
-    return _launch(plan.config, args, write_plan(plan, run_dir))
+    from toolkit.launch.run import train
+    return train(_config_from_args(args), **_nodes(args), dry_run=args.dry_run)
 
 
 def cmd_estimate(args) -> int:
@@ -187,101 +160,16 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _check_rank_devices(cfg: RunConfig) -> None:
-    """A GPU for each local rank and a safe way of starting them, before anything starts."""
-    from toolkit.launch.devices import check_gpu_per_rank, rank_start_method
-    check_gpu_per_rank(cfg.nproc)
-    rank_start_method()
-
-
-def _check_data_before_launch(cfg: RunConfig):
-    """Tokenize and pack once here: bad data fails before any process group, and ranks hit the cache."""
-    from toolkit.data import load_tokenizer, prepare_data
-    return prepare_data(cfg, load_tokenizer(cfg))
-
-
-def _data_line(cfg: RunConfig, data) -> str:
-    from toolkit.data.base import data_cache_dir
-    evals = f", {len(data.eval)} eval rows" if data.eval is not None else ""
-    return (f"# data: {cfg.data.path} - {data.num_documents} documents, {data.num_tokens} tokens -> "
-            f"{len(data.train)} train rows of {cfg.data.seq_len} ({data.packing}){evals}; tokenized and packed "
-            f"into {data_cache_dir(cfg)}, where the run reads them")
-
-
-def _launch(cfg: RunConfig, args, plan_path: Path) -> int:
-    from toolkit.launch.budgets import load_budget
-    from toolkit.launch.elastic import LaunchSpec
-    r = cfg.restart
-    entrypoint, lead, preload = _rank_entrypoint(cfg)
-    spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
-                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, preload=preload,
-                      max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s,
-                      load_timeout_s=load_budget(plan_path))
-    print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {args.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
-    code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)])
-    if code == 0:
-        print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
-    return code
-
-
-def _rank_entrypoint(cfg: RunConfig):
-    """(entrypoint, leading args, forkserver preload). Without a GPU, ranks fork from a forkserver
-    that imported the backend once (``toolkit.launch.elastic``); with one, or ``TOOLKIT_RANK_START=spawn``,
-    each rank is ``python -u -m toolkit.train.worker`` (a process that may initialize CUDA is never
-    forked: ``toolkit.launch.devices``)."""
-    from toolkit.launch.devices import rank_start_method
-    from toolkit.launch.elastic import python_module
-    from toolkit.train.worker import forked_main, preload_modules
-    if rank_start_method() == "spawn":
-        entrypoint, lead = python_module("toolkit.train.worker")
-        return entrypoint, lead, ()
-    return forked_main, [], preload_modules(cfg.backend)
-
-
-def _run_supervised(spec, entrypoint, args: list[str]) -> int:
-    """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from toolkit.launch.elastic import launch_workers
-    from toolkit.launch.agent import PREEMPTED_EXIT
-    from toolkit.launch.events import emit
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    try:
-        launch_workers(spec, entrypoint, args)
-    except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved
-        emit(spec.run_dir, "preempted", signal=exc.sigval.name, rank=None)
-        print(f"toolkit: stopped by {exc.sigval.name}; ranks saved a checkpoint - run the same command to resume",
-              file=sys.stderr)
-        return PREEMPTED_EXIT
-    except ChildFailedError as exc:
-        if getattr(exc, "preempted", False):
-            print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)
-            return PREEMPTED_EXIT
-        emit(spec.run_dir, "gave_up", max_restarts=spec.max_restarts)
-        print(f"toolkit: job failed after {spec.max_restarts} restart(s) allowed; events in "
-              f"{spec.run_dir}/events.jsonl\n{exc.format_msg()}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _min_nnodes(args) -> int:
-    return getattr(args, "min_nnodes", None) or args.nnodes
-
-
 def cmd_supervise(args) -> int:
-    """Any torchrun-style script under the same agent, restart policy, hang watchdog and event log."""
-    from toolkit.launch.elastic import LaunchSpec
-    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    if not command:
-        raise ConfigError("toolkit supervise needs a command after --, e.g. toolkit supervise --nproc 2 -- train.py")
-    script, *script_args = command
-    entrypoint, lead = (sys.executable, ["-u", script]) if script.endswith(".py") else (script, [])
-    spec = LaunchSpec(nproc=args.nproc, run_dir=Path(args.run_dir), nnodes=args.nnodes, min_nnodes=_min_nnodes(args),
-                      node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                      backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
-    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    return _run_supervised(spec, entrypoint, [*lead, *script_args])
+    from toolkit.launch.run import supervise
+    return supervise(args.command_line, nproc=args.nproc, run_dir=args.run_dir, **_nodes(args),
+                     max_restarts=args.max_restarts, backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
+
+
+def _nodes(args) -> dict:
+    """``--nnodes`` (N or MIN:MAX), ``--node-rank``, ``--rdzv-endpoint`` as the launch's keywords."""
+    return {"nnodes": args.nnodes, "min_nnodes": getattr(args, "min_nnodes", None), "node_rank": args.node_rank,
+            "rdzv_endpoint": args.rdzv_endpoint}
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class DataConfig(_Section):
     eval_fraction: float = 0.05
     num_proc: int = 1
     cache_dir: str | None = None
-    """Where tokenized/packed data is cached; default: ``~/.cache/toolkit/data``."""
+    """Where tokenized/packed data is cached; default: ``cache_root()/data``, ``~/.cache/toolkit/data`` unless
+    ``TOOLKIT_CACHE_DIR`` or ``XDG_CACHE_HOME`` says otherwise (``toolkit/storage/cache.py``)."""
 
     @field_validator("seq_len")
     @classmethod
@@ -296,7 +297,9 @@ class RunConfig(_Section):
 # --- loading -----------------------------------------------------------------------------------
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate."""
+    """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate.
+    ``overrides``: strings as ``--set`` takes them (``"train.steps=100"``, values parsed as YAML).
+    Raises ``ConfigError`` naming the field and the fix."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

@@ -63,13 +63,13 @@ def _count_at_model_state_peaks(engine) -> list[int]:
 def measure(overrides: list[str], out_dir: Path, with_rss: bool) -> dict:
     from toolkit.config import load_config
     from toolkit.plan import build_plan
-    from toolkit.train.worker import _build_engine
+    from toolkit.train.worker import build_engine
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = build_plan(load_config(None, overrides), [world])
     cfg, vocab = plan.config, plan.model.vocab
     dist.barrier()
     before, base_rss = live_tensor_bytes(), rss()
-    engine = _build_engine(plan, out_dir, rank)
+    engine = build_engine(plan, out_dir, rank)
     n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * engine.dp_size)
     ids = torch.randint(0, vocab, (n_micro, cfg.train.micro_batch_size, cfg.data.seq_len),
                         generator=torch.Generator().manual_seed(0))

@@ -310,3 +310,37 @@ def test_the_import_rule_names_test_modules_and_conftest():
               "    import tests.unit.test_data\n")
     assert forbidden_suite_imports(source, "tests.e2e.test_x") == [
         "tests.conftest", "tests.distributed.test_moe", "tests.e2e.test_lora", "tests.unit.test_data"]
+
+
+def test_compat_layers_do_not_depend_on_the_data_pipeline():
+    """compat/ patches libraries and keeps their caches; the cache root it needs lives in storage/."""
+    known = modules()
+    found = {name: sorted(m for m in imports(path, name, known) if m.startswith("toolkit.data"))
+             for name, path in known.items() if name.startswith("toolkit.compat")}
+    assert {n: m for n, m in found.items() if m} == {}
+
+
+CLI_MAX_LINES = 180  # argparse (every flag with its help) and dispatch; the launch is in toolkit/launch/run.py
+API = ["load_config", "build_plan", "train", "build_engine", "Trainer", "convert", "inspect"]
+
+
+def test_cli_is_parsing_and_dispatch():
+    """No orchestration (it lives in toolkit/launch/run.py) and no heavy import: ``toolkit --help``
+    and every command's flag errors stay fast."""
+    cli = TOOLKIT / "cli.py"
+    assert len(cli.read_text().splitlines()) <= CLI_MAX_LINES
+    heavy = {m for m in imports(cli, "toolkit.cli", modules()) if m.split(".")[0] in (*BACKENDS, "torch", "transformers")}
+    assert heavy == set()
+
+
+def test_the_front_door_exports_exactly_the_documented_api():
+    """``toolkit.__all__`` is the API the docstring documents, each name resolves to a callable, and
+    no other public name is defined there (submodules aside)."""
+    import types
+
+    import toolkit
+    assert toolkit.__all__ == API
+    assert all(f"{name}(" in toolkit.__doc__ for name in API)
+    assert all(callable(getattr(toolkit, name)) for name in API)
+    public = {n for n, v in vars(toolkit).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    assert public <= set(API)

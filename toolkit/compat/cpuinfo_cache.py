@@ -17,6 +17,8 @@ import platform
 import sys
 from pathlib import Path
 
+from toolkit.storage.cache import cache_root
+
 _installed = False
 
 
@@ -33,7 +35,6 @@ def cpu_identity() -> str:
 
 
 def _cache_file() -> Path:
-    from toolkit.data import cache_root
     return cache_root() / "cpuinfo" / f"{cpu_identity()}.json"
 
 

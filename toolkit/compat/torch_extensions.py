@@ -14,14 +14,15 @@ import os
 import sys
 from pathlib import Path
 
+from toolkit.storage.cache import cache_root
+
 
 def extensions_dir() -> Path:
-    """``~/.cache/toolkit/torch_extensions/<env name>-<hash of sys.prefix>``."""
+    """``cache_root()/torch_extensions/<env name>-<hash of sys.prefix>`` (``toolkit/storage/cache.py``)."""
     prefix = Path(sys.prefix).resolve()
     tag = hashlib.sha256(str(prefix).encode()).hexdigest()[:10]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     name = prefix.name.lstrip(".") or "env"  # a venv named .venv: a folder that ls shows
-    return root / "toolkit" / "torch_extensions" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
+    return cache_root() / "torch_extensions" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
 
 
 def install() -> str:

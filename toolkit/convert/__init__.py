@@ -6,12 +6,22 @@
   ``verify(SRC, DST)``  in ``verify.py``: exact tensor round trip and matching logits
 
 LoRA checkpoints and HF-PEFT directories: ``lora.py``, ``lora_ckpt.py``, ``peft.py``.
+The package is callable: ``toolkit.convert(SRC, DST, to=...)`` is ``convert`` (the Python API).
 """
 from __future__ import annotations
 
+from toolkit.callable_package import call_as_command
 from toolkit.convert.inspect import inspect
 from toolkit.convert.run import convert
 from toolkit.formats.detect import open_source
 from toolkit.formats.errors import ConvertError
 
 __all__ = ["ConvertError", "convert", "inspect", "open_source"]
+
+
+def command():
+    """What calling this package runs (``toolkit.callable_package``)."""
+    return convert
+
+
+call_as_command(__name__)

@@ -51,7 +51,6 @@ from toolkit.data.base import (
            INSTRUCTION_TEMPLATE,
            DataError,
            PackedData,
-           cache_root,
 )
 from toolkit.data.batches import (
            batch_counts,
@@ -64,6 +63,6 @@ from toolkit.data.pack import pack_tokens, prepare_data
 from toolkit.data.sources import load_source
 from toolkit.data.tokenizer import load_tokenizer
 
-__all__ = ["batch_counts", "CHAT_HEADERS", "EOS_TOKEN", "INSTRUCTION_TEMPLATE", "DataError", "PackedData", "cache_root",
+__all__ = ["batch_counts", "CHAT_HEADERS", "EOS_TOKEN", "INSTRUCTION_TEMPLATE", "DataError", "PackedData",
            "count_loss_tokens", "eval_micro_batches", "global_batch_indices", "rank_micro_batches", "pack_tokens",
            "prepare_data", "load_source", "load_tokenizer"]

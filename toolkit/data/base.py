@@ -1,7 +1,6 @@
 """What the data pipeline's stages share: formats, templates' constants, errors, the result."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -9,6 +8,7 @@ from typing import TYPE_CHECKING
 import datasets
 
 from toolkit.config import DEMO_DIR, ConfigError, RunConfig
+from toolkit.storage.cache import cache_root
 
 if TYPE_CHECKING:
     pass
@@ -54,11 +54,6 @@ class PackedData:
     """``data.packing_mode`` the rows were made with."""
     num_overflow: int = 0
     """Documents longer than ``data.seq_len`` (split or dropped as ``data.overflow`` says)."""
-
-
-def cache_root() -> Path:
-    """``$TOOLKIT_CACHE_DIR`` or ``~/.cache/toolkit``: demo tokenizers and default data cache."""
-    return Path(os.environ.get("TOOLKIT_CACHE_DIR") or "~/.cache/toolkit").expanduser()
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:

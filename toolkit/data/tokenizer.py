@@ -16,8 +16,8 @@ from toolkit.data.base import (
     DEMO_CORPUS,
     EOS_TOKEN,
     DataError,
-    cache_root,
 )
+from toolkit.storage.cache import cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

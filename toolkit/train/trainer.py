@@ -32,6 +32,11 @@ from toolkit.train.schedule import lr_at
 
 
 class Trainer:
+    """One rank's training loop over any ``Engine`` (``toolkit.build_engine``): ``fit()`` trains
+    ``plan.config.train.steps`` global batches of ``data`` (``PackedData``), resuming from ``run_dir``'s
+    newest complete checkpoint when ``resume=auto``, and writes ``run_dir``/metrics.jsonl, checkpoints
+    and ``run_dir``/hf_final (``train.export_hf``). Needs the job's process group."""
+
     def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path,
                  heartbeat: Heartbeat | None = None):
         """``heartbeat``: the rank's, beating ``load`` since its start (``train.worker``)."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.config import RunConfig
 from toolkit.data import load_tokenizer, prepare_data
+from toolkit.engine import Engine
 from toolkit.launch.budgets import collective_timeout_s, phase_budgets
 from toolkit.launch.heartbeat import Heartbeat
 from toolkit.launch.monitor import register_stack_dump
@@ -40,7 +41,7 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
     heartbeat.progress()
     seed_everything(plan.config.train.seed)
-    engine = _build_engine(plan, run_dir, rank)
+    engine = build_engine(plan, run_dir, rank)
     heartbeat.progress()
     from toolkit.train.trainer import Trainer
     Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
@@ -70,7 +71,11 @@ def _prepare_data_rank0_first(cfg: RunConfig, rank: int):
     return tokenizer, data
 
 
-def _build_engine(plan: Plan, run_dir: Path, rank: int):
+def build_engine(plan: Plan, run_dir: Path, rank: int) -> Engine:
+    """This rank's engine for ``plan``: ``plan.config.backend``'s (DeepSpeed ZeRO or megatron-core),
+    its model built at the layout of this job's world size with the HF weights of
+    ``model.name_or_path`` loaded. Needs the job's process group (``toolkit.parallel.init_process_group``);
+    rank 0 writes the backend's resolved settings into ``run_dir``. What ``Trainer`` takes."""
     if plan.config.backend == "megatron":
         from toolkit.adapters.megatron import build_engine
     else:

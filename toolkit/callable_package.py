@@ -1,0 +1,28 @@
+"""Packages that are also their command's function: ``toolkit.convert`` and ``toolkit.train``.
+
+The Python API calls ``toolkit.convert(src, dst)`` and ``toolkit.train(cfg)``, yet those names must
+stay the packages: importing a package rebinds its parent's attribute to it, and
+``import toolkit.convert.run`` or ``monkeypatch.setattr("toolkit.convert.megatron.X", ...)`` walk
+its attributes. So the package itself is made callable.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+
+class CommandPackage(types.ModuleType):
+    """Calling the package calls what its ``command()`` function returns."""
+
+    def __call__(self, *args, **kwargs):
+        return self.command()(*args, **kwargs)
+
+    @property
+    def __signature__(self):  # inspect.signature and IDEs show the command's parameters
+        import inspect
+        return inspect.signature(self.command())
+
+
+def call_as_command(package: str) -> None:
+    """Make the (imported) ``package`` callable; it defines ``command()``, which returns its function."""
+    sys.modules[package].__class__ = CommandPackage

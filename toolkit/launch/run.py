@@ -1,0 +1,175 @@
+"""What ``toolkit train`` and ``toolkit supervise`` do once their arguments are parsed.
+
+``train``: build and check the plan, tokenize the data once, write ``RUN_DIR/plan.json`` and start
+the local ranks under torch's elastic agent with the restart policy (``--dry-run``: print instead);
+in a process that torchrun, srun or the deepspeed launcher started as a rank, train as that rank.
+``supervise``: any torchrun-style script under the same agent. The Python API's ``toolkit.train``
+is ``train`` here; ``toolkit/cli.py`` only maps flags onto these arguments.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from toolkit.config import ConfigError, RunConfig, dump_config
+
+if TYPE_CHECKING:
+    from toolkit.plan import Plan
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This launcher's place in the job, as torchrun's flags say it: ``nnodes`` nodes at most,
+    ``min_nnodes`` at least (an elastic job continues on fewer after a loss; default: ``nnodes``),
+    this node's rank and the rendezvous ``HOST:PORT`` (multi-node jobs)."""
+
+    nnodes: int = 1
+    min_nnodes: int | None = None
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+
+def train(run: RunConfig | Plan, *, nnodes: int = 1, min_nnodes: int | None = None, node_rank: int = 0,
+          rdzv_endpoint: str | None = None, dry_run: bool = False) -> int:
+    """Train as ``toolkit train`` does: ``run.nproc`` local ranks (x ``nnodes``) under the elastic
+    agent, each running ``toolkit.train.worker``; returns the command's exit code (0 done,
+    ``PREEMPTED_EXIT`` saved and stopped on request, 1 failed after the restart budget). ``run``: a
+    config (planned here for every node count in ``min_nnodes..nnodes``) or a plan built for those
+    world sizes. Raises ``ConfigError`` before anything starts when the run cannot work."""
+    from toolkit.parallel import adopt_slurm_env, launched_externally
+    from toolkit.plan import Plan, build_plan, write_plan
+    from toolkit.train.worker import run_worker
+
+    nodes = Nodes(nnodes, min_nnodes, node_rank, rdzv_endpoint)
+    cfg = run.config if isinstance(run, Plan) else run
+    if launched_externally(own_rendezvous=rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank
+        adopt_slurm_env()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        run_worker(run if isinstance(run, Plan) else build_plan(cfg, [world]), record_plan=True)
+        return 0
+    worlds = [cfg.nproc * n for n in range(_min_nnodes(nodes), nodes.nnodes + 1)]
+    plan = run if isinstance(run, Plan) else build_plan(cfg, worlds)
+    for world in worlds:
+        plan.layout(world)  # a given plan covers every world size this launch may run at
+    if plan.config.metrics.wandb_project:
+        from toolkit.observe.metrics import wandb_missing
+        if problem := wandb_missing():
+            raise ConfigError(problem)
+    _check_rank_devices(plan.config)
+    if plan.config.backend == "megatron":
+        from toolkit.adapters.megatron import check_machine
+        check_machine(plan)
+    data = _check_data_before_launch(plan.config)
+    if dry_run:  # after every check the launch makes: a dry run that passes, launches
+        from toolkit.plan.estimate import dry_run as print_dry_run
+        print(_data_line(plan.config, data))
+        return print_dry_run(plan, nodes.nnodes)
+    run_dir = Path(plan.config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(plan.config, run_dir / "config.yaml")  # for people; the ranks read the plan
+    return _launch(plan.config, nodes, write_plan(plan, run_dir))
+
+
+def supervise(command: list[str], *, nproc: int = 1, run_dir: str | Path = "runs/supervised", nnodes: int = 1,
+              min_nnodes: int | None = None, node_rank: int = 0, rdzv_endpoint: str | None = None,
+              max_restarts: int = 3, backoff_s: float = 1.0, hang_timeout_s: float = 300.0) -> int:
+    """Any torchrun-style script under the same agent, restart policy, hang watchdog and event log.
+    ``command``: ``[SCRIPT, ARGS...]`` (a leading ``--`` is dropped); a ``.py`` script runs with this
+    Python. Returns the exit code as ``train`` does."""
+    from toolkit.launch.elastic import LaunchSpec
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        raise ConfigError("toolkit supervise needs a command after --, e.g. toolkit supervise --nproc 2 -- train.py")
+    script, *script_args = command
+    entrypoint, lead = (sys.executable, ["-u", script]) if script.endswith(".py") else (script, [])
+    nodes = Nodes(nnodes, min_nnodes, node_rank, rdzv_endpoint)
+    spec = LaunchSpec(nproc=nproc, run_dir=Path(run_dir), nnodes=nodes.nnodes, min_nnodes=_min_nnodes(nodes),
+                      node_rank=nodes.node_rank,
+                      rdzv_endpoint=nodes.rdzv_endpoint, max_restarts=max_restarts,
+                      backoff_s=backoff_s, hang_timeout_s=hang_timeout_s)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return _run_supervised(spec, entrypoint, [*lead, *script_args])
+
+
+def _check_rank_devices(cfg: RunConfig) -> None:
+    """A GPU for each local rank and a safe way of starting them, before anything starts."""
+    from toolkit.launch.devices import check_gpu_per_rank, rank_start_method
+    check_gpu_per_rank(cfg.nproc)
+    rank_start_method()
+
+
+def _check_data_before_launch(cfg: RunConfig):
+    """Tokenize and pack once here: bad data fails before any process group, and ranks hit the cache."""
+    from toolkit.data import load_tokenizer, prepare_data
+    return prepare_data(cfg, load_tokenizer(cfg))
+
+
+def _data_line(cfg: RunConfig, data) -> str:
+    from toolkit.data.base import data_cache_dir
+    evals = f", {len(data.eval)} eval rows" if data.eval is not None else ""
+    return (f"# data: {cfg.data.path} - {data.num_documents} documents, {data.num_tokens} tokens -> "
+            f"{len(data.train)} train rows of {cfg.data.seq_len} ({data.packing}){evals}; tokenized and packed "
+            f"into {data_cache_dir(cfg)}, where the run reads them")
+
+
+def _launch(cfg: RunConfig, nodes: Nodes, plan_path: Path) -> int:
+    from toolkit.launch.budgets import load_budget
+    from toolkit.launch.elastic import LaunchSpec
+    r = cfg.restart
+    entrypoint, lead, preload = _rank_entrypoint(cfg)
+    spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=nodes.nnodes, min_nnodes=_min_nnodes(nodes),
+                      node_rank=nodes.node_rank, rdzv_endpoint=nodes.rdzv_endpoint, preload=preload,
+                      max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s,
+                      load_timeout_s=load_budget(plan_path))
+    print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {nodes.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
+    code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)])
+    if code == 0:
+        print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
+    return code
+
+
+def _rank_entrypoint(cfg: RunConfig):
+    """(entrypoint, leading args, forkserver preload). Without a GPU, ranks fork from a forkserver
+    that imported the backend once (``toolkit.launch.elastic``); with one, or ``TOOLKIT_RANK_START=spawn``,
+    each rank is ``python -u -m toolkit.train.worker`` (a process that may initialize CUDA is never
+    forked: ``toolkit.launch.devices``)."""
+    from toolkit.launch.devices import rank_start_method
+    from toolkit.launch.elastic import python_module
+    from toolkit.train.worker import forked_main, preload_modules
+    if rank_start_method() == "spawn":
+        entrypoint, lead = python_module("toolkit.train.worker")
+        return entrypoint, lead, ()
+    return forked_main, [], preload_modules(cfg.backend)
+
+
+def _run_supervised(spec, entrypoint, args: list[str]) -> int:
+    """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.launch.elastic import launch_workers
+    from toolkit.launch.events import emit
+    try:
+        launch_workers(spec, entrypoint, args)
+    except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved
+        emit(spec.run_dir, "preempted", signal=exc.sigval.name, rank=None)
+        print(f"toolkit: stopped by {exc.sigval.name}; ranks saved a checkpoint - run the same command to resume",
+              file=sys.stderr)
+        return PREEMPTED_EXIT
+    except ChildFailedError as exc:
+        if getattr(exc, "preempted", False):
+            print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)
+            return PREEMPTED_EXIT
+        emit(spec.run_dir, "gave_up", max_restarts=spec.max_restarts)
+        print(f"toolkit: job failed after {spec.max_restarts} restart(s) allowed; events in "
+              f"{spec.run_dir}/events.jsonl\n{exc.format_msg()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _min_nnodes(nodes: Nodes) -> int:
+    return nodes.min_nnodes or nodes.nnodes
