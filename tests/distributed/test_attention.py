@@ -282,9 +282,9 @@ def _packed_case(family, tp, pp, extra) -> dict:
     from tests.helpers.ranks import megatron_engine
     from toolkit.adapters import moe
     from toolkit.config import validate
-    from toolkit.engine import IGNORE_INDEX, token_loss_sum
     from toolkit.families import get_family, unpack
     from toolkit.families.tiny import tiny_model
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
     model = tiny_model(family)
     micro = packed_micro_batches(model.config.vocab_size)
     tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)

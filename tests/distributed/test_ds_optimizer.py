@@ -20,8 +20,8 @@ from tests.helpers.parity import batches
 from tests.helpers.ranks import run_ranks
 from tests.helpers.runs import TINY, start_forkserver
 from toolkit.config import load_config, validate
-from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX
 from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")

@@ -14,8 +14,8 @@ from tests.helpers.ranks import run_ranks
 from toolkit import device
 from toolkit.adapters import moe
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX
 
 LAYOUTS = [(2, 1), (2, 4), (4, 1), (4, 4)]  # (layers, micro-batches)
 DENSE_SYNCS = 4

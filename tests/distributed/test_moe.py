@@ -18,7 +18,6 @@ from tests.helpers.parity import (
 from tests.helpers.ranks import run_ranks
 from toolkit.adapters import moe
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families import (
     FamilyError,
     get_family,
@@ -32,6 +31,7 @@ from toolkit.families import (
     unshard,
 )
 from toolkit.families.tiny import TINY_MOE, tiny_config, tiny_model
+from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
 FAMILIES = sorted(TINY_MOE)
 AUX_COEFF = 0.1  # large, so a mis-scaled aux gradient shows in the router's gradients

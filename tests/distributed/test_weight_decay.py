@@ -11,8 +11,8 @@ import torch
 from tests.helpers.parity import batches
 from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 

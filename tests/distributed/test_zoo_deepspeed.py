@@ -27,7 +27,7 @@ from tests.helpers.lora import (
 from tests.helpers.ranks import run_ranks
 from tests.helpers.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base, selected
 from toolkit.config import validate
-from toolkit.engine import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 

@@ -270,7 +270,7 @@ def test_activation_model_within_8_percent_of_what_autograd_saves():
     import torch
 
     from toolkit.adapters.hf import build_model
-    from toolkit.engine import token_loss_sum
+    from toolkit.loss import token_loss_sum
     from toolkit.plan import build_plan
     from toolkit.plan.memory import _activations
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
@@ -332,7 +332,7 @@ def test_host_memory_on_megatron_is_the_tp_pp_share_plus_one_tensor():
 def test_logits_and_loss_memory_with_the_chunked_loss():
     """N = 4096 tokens, V = 32000, bf16: the logits and their gradient in bf16 plus three fp32 chunks
     of 2096 rows (256 MiB each at most); megatron's loss keeps three fp32 [N, V / t]."""
-    from toolkit.engine import loss_chunk_rows
+    from toolkit.loss import loss_chunk_rows
     n, v = 4096, 32000
     assert loss_chunk_rows(v) == 2096
     _, mem = _at(load_config(None, BIG_RUN))
@@ -348,7 +348,7 @@ def test_logits_and_loss_formula_matches_the_allocator():
     logits, then the loss's peak during forward and backward, for one chunk and for several."""
     import torch
 
-    from toolkit.engine import token_loss_sum
+    from toolkit.loss import token_loss_sum
     from toolkit.plan.memory import chunked_loss_bytes
     b, s, v = 2, 256, 4099
     shape = model_spec(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,

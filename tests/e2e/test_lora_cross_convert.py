@@ -171,7 +171,7 @@ def test_peft_dir_becomes_a_step_0_checkpoint_a_megatron_run_starts_from(lora_ru
 
     from toolkit.config import load_config
     from toolkit.data import global_batch_indices, load_tokenizer, prepare_data
-    from toolkit.engine import IGNORE_INDEX
+    from toolkit.loss import IGNORE_INDEX
     resumed = tmp_path / "from_peft"
     proc = run_in_process(["convert", str(lora_runs["zero2"] / "adapter"), str(resumed / "checkpoints" / "step_00000000"),
                            "--to", "megatron", "--tp", "2", "--verify"])

@@ -92,7 +92,7 @@ def _hf_eval_loss(model, run_dir) -> float:
     run's resolved config."""
     from toolkit.config import load_config
     from toolkit.data import eval_micro_batches, load_tokenizer, prepare_data
-    from toolkit.engine import token_loss_sum
+    from toolkit.loss import token_loss_sum
     cfg = load_config(run_dir / "config.yaml")
     data = prepare_data(cfg, load_tokenizer(cfg))
     total, count = 0.0, 0

@@ -82,8 +82,8 @@ def _parity(family: str, dtype: str) -> dict:
     from tests.helpers.ranks import megatron_engine
     from toolkit import device
     from toolkit.config import validate
-    from toolkit.engine import IGNORE_INDEX, token_loss_sum
     from toolkit.families.tiny import tiny_model
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
     torch.set_float32_matmul_precision("highest")
     dev, dt = device.rank_device(), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(3)

@@ -13,8 +13,8 @@ from tests.helpers.measure import measure
 from tests.helpers.packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
 from toolkit.adapters.attention import choose_kernel, flex_unavailable
-from toolkit.engine import token_loss_sum
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import token_loss_sum
 
 pytestmark = [*GPU_ONLY, pytest.mark.usefixtures("strict_fp32")]
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from tests.helpers.parity import batches
 from tests.helpers.runs import train
 from toolkit.config import load_config, validate
-from toolkit.engine import IGNORE_INDEX
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX
 
 RANK, ALPHA = 4, 8.0
 LOGIT_TOL = 1e-6  # measured 0.0 (bit-identical logits) for all three families at ZeRO-2 and ZeRO-3

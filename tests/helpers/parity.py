@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
+from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
 LOGIT_TOL = 2e-6  # float32 rounding of other matmul shapes and reduction orders: measured 2.7e-7 (MoE 3.0e-7)
 GRAD_RTOL = 2e-5  # measured worst 5.1e-6 (qwen2 q_proj.weight at TP2); 1e-6 for the other families

@@ -1,8 +1,9 @@
 """The shape of the code (shared/ARCHITECTURE.md): every import, module-level or inside a function,
 read from the source with ``ast``. No import circles among toolkit modules; only the adapters and
-the compatibility layers import DeepSpeed or megatron-core; the loop knows no model family; every
-constant has one home; modules stay short enough to read. Tests import what they share from
-tests/helpers/, never another test module or conftest.py."""
+the compatibility layers import DeepSpeed or megatron-core, and one module of them megatron's global
+parallel state; the loop knows no model family; every constant, every function body of some length
+and the loss facts have one home; modules stay short enough to read. Tests import what they share
+from tests/helpers/, never another test module or conftest.py."""
 from __future__ import annotations
 
 import ast
@@ -138,17 +139,110 @@ def test_the_loop_knows_no_model_family():
             assert not any(m.startswith("toolkit.families") for m in imports(path, name, known)), name
 
 
+def module_constants() -> list[tuple[str, str, ast.expr]]:
+    """(module, name, value) of every module-level UPPER_CASE assignment in the package."""
+    out = []
+    for module, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) and node.value is not None else []
+            out += [(module, t.id, node.value) for t in targets
+                    if isinstance(t, ast.Name) and t.id.isupper() and len(t.id) > 1]
+    return out
+
+
 def test_every_constant_has_one_home():
     """Module-level UPPER_CASE names defined in two modules are one value written twice (or two
     meanings under one name); re-exports (imports) do not count, nor ``FAMILY`` and ``TINY``, which
     every family file defines by convention (that is how families and their test configs are found)."""
-    defined = Counter()
-    for path in modules().values():
-        for node in ast.parse(path.read_text()).body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign) else []
-            defined.update(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper() and len(t.id) > 1)
+    defined = Counter(name for _, name, _ in module_constants())
     assert [name for name, n in defined.items() if n > 1 and name not in ("FAMILY", "TINY")] == []
+
+
+def test_no_value_is_a_constant_twice_under_two_names():
+    """A string or a collection literal (a file name, a key list) bound to two constants is one fact
+    with two homes (``toolkit_megatron.json`` was ``DESCRIPTION`` in the engine's checkpoint code and
+    ``TOOLKIT_JSON`` in the converter). Numbers are left out: two 8s rarely mean one thing."""
+    homes: dict[str, list[str]] = {}
+    for module, name, value in module_constants():
+        try:
+            literal = ast.literal_eval(value)
+        except ValueError:
+            continue
+        if not isinstance(literal, (int, float, bool, type(None))):
+            homes.setdefault(repr(literal), []).append(f"{module}.{name}")
+    assert {value: names for value, names in homes.items() if len(names) > 1} == {}
+
+
+MIN_DUPLICATE_STATEMENTS = 4
+"""Bodies of fewer statements (``return math.prod(self.shape)``, a property) may coincide by
+nature; four and more written twice are one piece of logic with two homes."""
+
+
+def statements(body: list[ast.stmt]) -> int:
+    """Statements in ``body``, nested blocks (if/for/with/try) counted too."""
+    return sum(1 + statements([s for f in ("body", "orelse", "finalbody", "handlers")
+                               for s in getattr(node, f, []) if isinstance(s, ast.AST)]) for node in body)
+
+
+def duplicate_bodies(sources: dict[str, str]) -> list[list[str]]:
+    """Groups of functions (``module:line name``) whose bodies, docstring aside, dump to the same
+    ``ast`` (the same code, whatever the function's name and signature)."""
+    by_body: dict[str, list[str]] = {}
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            if statements(body) >= MIN_DUPLICATE_STATEMENTS:
+                key = "\n".join(ast.dump(s) for s in body)
+                by_body.setdefault(key, []).append(f"{module}:{node.lineno} {node.name}")
+    return [names for names in by_body.values() if len(names) > 1]
+
+
+def test_no_two_functions_share_a_body():
+    assert duplicate_bodies({name: path.read_text() for name, path in modules().items()}) == []
+
+
+def test_the_duplicate_finder_finds_one():
+    """Same body under other names and docstrings is found; a one-statement body or one constant
+    apart is not."""
+    body = "    rows = budget // (4 * vocab)\n    rows -= rows % 8\n    if rows < 8:\n        rows = 8\n    return rows\n"
+    found = duplicate_bodies({
+        "a": f"def chunk_rows(vocab, budget):\n    \"\"\"Rows per chunk.\"\"\"\n{body}",
+        "b": f"def rows_for(vocab, budget):\n{body}\n\ndef other(vocab, budget):\n{body.replace('8', '16')}",
+        "c": "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n"})
+    assert found == [["a:1 chunk_rows", "b:1 rows_for"]]
+
+
+def test_only_the_grid_reads_megatrons_parallel_state():
+    """megatron-core's global parallel state (ranks, sizes, process groups) is read in one module,
+    ``adapters/megatron/grid.py``; sizes elsewhere come from the run's ``Layout``."""
+    readers = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            if any(n.startswith("megatron.core.parallel_state") for n in names):
+                readers.append(name)
+    assert sorted(set(readers)) == ["toolkit.adapters.megatron.grid"]
+
+
+def test_the_loss_facts_have_one_home():
+    """The ignore index, the token loss sum and its chunk sizing live in ``toolkit/loss.py``: the
+    data pipeline and the estimate import it, not the engine protocol; no other module writes -100."""
+    known = modules()
+    for name, path in known.items():
+        if name.startswith(("toolkit.data", "toolkit.plan", "toolkit.estimate")):
+            assert "toolkit.engine" not in imports(path, name, known), f"{name} imports toolkit.engine"
+    writers = [name for name, path in known.items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+               and isinstance(node.operand, ast.Constant) and node.operand.value == 100]
+    assert writers == ["toolkit.loss"]
 
 
 def test_modules_stay_short():

@@ -1,4 +1,4 @@
-"""The chunked cross entropy (``toolkit.engine.token_loss_sum``) against the whole-tensor loss it
+"""The chunked cross entropy (``toolkit.loss.token_loss_sum``) against the whole-tensor loss it
 replaced: the same loss and the same per-token gradients, bit for bit, while fp32 exists only one
 chunk of rows at a time.
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.helpers.loss import loss_allocations
 from toolkit import device
-from toolkit.engine import IGNORE_INDEX, LOSS_CHUNK_BYTES, loss_chunk_rows, token_loss_sum
+from toolkit.loss import IGNORE_INDEX, LOSS_CHUNK_BYTES, loss_chunk_rows, token_loss_sum
 
 VOCAB = 1009  # prime: divisible by nothing a kernel might vectorize over
 BATCH, SEQ = 3, 37  # 111 rows: no chunk size below divides it

@@ -16,8 +16,8 @@ from toolkit import data
 from toolkit.adapters import hf_attention
 from toolkit.config import validate
 from toolkit.data.pack import document_pieces, fit_rows
-from toolkit.engine import IGNORE_INDEX, token_loss_sum
 from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
 datasets.disable_progress_bars()
 

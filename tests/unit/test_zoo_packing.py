@@ -10,7 +10,7 @@ import torch
 from tests.helpers.packing import GRAD_RTOL, LOGITS_ATOL, micro_batch, packed, random_documents
 from tests.helpers.zoo import VARIANTS, runs
 from toolkit.adapters import hf_attention
-from toolkit.engine import token_loss_sum
+from toolkit.loss import token_loss_sum
 
 PACKED = runs("packing")
 

@@ -16,7 +16,8 @@ from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
-from toolkit.engine import DTYPES, StepStats, token_loss_sum
+from toolkit.engine import DTYPES, StepStats
+from toolkit.loss import token_loss_sum
 from toolkit.plan import Plan
 
 def _install_op_caches() -> None:

@@ -143,13 +143,21 @@ def write_adapter(module: torch.nn.Module, path: Path, trained: dict | None, bas
 def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None) -> None:
     """The HF-PEFT directory staged beside ``path``, then put in its place whole."""
     from toolkit.convert.peft import save_peft
+    with _replaced_whole(path) as stage:
+        save_peft(module, trained, stage, base_name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(stage / "adapter_model.safetensors", 0o666 & ~umask)  # safetensors writes 0600 (a temporary file)
+
+
+@contextlib.contextmanager
+def _replaced_whole(path: Path):
+    """A fresh directory beside ``path`` to build in; once built, it replaces ``path`` (a resumed
+    run that had finished exports again) in one rename. A failed build leaves ``path`` as it was."""
     stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    save_peft(module, trained, stage, base_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage / "adapter_model.safetensors", 0o666 & ~umask)  # safetensors writes 0600 (a temporary file)
+    yield stage
     if path.exists():
         shutil.rmtree(path)
     os.replace(stage, path)
@@ -209,16 +217,11 @@ def write_streamed(source: Source | None, path: Path, tokenizer=None, generation
         dist.barrier()
         return
     from toolkit.formats.hf import write_hf
-    stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    with _drained_on_failure(source):
-        write_hf(source, stage)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(stage))
-    if generation_config is not None:
-        generation_config.save_pretrained(str(stage))
-    if path.exists():  # a resumed run that had finished exports again
-        shutil.rmtree(path)
-    os.replace(stage, path)
+    with _replaced_whole(path) as stage:
+        with _drained_on_failure(source):
+            write_hf(source, stage)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(stage))
+        if generation_config is not None:
+            generation_config.save_pretrained(str(stage))
     dist.barrier()

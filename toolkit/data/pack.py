@@ -25,7 +25,7 @@ from toolkit.data.base import (
 )
 from toolkit.data.sources import check_rows, load_source, required_columns
 from toolkit.data.templates import tokenize_fn
-from toolkit.engine import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -41,7 +41,7 @@ in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp
 
 Logits and loss (``logits_loss``, part of the activations), N = b·s tokens, V the vocabulary::
 
-    DeepSpeed (HF model, chunked loss ``toolkit.engine.token_loss_sum``):
+    DeepSpeed (HF model, chunked loss ``toolkit.loss.token_loss_sum``):
         2·w·N·V  +  3·4·min(N, r)·V        r = loss_chunk_rows(V): fp32 rows of <= 256 MiB
       the logits in the model's dtype (kept for the loss's backward) and, in the backward, their
       gradient, plus at most three fp32 chunks of rows at once (log-probabilities, their gradient,
@@ -222,7 +222,7 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
 
 def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int) -> float:
     """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring)."""
-    from toolkit.engine import loss_chunk_rows
+    from toolkit.loss import loss_chunk_rows
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     return 2 * w * tokens * spec.vocab + 3 * 4 * min(tokens, loss_chunk_rows(spec.vocab)) * spec.vocab
 

@@ -5,6 +5,7 @@
   attention.py  the core attention: torch sdpa / flex_attention, RoPE at per-token positions
               (``TokenLayout``, passed as packed_seq_params), document masks, windows, softcap
   weights.py  HF weights into the chunks, each TP rank reading only its slices
+  grid.py     this rank's place in megatron's process grid: the one reader of its parallel_state
   engine.py   ``MegatronEngine``: process groups, DDP, distributed optimizer, steps, the loss
   state.py    torch_dist checkpoints (fully reshardable optimizer)
   export.py   full tensors gathered to rank 0; ``hf_final/``

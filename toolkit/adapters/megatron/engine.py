@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron import export, lora, state
+from toolkit.adapters.megatron import export, grid, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
                                              transformer_config)
@@ -27,7 +27,8 @@ from toolkit.adapters.megatron.weights import (check_hf_keys, checkpoint_names, 
                                                release_storage)
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
-from toolkit.engine import DTYPES, IGNORE_INDEX, StepStats
+from toolkit.engine import DTYPES, StepStats
+from toolkit.loss import IGNORE_INDEX
 from toolkit.plan import Plan
 
 
@@ -76,22 +77,15 @@ class MegatronEngine:
     # --- setup ----------------------------------------------------------------------------------------
 
     def _init_parallel(self) -> None:
-        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        lay = self.lay
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                         virtual_pipeline_model_parallel_size=lay.vpp,
-                                         expert_model_parallel_size=lay.ep)
+        place = grid.initialize(self.lay)
         model_parallel_cuda_manual_seed(self.cfg.train.seed)
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.tp_rank, self.pp_rank, self.dp_rank = place.tp_rank, place.pp_rank, place.dp_rank
+        self.dp_size = self.lay.dp
+        self.is_last_stage = self.pp_rank == self.lay.pp - 1  # the last stage, virtual stages aside
         # whether this rank's copy of dense / expert parameters is the one an export takes
         self.owns_dense = self.dp_rank == 0
-        self.owns_experts = ps.get_expert_data_parallel_rank() == 0 if lay.ep > 1 else self.owns_dense
+        self.owns_experts = place.expert_dp_rank == 0
 
     def _attach_lora(self, chunks, adapters) -> None:
         """The base frozen, this rank's slices of the adapters on its linears (``lora.py``)."""
@@ -177,7 +171,7 @@ class MegatronEngine:
         return inputs
 
     def _loss_func(self, labels, logits):
-        loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size)
+        loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size, self.tp_rank)
         return loss_sum / self._loss_tokens, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
 
     def _run_schedule(self, micro_batches, forward_only: bool, beat=None) -> torch.Tensor:
@@ -230,8 +224,7 @@ class MegatronEngine:
 
     @property
     def dp_group(self):
-        from megatron.core import parallel_state as ps
-        return ps.get_data_parallel_group()
+        return grid.dp_group()
 
     def parameters(self):
         return (p for chunk in self.model for p in chunk.module.parameters())
@@ -345,15 +338,14 @@ def check_machine(plan: Plan) -> None:
                           "backward); use megatron.attention=auto (sdpa on CPU) or sdpa")
 
 
-def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: int):
+def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp_rank: int):
     """Sum of token cross-entropies over the true vocabulary and the valid-token count.
 
-    logits: this TP rank's ``[batch, seq, padded_vocab / tp]``; labels ``[batch, seq]`` with
+    logits: TP rank ``tp_rank``'s ``[batch, seq, padded_vocab / tp]``; labels ``[batch, seq]`` with
     IGNORE_INDEX where no loss is taken. Columns at or beyond ``vocab`` are set to -inf."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     width = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * width
+    start = tp_rank * width
     logits = logits.float()
     if start + width > vocab:
         pad = torch.arange(start, start + width, device=logits.device) >= vocab

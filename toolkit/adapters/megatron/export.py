@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
+from toolkit.adapters.megatron import grid
 from toolkit.adapters.megatron.weights import (
     expert_offset,
     global_name,
@@ -188,8 +189,7 @@ def owned_params(engine) -> dict[str, torch.Tensor]:
 
 
 def _tp_group(mcore: str):
-    from megatron.core import parallel_state as ps
-    return ps.get_expert_tensor_parallel_group() if is_expert(mcore) else ps.get_tensor_model_parallel_group()
+    return grid.tp_group(expert=is_expert(mcore))
 
 
 def _senders(local: dict) -> dict[str, int]:

@@ -158,7 +158,7 @@ class LoraSite(torch.nn.Module):
         """megatron's attributes: TP-split matrices (grad norm counts them on every rank), and the
         replicated ones whose gradient is a per-rank partial sum under sequence parallelism."""
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-        tp = getattr(base, "tp_size", None) or _tp_size()
+        tp = getattr(base, "tp_size", None) or base.config.tensor_model_parallel_size
         for adapter in self.adapters.values():
             split, whole = ((adapter.A,), list(adapter.B)) if self.site.kind == ROW_LINEAR else \
                 (list(adapter.B), (adapter.A,))
@@ -230,11 +230,6 @@ class LoraSite(torch.nn.Module):
         if self.site.kind != QKV:
             return torch.cat(outs, dim=-1)
         return torch.cat([o.unflatten(-1, (self.geometry.groups, -1)) for o in outs], dim=-1).flatten(-2)
-
-
-def _tp_size() -> int:
-    from megatron.core import parallel_state as ps
-    return ps.get_tensor_model_parallel_world_size()
 
 
 def _add_delta(module, args, kwargs, output):

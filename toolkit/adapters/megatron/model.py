@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters.compiled import compile_works
+from toolkit.adapters.megatron import grid
 from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
 from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
 from toolkit.adapters.megatron.weights import rope_inv_freq
@@ -103,7 +104,6 @@ def _recompute(mode: str) -> dict:
 def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOptions | None = None) -> list:
     """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers.
     With the toolkit's attention, megatron's RoPE is off: the attention rotates q and k itself."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     vpp = lay.vpp
     kwargs = family.model_kwargs(hf_config)
@@ -112,9 +112,9 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
     chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
+        pre, post = grid.stage_ends(vp)
         chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.layer_spec), vocab_size=lay.padded_vocab,
-                               vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
+                               vp_stage=vp, pre_process=pre, post_process=post, **kwargs))
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
         # the toolkit's ToolkitNorm and post-norms) on the default device: all of it to the rank's
         _on_rank_device(chunks[-1])
@@ -282,7 +282,6 @@ def load_balanced_router_class():
     each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``
     (None: not attached), which the engine sets each step. Not in eval, and once per micro-batch under recomputation
     (the recomputing forward is the one with gradients)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router import TopKRouter
 
     from toolkit.adapters import moe
@@ -303,7 +302,7 @@ def load_balanced_router_class():
             counts, tokens = self._counts_and_tokens(routing_map, real)
             aux = moe.load_balancing_loss(flat, counts, tokens, real)
             if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
-                self.stats.add(self.layer_number - 1, counts if ps.get_tensor_model_parallel_rank() == 0 else None,
+                self.stats.add(self.layer_number - 1, counts if grid.tp_rank() == 0 else None,
                                aux.detach())
             if self.aux_scale is not None:
                 probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
@@ -313,17 +312,17 @@ def load_balanced_router_class():
             """Tokens per expert ``[E]`` and the token count of the whole sequence (summed over the
             TP group under sequence parallelism, in one all-reduce), kept on the device: masks, not
             boolean indexing, which would wait for the device to size its output."""
-            rows, tp = routing_map.shape[0], ps.get_tensor_model_parallel_world_size()
+            rows, tp = routing_map.shape[0], self.config.tensor_model_parallel_size
             if real is not None:
                 routing_map = routing_map & real.unsqueeze(-1)
             counts = routing_map.sum(dim=0)
             if real is None:  # every row a token: the count is known on the host
                 if self.config.sequence_parallel:
-                    dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+                    dist.all_reduce(counts, group=grid.tp_group())
                 return counts, rows * (tp if self.config.sequence_parallel else 1)
             both = torch.cat([counts, real.sum().reshape(1)])
             if self.config.sequence_parallel:
-                dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+                dist.all_reduce(both, group=grid.tp_group())
             return both[:-1], both[-1].clamp(min=1)
 
     def _local_rows(padding_mask, rows: int):
@@ -335,7 +334,7 @@ def load_balanced_router_class():
         flat = padding_mask.reshape(-1).bool()
         if flat.numel() == rows:
             return flat
-        rank = ps.get_tensor_model_parallel_rank()
+        rank = grid.tp_rank()
         return flat[rank * rows:(rank + 1) * rows]
 
     return LoadBalancedRouter

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from toolkit.adapters.megatron import grid
+
 HEADS = {"q": "num_attention_heads", "k": "num_query_groups"}
 """Which TransformerConfig field counts the heads a full-width norm spans."""
 
@@ -59,8 +61,7 @@ class FullWidthRMSNorm(torch.nn.Module):
         rows = x.reshape(*x.shape[:-2], -1).float()
         squares = rows.pow(2).sum(-1, keepdim=True)
         if self.tp > 1:
-            from megatron.core import parallel_state as ps
-            squares = _SumOverTP.apply(squares, ps.get_tensor_model_parallel_group())
+            squares = _SumOverTP.apply(squares, grid.tp_group())
         rows = rows * torch.rsqrt(squares / self.full_width + self.eps)
         return (self.weight.float() * rows).to(x.dtype).reshape(x.shape)
 

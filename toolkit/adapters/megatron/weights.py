@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.adapters.megatron import grid
 from toolkit.families.base import Reader
 from toolkit.plan import Plan
 
@@ -103,9 +104,8 @@ def expert_offset(chunk) -> int:
     """Global number of this rank's first routed expert (expert parallel ranks hold blocks)."""
     if not getattr(chunk.config, "num_moe_experts", None):
         return 0
-    from megatron.core import parallel_state as ps
-    per_rank = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-    return ps.get_expert_model_parallel_rank() * per_rank
+    per_rank = chunk.config.num_moe_experts // chunk.config.expert_model_parallel_size
+    return grid.ep_rank() * per_rank
 
 
 def is_expert(name: str) -> bool:
@@ -167,10 +167,10 @@ def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp
                                    f"expects {tuple(param.shape)}")
             _with_storage(param).copy_(part)
     _copy_rope(chunk, family, hf_config)
-    _padding_idx_without_grad(chunk, family.padding_idx(hf_config))
+    _padding_idx_without_grad(chunk, family.padding_idx(hf_config), tp_rank)
 
 
-def _padding_idx_without_grad(chunk, pad: int | None) -> None:
+def _padding_idx_without_grad(chunk, pad: int | None, tp_rank: int) -> None:
     """HF's ``nn.Embedding(padding_idx=pad)``: the lookup of ``pad`` sends no gradient to its row
     (the output layer still does when embeddings are tied). Megatron's embedding has no such
     option, so the looked-up vectors at ``pad`` positions are detached."""
@@ -181,9 +181,8 @@ def _padding_idx_without_grad(chunk, pad: int | None) -> None:
     def hook(module, args, output):
         at_pad = args[0] == pad  # [batch, seq]
         if output.shape[:2] != at_pad.shape:  # sequence parallel: [seq / tp, batch, h], this TP rank's slice
-            from megatron.core import parallel_state as ps
             local = output.shape[0]
-            start = ps.get_tensor_model_parallel_rank() * local
+            start = tp_rank * local
             at_pad = at_pad.t()[start:start + local]
         return torch.where(at_pad.unsqueeze(-1), output.detach(), output)
 

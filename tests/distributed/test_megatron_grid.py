@@ -1,0 +1,62 @@
+"""``adapters/megatron/grid.py``, the one reader of megatron's parallel state: each rank's place
+against the rank arithmetic of megatron's default order (tp fastest, then dp, then pp) for every
+2-rank layout, and a clear error where groups left by an earlier engine disagree with the layout.
+
+Bugs these catch: a rank read from the wrong group (tp for dp), the stage ends of a pipeline
+swapped, the expert replicas' rank taken from the dense group under ep, and sizes read from the
+layout silently disagreeing with the groups megatron holds."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.ranks import run_ranks
+from toolkit.plan.layout import Layout
+
+LAYOUTS = {"tp2": dict(tp=2, dp=1), "pp2": dict(pp=2, dp=1), "dp2": dict(dp=2), "dp2_ep2": dict(dp=2, ep=2)}
+
+
+def _places(rank, world, sizes):
+    from megatron.core import parallel_state as ps
+
+    from toolkit.adapters.megatron import grid
+    lay = Layout(backend="megatron", world=world, **sizes)
+    try:
+        place = grid.initialize(lay)
+        return {"place": place, "ends": grid.stage_ends(None), "ep_rank": grid.ep_rank(),
+                "tp_group": grid.tp_group().size(), "dp_group": grid.dp_group().size()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_each_rank_finds_its_place(tmp_path, name):
+    sizes = LAYOUTS[name]
+    tp, pp, dp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "dp", "ep"))
+    for rank, got in enumerate(run_ranks(_places, 2, tmp_path, sizes)):
+        place = got["place"]
+        assert (place.tp_rank, place.dp_rank, place.pp_rank) == (rank % tp, rank // tp % dp, rank // (tp * dp))
+        # with ep the ranks of a DP group hold different experts: each is its experts' only replica
+        assert place.expert_dp_rank == (0 if ep > 1 else place.dp_rank)
+        assert got["ep_rank"] == (rank % ep if ep > 1 else 0)
+        assert got["ends"] == (place.pp_rank == 0, place.pp_rank == pp - 1)
+        assert (got["tp_group"], got["dp_group"]) == (tp, dp)
+
+
+def _mismatch(rank, world):
+    from megatron.core import parallel_state as ps
+
+    from toolkit.adapters.megatron import grid
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # an earlier engine's groups, not destroyed
+    try:
+        grid.initialize(Layout(backend="megatron", world=world, dp=2))
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        ps.destroy_model_parallel()
+    return None
+
+
+def test_groups_left_at_another_layout_are_refused(tmp_path):
+    for message in run_ranks(_mismatch, 2, tmp_path):
+        assert message is not None and "'tp': 2" in message and "'tp': 1" in message
+        assert "destroy_model_parallel()" in message
