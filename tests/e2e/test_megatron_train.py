@@ -152,8 +152,8 @@ def test_unsupported_family_fails_before_launch(tmp_path, data_cache):
     (model_dir / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 2048}))
     code, _, err = refused(train_args(tmp_path / "r", data_cache, MEGATRON, f"model.name_or_path={model_dir}"))
     assert code == 2
-    assert ("no megatron family; supported: ['gemma', 'gemma2', 'gpt2', 'llama', 'mistral', 'mixtral', 'phi3', "
-            "'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']") in err
+    assert ("no megatron family; supported: ['gemma', 'gemma2', 'gpt2', 'llama', 'mistral', 'mixtral', 'olmo2', "
+            "'phi3', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']") in err
 
 
 def test_bf16_trains(runs, deepspeed_reference):
