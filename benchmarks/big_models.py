@@ -187,7 +187,7 @@ def estimated_mb(key: str, result: dict, root: Path) -> dict:
     """``toolkit estimate``'s per-rank figures for this case (MB): host memory at load and export, and
     the model states plus buffers the engine allocates (on CPU these live in the same RSS)."""
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
+    from toolkit.estimate.memory import memory
     size, case = key.split("/")
     plan = build_plan(run_config(case, checkpoint(size, root), root / "unused", result["dtype"]), [2])
     ds = plan.ds_config(2).get("zero_optimization", {}) if plan.config.backend == "deepspeed" else {}
@@ -199,7 +199,7 @@ def estimated_mb(key: str, result: dict, root: Path) -> dict:
 def table(results: dict, root: Path) -> str:
     """Markdown: per case the worst rank's peaks (MB above its floor) beside their bounds. Build bound:
     estimate's host_load + the tiny model's build peak (runtime), and by how much the build exceeds it
-    in largest tensors of the training dtype (the CPU-only transient ``plan/memory.py`` describes);
+    in largest tensors of the training dtype (the CPU-only transient ``estimate/memory.py`` describes);
     engine-ready: host_load + model states + buffers + the tiny model's engine-ready peak; export
     transient: export peak - RSS after load (estimate: (w+4)·Λ)."""
     rows = ["| params | case | dtype | model MB | build peak | bound | over, in w·Λ | engine ready | bound | export transient |",

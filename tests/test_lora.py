@@ -126,7 +126,7 @@ def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
     """fp32, DP 2: the frozen base holds weights only; gradients and Adam state (m, v, fp32 master
     at ZeRO 1-3) are the adapters'."""
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
+    from toolkit.estimate.memory import memory
     cfg = validate({"lora": {"rank": RANK}, "zero": {"stage": stage}})
     plan = build_plan(cfg, [2], hf_config=tiny_config("llama"))
     tau, phi, d = plan.lora.trainable, plan.model.total, 2

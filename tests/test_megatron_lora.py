@@ -404,7 +404,7 @@ def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only():
     """bf16, PP=2, DP=2: each stage holds its base share plus its layers' adapters; fp32 gradients
     and Adam (m, v, fp32 master) cover the adapters only, Adam sharded over DP."""
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
+    from toolkit.estimate.memory import memory
     cfg = validate({"backend": "megatron", "model": {"dtype": "bf16"}, "megatron": {"pp": 2},
                     "lora": {"rank": RANK}})
     plan = build_plan(cfg, [4], hf_config=tiny_config("llama"))

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import run_in_process, train
 from toolkit.observe.profile import kind_of, summarize_trace
-from toolkit.plan.flops import flops_per_token, peak_flops
+from toolkit.estimate.flops import flops_per_token, peak_flops
 from toolkit.plan.model import model_spec
 
 

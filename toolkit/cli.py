@@ -162,7 +162,7 @@ def cmd_train(args) -> int:
         check_machine(plan)
     data = _check_data_before_launch(plan.config)
     if args.dry_run:  # after every check the launch makes: a dry run that passes, launches
-        from toolkit.plan.estimate import dry_run
+        from toolkit.estimate.run import dry_run
         print(_data_line(plan.config, data))
         return dry_run(plan, args.nnodes)
     run_dir = Path(plan.config.run_dir)
@@ -174,7 +174,7 @@ def cmd_train(args) -> int:
 def cmd_estimate(args) -> int:
     """Exit 0 when the layout fits the device memory, 3 when it does not."""
     from toolkit.plan import build_plan
-    from toolkit.plan.estimate import parse_cluster, run_estimate
+    from toolkit.estimate.run import parse_cluster, run_estimate
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)

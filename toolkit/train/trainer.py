@@ -25,7 +25,7 @@ from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
-from toolkit.plan.flops import flops_per_token, mfu, peak_flops
+from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.train.schedule import lr_at
 
 
@@ -167,7 +167,7 @@ class Trainer:
             self.skipped_steps += stats.skipped
             record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
         record.update(stats.extra)
-        if self._peak:  # GPUs only; the formula and peaks: toolkit/plan/flops.py
+        if self._peak:  # GPUs only; the formula and peaks: toolkit/estimate/flops.py
             record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
         self.metrics.log(record)
 

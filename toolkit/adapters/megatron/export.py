@@ -148,7 +148,7 @@ class MegatronSource(Source):
     def _full(self, mcore: str) -> torch.Tensor | None:
         """The unsharded tensor on global rank 0 (fp32, CPU); None elsewhere. Shards travel in the
         training dtype and become fp32 once, joined on rank 0: the transient is one tensor in the
-        training dtype and its fp32 copy (``plan/memory.py``'s host_export)."""
+        training dtype and its fp32 copy (``estimate/memory.py``'s host_export)."""
         full = self._gather_tp(mcore) if mcore in self.local else None
         sender = self.sender[mcore]
         if sender != 0 and dist.get_rank() == sender:

@@ -7,9 +7,9 @@ from dataclasses import asdict
 from toolkit.config import ConfigError, RunConfig
 from toolkit.plan import Plan
 from toolkit.plan.layout import Layout
-from toolkit.plan.memory import GiB, USABLE, fits, memory, suggestions
+from toolkit.estimate.memory import GiB, USABLE, fits, memory, suggestions
 from toolkit.plan.model import ModelSpec
-from toolkit.plan.steptime import Cluster, StepTime, step_time
+from toolkit.estimate.steptime import Cluster, StepTime, step_time
 
 
 # --- the whole estimate -----------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def print_estimate(result: dict) -> None:
     c = result["cluster"]
     console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
                   f"{result['layout']['world']} ranks")
-    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/plan/memory.py)")
+    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/estimate/memory.py)")
     for key, label in (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
                        ("buffers", "buffers"), ("activations_no_ckpt", "activations, no checkpointing"),
                        ("activations_ckpt", "activations, with checkpointing"), ("activations", "activations, as set"),
