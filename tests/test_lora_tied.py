@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import losses, resumes, run_in_process, train
-from toolkit.plan.lora import ADAPTER
+from toolkit.lora.peft import ADAPTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -92,7 +92,7 @@ def test_zero3_checkpoint_reads_as_deepspeed_reads_it(runs):
     """The converter's reader against DeepSpeed's ``zero_to_fp32`` (which skips the dangling tie)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from toolkit.convert.lora_ckpt import open_lora_checkpoint
+    from toolkit.lora.checkpoint import open_lora_checkpoint
     step = ckpt(runs("zero3"), STEPS)
     ours = open_lora_checkpoint(step)
     want = get_fp32_state_dict_from_zero_checkpoint(str(step / "engine"), exclude_frozen_parameters=True)
@@ -193,7 +193,7 @@ def test_plan_counts_modules_to_save_as_peft_matches_them_and_refuses_a_tied_emb
 
     from toolkit.config import ConfigError, validate
     from toolkit.plan import build_plan
-    from toolkit.plan.lora import peft_config
+    from toolkit.lora.peft import peft_config
     config = AutoConfig.from_pretrained(tied_base)
 
     def plan(saved, backend="deepspeed"):

@@ -76,8 +76,8 @@ def test_plan_refuses_what_megatron_lora_cannot_do():
 
 def test_adapters_are_drawn_as_the_deepspeed_path_draws_them():
     """peft's init from (seed, "lora") on a skeleton equals ``apply_lora`` on the real model."""
-    from toolkit.adapters.lora import apply_lora
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import apply_lora
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     for family in ("llama", "gpt2"):
         plan = build_plan(lora_config(1, 1), [1], hf_config=tiny_config(family))
@@ -93,7 +93,7 @@ def _rank_parity(rank, world, layouts, base_dirs):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     results = {}
     for name, (tp, pp, extra) in layouts.items():
@@ -169,7 +169,7 @@ def _rank_dropout(rank, world, base_dir):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     micro = batches(model.config.vocab_size)

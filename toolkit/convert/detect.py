@@ -106,7 +106,7 @@ def resolve_run_dir(path: Path) -> Path:
 
 def is_lora_source(src) -> bool:
     """An HF-PEFT directory, or a toolkit LoRA checkpoint (or the run directory holding one)."""
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     src = Path(src)
     return src.exists() and (is_peft_dir(src) or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 
@@ -114,9 +114,9 @@ def is_lora_source(src) -> bool:
 def _refuse_lora(path: Path) -> None:
     """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
     and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint or an HF-PEFT directory whole
-    (``convert/peft.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
+    (``lora/convert.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
     or missing tensors (``toolkit inspect`` describes both)."""
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(path):
         raise ConvertError(f"{path}: an HF-PEFT adapter directory (LoRA); it converts only as a whole: toolkit "
                            "convert DIR OUT --to hf [--base BASE_DIR] (merged onto its base) or --to peft")
@@ -159,7 +159,7 @@ def _toolkit_extras(path: Path) -> dict:
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
-    from toolkit.convert.lora import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
     from toolkit.storage import MANIFEST
     if Path(path).exists() and is_peft_dir(Path(path)):
         return inspect_peft(Path(path))
