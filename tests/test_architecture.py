@@ -103,6 +103,34 @@ def test_only_adapters_and_compat_import_the_backends():
     assert {n: m for n, m in offenders.items() if m} == {}
 
 
+def test_lora_lives_in_its_room_or_beside_a_backend():
+    """LoRA code is ``toolkit/lora/`` (and the backend-specific parts in ``toolkit/adapters/``): only
+    those import peft or name a module after LoRA, and only ``toolkit/lora/`` calls peft's
+    ``get_peft_model`` (the one skeleton, ``apply_lora``, the converter's reference)."""
+    known = modules()
+    home = ("toolkit.lora", "toolkit.adapters")
+    peft_users = sorted(n for n, p in known.items() if "peft" in {m.split(".")[0] for m in imports(p, n, known)})
+    assert [n for n in peft_users if not n.startswith(home)] == []
+    assert [n for n in known if "lora" in n.rsplit(".", 1)[-1] and not n.startswith(home)] == []
+    assert [n for n, p in known.items() if "get_peft_model(" in p.read_text() and not n.startswith("toolkit.lora")] == []
+
+
+def test_one_builder_of_the_meta_model():
+    """The HF model on the meta device is built in one place (``families/meta.py``), so the plan,
+    the engines, peft's skeleton and the converter see the same model (tied weights tied)."""
+    builders = {name for name, path in modules().items() if "from_config(" in (text := path.read_text())
+                and ("init_empty_weights(" in text or 'torch.device("meta")' in text)}
+    assert builders == {"toolkit.families.meta"}
+
+
+def test_the_plan_imports_no_estimator():
+    """``toolkit/plan/`` is config -> layout -> plan.json; the estimate reads the plan, not the reverse."""
+    known = modules()
+    assert {name: sorted(m for m in imports(path, name, known) if m.startswith("toolkit.estimate"))
+            for name, path in known.items() if name.startswith("toolkit.plan")} == \
+        {name: [] for name in known if name.startswith("toolkit.plan")}
+
+
 def test_the_loop_knows_no_model_family():
     known = modules()
     for name, path in known.items():
