@@ -90,7 +90,7 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
     from it. Its ``lora`` spec is resolved as the plan resolves ``lora.*`` from adapter_config.json's
     r, lora_alpha, lora_dropout, target_modules and modules_to_save, and must make exactly the
     adapter's tensors; per-module ranks or alphas and rsLoRA have no ``lora.*`` setting: refused."""
-    from toolkit.config import LoraConfig
+    from toolkit.config import ConfigError, LoraConfig
     from toolkit.convert.canonical import hf_config_object
     from toolkit.families.meta import meta_model
     from toolkit.lora.checkpoint import LoraSource
@@ -103,10 +103,13 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
         raise ConvertError(f"{path}: its {', '.join(patterns) or 'regex target_modules'} cannot be said in lora.* "
                            "settings, so no toolkit run could resume this adapter; convert it --to hf (merged) and "
                            "fine-tune that")
-    spec = resolve_lora(LoraConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                                   target_modules=sorted(config.target_modules),
-                                   modules_to_save=list(config.modules_to_save or [])),
-                        meta_model(hf_config_object(adapter.hf_config)))
+    settings = LoraConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                          target_modules=sorted(config.target_modules), modules_to_save=list(config.modules_to_save or []))
+    try:  # on the model the plan resolves against (a tied embedding tied), so a run can resume the result
+        spec = resolve_lora(settings, meta_model(hf_config_object(adapter.hf_config)))
+    except ConfigError as exc:
+        raise ConvertError(f"{path}: its adapter_config.json as a toolkit run's settings is refused ({exc}), so no "
+                           "toolkit run could resume this adapter; convert it --to hf (merged) and fine-tune that") from None
     trained = adapter.trained()
     resolved = {n: tuple(p.shape) for n, p in meta_peft_model(adapter.hf_config, peft_config(spec)).named_parameters()
                 if p.requires_grad}
