@@ -5,9 +5,9 @@ adapters are peft's tensors, split over TP.
 
 Which linear carries which projections comes from the family's weight table, and how an adapter
 splits over TP, from ``lora/geometry.py`` (``megatron_sites``, ``Geometry``); this module is the
-part that runs megatron-core. Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order, one dropout
-mask per projection as peft draws them), with
-``A [r, in]`` and ``B [out, r]`` split over TP as the base is:
+part that runs megatron-core. Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order,
+one dropout mask per projection as peft draws them), with ``A [r, in]`` and ``B [out, r]`` split
+over TP as the base is:
 
   column-parallel base (``linear_qkv``, ``linear_fc1``): A whole on every TP rank; B split by rows
       as the base's output is: each projection's own rows of this rank (for QKV: the rows of the
