@@ -9,7 +9,7 @@ PINS := requirements/constraints.txt
 # with the `ninja` PATH finds (tests/conftest.py does the same for the test suite).
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -30,5 +30,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not container and not gpu"
 
+# ruff.toml holds the rules; tests/unit/test_lint.py runs the same check in the suite.
+lint: setup
+	$(BIN)/ruff check .
+
+# The pages of docs/ as a site in site/ (mkdocs.yml); tests/unit/test_docs.py builds it with --strict.
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

@@ -18,7 +18,7 @@ above the rank's floor (RSS after imports and the process group, before the mode
 No optimizer step is taken (a 1.5B model's Adam moments would not fit 2 ranks in 24 GiB); the model
 states DeepSpeed and megatron allocate at initialization (fp32 master partitions, gradient
 buffers) are part of "load". Results: benchmarks/results/big_models.json; ``--table`` prints the
-markdown table of benchmarks/README.md from it, with the bounds ``toolkit estimate`` predicts (its
+markdown table of docs/benchmarks.md from it, with the bounds ``toolkit estimate`` predicts (its
 ``host_load``/``host_export`` and the model states; the runtime is the tiny model's figure, same case).
 """
 from __future__ import annotations
@@ -90,14 +90,16 @@ def run_config(case: str, model_dir: Path, run_dir: Path, dtype: str):
 
 
 def toolkit_rank(case: str, model_dir: Path, out: Path, dtype: str) -> dict:
-    from toolkit.plan import build_plan
     import torch.distributed as dist
+
+    from toolkit.plan import build_plan
     plan = build_plan(run_config(case, model_dir, out, dtype), [dist.get_world_size()])
     floor = memory_mb()["rss"]
     reset_peak()
     built = {}
     if plan.config.backend == "megatron":
-        from toolkit.adapters.megatron import build_engine, engine as megatron_engine
+        from toolkit.adapters.megatron import build_engine
+        from toolkit.adapters.megatron import engine as megatron_engine
         wrap = megatron_engine.MegatronEngine._wrap_ddp
 
         def built_then_wrap(self, chunks):  # the model's layers built and loaded; DDP's buffers not yet
@@ -186,8 +188,8 @@ def model_facts(model_dir: Path) -> dict:
 def estimated_mb(key: str, result: dict, root: Path) -> dict:
     """``toolkit estimate``'s per-rank figures for this case (MB): host memory at load and export, and
     the model states plus buffers the engine allocates (on CPU these live in the same RSS)."""
-    from toolkit.plan import build_plan
     from toolkit.estimate.memory import memory
+    from toolkit.plan import build_plan
     size, case = key.split("/")
     plan = build_plan(run_config(case, checkpoint(size, root), root / "unused", result["dtype"]), [2])
     ds = plan.ds_config(2).get("zero_optimization", {}) if plan.config.backend == "deepspeed" else {}

@@ -772,7 +772,7 @@ def fixed_batch_checks(losses: dict, vocab: int, bound: float) -> list[dict]:
 
 # fp32 without TF32 on both sides: reduction order only (CPU: 0 at seq 32, 8e-8 at 0.25). Switching layer 1's
 # attention off in megatron's copy moved its step-1 loss 1.6e-3 at initializer_range 0.1 (CPU,
-# tests/test_gpu_check.py); at HF's 0.02 it moved 3.0e-4, inside the old step-1 check's 2%.
+# tests/e2e/test_gpu_check.py); at HF's 0.02 it moved 3.0e-4, inside the old step-1 check's 2%.
 FIXED_BOUND = 2e-5
 UNIFORM_DISTANCE = 0.05  # |loss - ln V| / ln V: 0.003 at initializer_range 0.02, 0.09 at 0.1
 
@@ -794,7 +794,7 @@ TEST_SETS = {  # phase -> (files, -k expression); the rehearsal's expressions: R
 
 def phase_tests(ctx: Ctx, name: str) -> None:
     """``pytest -m gpu`` on one part of tests/gpu; one check per test (junit XML), and every value a test
-    measured (tests/gpu/measure.py) beside its bound."""
+    measured (tests/helpers/measure.py) beside its bound."""
     import xml.etree.ElementTree as ET
     junit, measured = ctx.work / f"{name}.xml", ctx.work / f"{name}_measured.jsonl"
     junit.unlink(missing_ok=True)

@@ -173,8 +173,8 @@ def cmd_train(args) -> int:
 
 def cmd_estimate(args) -> int:
     """Exit 0 when the layout fits the device memory, 3 when it does not."""
-    from toolkit.plan import build_plan
     from toolkit.estimate.run import parse_cluster, run_estimate
+    from toolkit.plan import build_plan
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)
@@ -238,12 +238,12 @@ def _rank_entrypoint(cfg: RunConfig):
 
 def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from toolkit.launch.elastic import launch_workers
     from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.launch.elastic import launch_workers
     from toolkit.launch.events import emit
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     try:
         launch_workers(spec, entrypoint, args)
     except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved

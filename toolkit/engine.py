@@ -40,7 +40,7 @@ class StepStats:
 
 class Engine(Protocol):
     """What the loop, the checkpointer and the health monitor call; ``adapters/deepspeed.py`` and
-    ``adapters/megatron/engine.py`` implement it (``tests/test_architecture.py`` checks the names
+    ``adapters/megatron/engine.py`` implement it (``tests/unit/test_architecture.py`` checks the names
     and signatures match)."""
     dp_rank: int
     dp_size: int

@@ -3,35 +3,23 @@
 What the CPU suite cannot show: flex_attention training (torch has no CPU backward for it), the
 compiled flex kernel with block masks and a softcap score_mod, sdpa's GPU kernels with GQA, and
 megatron's torch-compiled SwiGLU and bias-dropout-add against the unfused ops. fp32 with TF32 off;
-references in float64 (tests/test_attention.py). ``TOOLKIT_GPU_TESTS_ON_CPU=1`` runs the sdpa case.
+references in float64 (tests/helpers/attention.py). ``TOOLKIT_GPU_TESTS_ON_CPU=1`` runs the sdpa case.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from tests.test_attention import CASES, D, DOCS, qkv, reference_attention, reference_mask
-from tests.gpu.measure import measure
+from tests.helpers.attention import CASES, DOCS, D, qkv, reference_attention, reference_mask
+from tests.helpers.gpu import DEVICE, GPU_ONLY, expected_kernel
+from tests.helpers.measure import measure
 from toolkit.adapters import attention as attention_module
 from toolkit.adapters.attention import flex_unavailable
 from toolkit.adapters.megatron.attention import TokenLayout, attend, choose_kernel
 
-REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
-                                 reason="needs a GPU (or TOOLKIT_GPU_TESTS_ON_CPU=1 to rehearse on the CPU)")]
+pytestmark = [*GPU_ONLY, pytest.mark.usefixtures("strict_fp32")]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA only (flex_attention has no CPU backward; the fusions are GPU-only)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def strict_fp32():
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 def _compare(mode: str, case: str) -> float:
@@ -50,12 +38,6 @@ def _compare(mode: str, case: str) -> float:
         worst = max(worst, (mine.grad.double() - theirs.grad).abs().max().item())
     print(f"{mode} {case} on {DEVICE}: max abs diff (output and q/k/v grads) {worst:.2e}")
     return worst
-
-
-def expected_kernel(case: str) -> str:
-    """``auto`` on CUDA without dropout: flex for a mask (documents, window) or a softcap, else sdpa."""
-    docs, window, softcap = CASES[case]
-    return "flex" if docs is not None or window is not None or softcap is not None else "sdpa"
 
 
 @needs_cuda

@@ -21,14 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
-from tests.gpu.measure import measure
+from tests.helpers.gpu import GPU_ONLY, REHEARSAL, check_router_stats, check_scales, deepspeed_scales, megatron_scales
+from tests.helpers.measure import measure
+from tests.helpers.runs import run_cli
 from toolkit.parallel import free_port
 
-REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
-                                 reason="needs a GPU (or TOOLKIT_GPU_TESTS_ON_CPU=1 to rehearse on the CPU)")]
+pytestmark = GPU_ONLY
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 on DeepSpeed needs a GPU")
 
 SMALL = ["--nproc", "1", "--set", "data.seq_len=128", "--set", "train.global_batch_size=8",
@@ -81,11 +79,11 @@ def in_fresh_process(fn, *args, tmp_path: Path):
 def _parity(family: str, dtype: str) -> dict:
     """Max relative errors of megatron's and HF's logits and gradients against HF in fp32 (IEEE, no
     TF32), for one batch; in ``dtype`` for the two under test."""
-    from tests.test_families import tiny_model
-    from tests.conftest import megatron_engine
+    from tests.helpers.ranks import megatron_engine
     from toolkit import device
     from toolkit.config import validate
     from toolkit.engine import IGNORE_INDEX, token_loss_sum
+    from toolkit.families.tiny import tiny_model
     torch.set_float32_matmul_precision("highest")
     dev, dt = device.rank_device(), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(3)
@@ -206,53 +204,6 @@ def test_megatron_lora_trains_resumes_and_exports(tmp_path):
     assert (killed / "hf_final" / "config.json").is_file()
 
 
-def deepspeed_scales(skipped: list[bool], initial: float, hysteresis: int = 2, window: int = 1000) -> list[float]:
-    """The loss scale after each step as DeepSpeed's own ``DynamicLossScaler`` moves it, given which
-    steps overflowed (the reference a run's logged ``loss_scale`` must equal)."""
-    from unittest import mock
-    from deepspeed.runtime.fp16 import loss_scaler
-    scaler = loss_scaler.DynamicLossScaler(init_scale=initial, scale_window=window, min_scale=1,
-                                           delayed_shift=hysteresis, consecutive_hysteresis=False,
-                                           raise_error_at_min_scale=False)
-    out = []
-    with mock.patch.object(loss_scaler.dist, "get_rank", return_value=0):  # it logs on rank 0; no group here
-        for overflow in skipped:
-            scaler.update_scale(overflow)
-            out.append(float(scaler.cur_scale))
-    return out
-
-
-def megatron_scales(skipped: list[bool], initial: float, hysteresis: int = 2, window: int = 1000,
-                    min_scale: float = 1.0) -> list[float]:
-    """The loss scale after each step by megatron-core's ``DynamicGradScaler.update`` rule
-    (megatron/core/optimizer/grad_scaler.py, restated here: its tensors live on CUDA): an overflow
-    resets the growth count and spends one hysteresis, halving once none is left; ``window`` clean
-    steps in a row double the scale and restore the hysteresis."""
-    scale, growth, hyst, out = initial, 0, hysteresis, []
-    for overflow in skipped:
-        if overflow:
-            growth, hyst = 0, hyst - 1
-            if hyst <= 0:
-                scale = max(scale * 0.5, min_scale)
-        else:
-            growth += 1
-            if growth == window:
-                growth, hyst, scale = 0, hysteresis, scale * 2
-        out.append(scale)
-    return out
-
-
-def check_scales(r: dict[int, dict], expected_fn) -> None:
-    """Every step's logged scale equals the reference's, from the logged overflows; a reader that
-    returned a constant (or the initial scale) fails at the second forced overflow."""
-    steps = sorted(r)
-    skipped = [bool(r[s]["skipped"]) for s in steps]
-    expected = expected_fn(skipped, initial=r[steps[0]]["loss_scale"])  # hysteresis 2: step 1 logs the initial
-    logged = [r[s]["loss_scale"] for s in steps]
-    measure("loss scales logged", logged, expected)
-    assert logged == expected, list(zip(steps, skipped, logged, expected))
-
-
 @needs_cuda
 def test_deepspeed_fp16_skips_a_forced_overflow_and_trains_on(tmp_path):
     run = tmp_path / "fp16"  # two overflows in a row: hysteresis 2 halves the scale at the second
@@ -290,7 +241,7 @@ PACKED = ("data.seq_len=128", "train.steps=2", "train.global_batch_size=8", "tra
 
 @pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
 def test_packed_documents_give_the_losses_of_pad_end_to_end(backend, tmp_path):
-    """tests/test_packing_train.py on the device: weights fixed (lr=0), one instruction repeated, so
+    """tests/e2e/test_packing_train.py on the device: weights fixed (lr=0), one instruction repeated, so
     every document's loss is the same whatever shares its row: ``documents`` (flex_attention with a
     block mask, compiled, on CUDA) must give the losses of ``pad`` (one document per row, no mask);
     ``concat`` (documents see their predecessors) must differ."""
@@ -322,19 +273,6 @@ def test_converter_reads_gpu_checkpoints_exactly(tmp_path):
         extra = ["--tp", "1"] if to == "megatron" else []
         proc = run_cli(["convert", str(src / "checkpoints" / "step_00000002"), str(out), "--to", to, "--verify", *extra])
         print(f"\n{src.name} -> {to}: {proc.stdout.strip().splitlines()[-1]}")
-
-
-def check_router_stats(r: dict[int, dict], tokens: int, top_k: int, layers: int) -> None:
-    """Each step's router counts route every token of the global batch ``top_k`` times in every layer
-    (the allgather dispatcher drops none), and ``moe_load_max`` is the busiest expert's count over an
-    even share, recomputed from those counts (a reader of constants or zeros fails both)."""
-    for s, row in r.items():
-        counts = row["moe_expert_tokens"]
-        assert len(counts) == layers and [sum(c) for c in counts] == [tokens * top_k] * layers, (s, counts)
-        load = max(max(c) / (sum(c) / len(c)) for c in counts)
-        assert row["moe_load_max"] == pytest.approx(load, abs=1e-4), (s, row["moe_load_max"], load)
-        assert math.isfinite(row["moe_aux_loss"]), s
-    measure("moe_load_max per step", [r[s]["moe_load_max"] for s in sorted(r)], "recomputed from moe_expert_tokens")
 
 
 def test_megatron_moe_without_transformer_engine(tmp_path):

@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.measure import measure
-from tests.gpu.test_attention_gpu import DEVICE, pytestmark, strict_fp32  # noqa: F401 - gpu mark, fp32 fixture
-from tests.test_families import tiny_model
-from tests.test_packing import micro_batch, packed, random_documents
+from tests.helpers.gpu import DEVICE, GPU_ONLY
+from tests.helpers.measure import measure
+from tests.helpers.packing import micro_batch, packed, random_documents
 from toolkit.adapters import hf_attention
 from toolkit.adapters.attention import choose_kernel, flex_unavailable
 from toolkit.engine import token_loss_sum
+from toolkit.families.tiny import tiny_model
 
+pytestmark = [*GPU_ONLY, pytest.mark.usefixtures("strict_fp32")]
 
 def on_device(mb: dict) -> dict:
     return {k: v.to(DEVICE) for k, v in mb.items()}

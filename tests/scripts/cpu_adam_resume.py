@@ -1,4 +1,4 @@
-"""CPU Adam trajectories for tests/test_cpu_adam_resume.py, one process per segment (the C++
+"""CPU Adam trajectories for tests/e2e/test_cpu_adam_resume.py, one process per segment (the C++
 kernel's state lives in the process, as it does across a real restart).
 
 usage: cpu_adam_resume.py full OUT        30 steps from scratch; also saves the state after step 13

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
+from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
-from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats, token_loss_sum
 from toolkit.plan import Plan

@@ -37,7 +37,7 @@ def to_universal(engine_dir: Path, out: Path) -> None:
 
 
 def _as_toolkit_universal(tag_dir: Path) -> None:
-    """ds_to_universal's output in the form the toolkit's own universal writer has (``convert/zero.py``),
+    """ds_to_universal's output in the form the toolkit's own universal writer has (``formats/zero.py``),
     which every stage loads: both model-states names (stages 1-2 and 3 look for their own; the
     counters only), each state file ``{"param": tensor}`` in the parameter's shape (a stage-3 source
     gives flat tensors), a ``step.pt`` per parameter (stages 1-2 read it) and ``zero/optimizer_state.pt``
@@ -61,7 +61,7 @@ def _as_toolkit_universal(tag_dir: Path) -> None:
         torch.save(step, zero / name / "step.pt")
     from deepspeed import __version__ as ds_version  # a stage-3 source records none; stages 1-2 require one
 
-    from toolkit.convert.zero import UNIVERSAL_GROUPS
+    from toolkit.formats.zero import UNIVERSAL_GROUPS
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": saved.get("ds_version", ds_version),
                 "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": [{}]}},
                zero / "optimizer_state.pt")

@@ -1,9 +1,9 @@
 """``hf_final/`` written tensor by tensor, with the converter's HF writer, from a running engine.
 
-An engine's weights are a ``convert.canonical.Source`` (HF checkpoint names, full fp32 tensors read
+An engine's weights are a ``formats.canonical.Source`` (HF checkpoint names, full fp32 tensors read
 one at a time): ``ModuleSource`` for an HF module (DeepSpeed; under ZeRO-3 each read gathers one
 parameter), ``adapters/megatron/export.py`` for megatron chunks. Reads are collective: every rank
-reads every name in the same order; rank 0 writes (``convert/hf.py``'s writer, the converter's own:
+reads every name in the same order; rank 0 writes (``formats/hf.py``'s writer, the converter's own:
 same names, sharding and index), so no rank holds more than one parameter beyond its own share.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.convert.canonical import Source, TensorInfo
-from toolkit.convert.pages import trim_heap
+from toolkit.formats.canonical import Source, TensorInfo
+from toolkit.formats.pages import trim_heap
 
 
 class ModuleSource(Source):
@@ -52,7 +52,7 @@ class ModuleSource(Source):
         in the gather."""
         if self._cached is None or self._cached[0] != param_name:
             self._cached = None
-            trim_heap()  # the previous tensor's pages back to the OS (convert/pages.py: else RSS grows)
+            trim_heap()  # the previous tensor's pages back to the OS (formats/pages.py: else RSS grows)
             whole = self._gathered_fp32(param_name)
             self._cached = (param_name, whole)
         return self._cached[1]
@@ -121,7 +121,7 @@ def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, toke
     if dist.get_rank() != 0:
         write_streamed(None, path)
         return
-    from toolkit.convert.hf import HFSource
+    from toolkit.formats.hf import HFSource
     from toolkit.lora.convert import merged_source
     reader = HFSource(Path(base))
     try:
@@ -194,7 +194,7 @@ def write_streamed(source: Source | None, path: Path, tokenizer=None, generation
             source.read(name)
         dist.barrier()
         return
-    from toolkit.convert.hf import write_hf
+    from toolkit.formats.hf import write_hf
     stage = path.with_name(f".{path.name}.writing-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)

@@ -11,7 +11,7 @@ Weights come from one of two sources, the same for every backend, layout and DP 
   and a single-process reference all get the same weights, one piece at a time. (A tied embedding
   takes the embedding's init.)
 - ``model.init=pretrained``: the checkpoint, read by slice through the converter's HF reader
-  (``convert/hf.py``: safetensors, sharded with an index, truncation checks).
+  (``formats/hf.py``: safetensors, sharded with an index, truncation checks).
 
 The model skeleton is ``families/meta.py``'s (parameters on the meta device, buffers real) and its
 parameters materialized in the training dtype (ZeRO 0-2: the one full copy ZeRO 0-2 keep by
@@ -201,8 +201,8 @@ def caps_or_windows(hf_config) -> bool:
 
 def hf_checkpoint(plan: Plan):
     """The converter's reader of the model directory (``model.init=pretrained``)."""
-    from toolkit.convert import ConvertError
-    from toolkit.convert.hf import HFSource
+    from toolkit.formats.errors import ConvertError
+    from toolkit.formats.hf import HFSource
     path = Path(plan.config.model.name_or_path)
     try:
         return HFSource(path.parent if path.is_file() else path, plan.model.hf)
@@ -247,10 +247,10 @@ def read_elements(source, pieces: list, start: int, stop: int) -> torch.Tensor:
 
 def page_returner(source):
     """A call that gives back the pages of ``source``'s memory-mapped shards and the heap's free
-    pages (``convert/pages.py``). Called after each tensor, a load keeps one tensor's file pages
+    pages (``formats/pages.py``). Called after each tensor, a load keeps one tensor's file pages
     resident, not every page it has read (safetensors maps a shard whole): on a ZeRO-3 rank that was
     its whole share of the files again, beside the partitions it filled."""
-    from toolkit.convert.pages import SourceMaps, give_back
+    from toolkit.formats.pages import SourceMaps, give_back
     maps = SourceMaps(source.path)
     return lambda: give_back(maps)
 

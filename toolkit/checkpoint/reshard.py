@@ -89,7 +89,8 @@ def drop_conversion(engine_dir: Path, run_dir: Path, rank: int) -> None:
 def _convert(ckpt: Path, out: Path, backend: str, layout: dict, vocab_divisor: int | None) -> str | None:
     """``vocab_divisor``: this run's megatron.make_vocab_size_divisible_by (None on DeepSpeed), so the
     converted checkpoint's embedding has the rows this run's model has."""
-    from toolkit.convert import ConvertError, convert
+    from toolkit.convert import convert
+    from toolkit.formats.errors import ConvertError
     try:
         convert(ckpt, out, to=TARGET_FORMAT[backend], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
                 dp=layout["dp"], zero_stage=layout.get("zero_stage") or 2, vocab_divisor=vocab_divisor)

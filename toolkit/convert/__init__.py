@@ -1,16 +1,17 @@
-"""Checkpoint converter: HF <-> DeepSpeed ZeRO <-> Megatron-core around one canonical stream.
+"""The ``convert``, ``inspect`` and ``verify`` commands over the format library (``toolkit/formats``):
 
-  ``open_source(SRC)``  detect the format and return a reader (``canonical.Source``)
+  ``open_source(SRC)``  detect the format and return a reader (``formats.detect``)
   ``convert(SRC, DST, to=...)``  stream it into a writer at the requested layout, staged + manifest
   ``inspect(SRC)``  what a checkpoint is: format, family, layout, step, sizes, completeness
   ``verify(SRC, DST)``  in ``verify.py``: exact tensor round trip and matching logits
 
-Only this package and ``toolkit/adapters`` know DeepSpeed's and Megatron's file layouts.
+LoRA checkpoints and HF-PEFT directories: ``toolkit/lora`` (``checkpoint.py``, ``convert.py``, ``files.py``).
 """
 from __future__ import annotations
 
-from toolkit.convert.detect import inspect, open_source
-from toolkit.convert.errors import ConvertError
+from toolkit.convert.inspect import inspect
 from toolkit.convert.run import convert
+from toolkit.formats.detect import open_source
+from toolkit.formats.errors import ConvertError
 
 __all__ = ["ConvertError", "convert", "inspect", "open_source"]

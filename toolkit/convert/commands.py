@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 
 
 def cmd_convert(args) -> int:
@@ -30,11 +30,11 @@ def cmd_convert(args) -> int:
 def _verify(args):
     from pathlib import Path
 
-    from toolkit.convert.detect import is_lora_source
+    from toolkit.convert.run import is_lora_source
     if is_lora_source(Path(args.src)) and args.to in ("zero", "megatron"):
-        from toolkit.lora.files import is_peft_dir
         from toolkit.lora.checkpoint import compare_lora_sources, open_lora_checkpoint
         from toolkit.lora.convert import peft_dir_as_checkpoint
+        from toolkit.lora.files import is_peft_dir
         src = Path(args.src)
         source = peft_dir_as_checkpoint(src, args.base) if is_peft_dir(src) else open_lora_checkpoint(src)
         return compare_lora_sources(source, open_lora_checkpoint(Path(args.dst)))

@@ -5,11 +5,10 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from toolkit.convert.canonical import Source
 from toolkit.config import DTYPE_NAMES  # names only: the direct ZeRO -> HF route imports no torch
-from toolkit.convert.errors import ConvertError
-
-TARGETS = ("hf", "zero", "megatron")
+from toolkit.formats.canonical import Source, WriteRequest
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.table import TARGETS, for_target
 
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
@@ -23,9 +22,9 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``lora/convert.py``).
     ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
     source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
-    from toolkit.convert.detect import locate, open_located
-    from toolkit.convert.direct import open_direct
-    from toolkit.convert.staging import staged
+    from toolkit.formats.detect import locate, open_located
+    from toolkit.formats.direct import open_direct
+    from toolkit.formats.staging import staged
     tic = time.perf_counter()
     if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
         if to in ("zero", "megatron"):
@@ -50,8 +49,10 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             if direct is not None:
                 direct.write_hf(stage, max_shard_bytes, progress)
             else:
-                _write(source, stage, to, (tp, pp, ep, dp), zero_stage, _torch_dtype(dtype), weights_only,
-                       max_shard_bytes, progress, _vocab_divisor(source, vocab_divisor))
+                request = WriteRequest(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, dtype=_torch_dtype(dtype),
+                                       weights_only=weights_only, max_shard_bytes=max_shard_bytes,
+                                       vocab_divisor=_vocab_divisor(source, vocab_divisor))
+                _write(source, stage, for_target(to), request, progress)
     finally:
         source.close()
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
@@ -64,10 +65,10 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
                              base: str | None, vocab_divisor: int | None) -> dict:
     """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
     ``to``'s backend (``lora/checkpoint.py``)."""
-    from toolkit.convert.detect import resolve_run_dir
-    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    from toolkit.formats.detect import resolve_run_dir
+    from toolkit.formats.staging import staged
     from toolkit.lora.checkpoint import read_lora_checkpoint, write_lora
-    from toolkit.convert.staging import staged
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(src):  # a step-0 checkpoint, no optimizer state
         from toolkit.lora.convert import peft_dir_as_checkpoint
         source = peft_dir_as_checkpoint(src, base)
@@ -79,7 +80,7 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
     with staged(dst) as stage:
         layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only, _vocab_divisor(source, vocab_divisor))
         tp, pp, _, dp = parallel
-        describe_for_resume(source, stage, to, layout, None, dp * tp * pp,
+        describe_for_resume(source, stage, for_target(to).backend, layout, None, dp * tp * pp,
                             {k: meta[k] for k in ("lora", "base_model") if k in meta})
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
@@ -87,8 +88,15 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
 
 
 def _is_lora(src) -> bool:
-    from toolkit.convert.detect import is_lora_source
     return is_lora_source(Path(src))
+
+
+def is_lora_source(src) -> bool:
+    """An HF-PEFT directory, or a toolkit LoRA checkpoint (or the run directory holding one)."""
+    from toolkit.formats.detect import resolve_run_dir
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    src = Path(src)
+    return src.exists() and (is_peft_dir(src) or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 
 
 def _vocab_divisor(source, requested: int | None) -> int:
@@ -130,7 +138,7 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
     """The run plan's megatron split rules (``toolkit.plan.layout``), named by the converter's flags."""
-    from toolkit.convert.detect import split_dims
+    from toolkit.convert.inspect import split_dims
     from toolkit.families import find_family
     from toolkit.plan.layout import megatron_split_problems
     family = find_family(config.get("model_type"))
@@ -148,41 +156,34 @@ def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
 
 
 def _experts(config: dict) -> int:
-    from toolkit.convert.canonical import hf_config_object
+    from toolkit.formats.canonical import hf_config_object
     from toolkit.families import find_family
     family = find_family(config.get("model_type"))
     return family.num_experts(hf_config_object(config)) if family else 0
 
 
-def _write(source, stage: Path, to, parallel, zero_stage, dtype, weights_only, max_shard_bytes, progress,
-           vocab_divisor: int) -> None:
-    tp, pp, ep, dp = parallel
-    if to == "hf":
-        from toolkit.convert.hf import write_hf
-        write_hf(source, stage, dtype, max_shard_bytes, progress)
+def _write(source: Source, stage: Path, fmt, request: WriteRequest, progress) -> None:
+    """``fmt``'s writer into ``stage``; a backend's format goes under ``engine/`` of a toolkit
+    checkpoint, described so that a run resumes it."""
+    if fmt.backend is None:
+        fmt.write(source, stage, request, progress)
         return
-    if to == "zero":
-        from toolkit.convert.zero import write_zero
-        write_zero(source, stage / "engine", zero_stage, dp, weights_only, progress)
-        layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
-    else:
-        from toolkit.convert.megatron import write_megatron
-        write_megatron(source, stage / "engine", tp, pp, dp, dtype, vocab_divisor, weights_only, progress, ep=ep)
-        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
-    describe_for_resume(source, stage, to, layout, dtype, dp * tp * pp)
+    layout = fmt.write(source, stage / "engine", request, progress)
+    describe_for_resume(source, stage, fmt.backend, layout, request.dtype, request.dp * request.tp * request.pp)
 
 
-def describe_for_resume(source: Source, stage: Path, to: str, layout: dict, dtype, world: int,
+def describe_for_resume(source: Source, stage: Path, backend: str, layout: dict, dtype, world: int,
                         extra: dict | None = None) -> None:
-    """The descriptions and per-rank RNG files of a toolkit checkpoint (``toolkit/storage/meta.py``),
-    so ``toolkit train --resume auto`` continues from DST placed under ``RUN/checkpoints/``."""
+    """The descriptions and per-rank RNG files of a toolkit checkpoint of ``backend`` (deepspeed or
+    megatron; ``toolkit/storage/meta.py``), so ``toolkit train --resume auto`` continues from DST
+    placed under ``RUN/checkpoints/``."""
     import torch
 
     from toolkit.parallel import rng_state, seed_everything, set_rng_state
     from toolkit.storage import meta
     progress = dict(source.trainer_state or {"step": source.step or 0})
     step = progress["step"]
-    meta.write_descriptions(stage, "deepspeed" if to == "zero" else "megatron", source.model_type,
+    meta.write_descriptions(stage, backend, source.model_type,
                             source.hf_config, layout, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
                             progress, converted_from={"path": str(source.path), "format": source.format,
                                                       "layout": source.layout}, **(extra or {}))

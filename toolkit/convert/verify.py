@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.convert.canonical import Source, hf_config_object
-from toolkit.convert.detect import open_source
+from toolkit.formats.canonical import Source, hf_config_object
+from toolkit.formats.detect import open_source
 
 LOGIT_RTOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 """Max |logit difference| between SRC's forward at its own precision and DST's as stored, relative

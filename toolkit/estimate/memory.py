@@ -133,7 +133,7 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = phi * w / (d if stage == 3 else 1)
-    # Measured (tests/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
+    # Measured (tests/e2e/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
     # rank's partition as backward goes, so after any backward only the partition is left.
     grads = tau * w / (d if stage >= 1 else 1)
     master = 4 if (w != 4 or stage >= 1) else 0  # ZeRO 1-3 keep an fp32 partition even of fp32 weights

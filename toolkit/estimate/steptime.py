@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from toolkit.config import RunConfig
 from toolkit.estimate.flops import PEAK_TFLOPS
-from toolkit.plan.layout import Layout, stage_layers
 from toolkit.estimate.memory import DTYPE_BYTES, memory, micro_batches
+from toolkit.plan.layout import Layout, stage_layers
 from toolkit.plan.model import ModelSpec
 
 DEFAULT_GPU = "H100"

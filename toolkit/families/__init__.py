@@ -1,4 +1,5 @@
-"""Model families: one module per HF ``model_type`` defining ``FAMILY``; discovered, never listed.
+"""Model families: one module per HF ``model_type`` defining ``FAMILY`` (its weight table and layer
+structure) and ``TINY`` (its tiny test config, ``tiny.py``); discovered, never listed.
 
 Generic conversions over a family's weight table (pure tensor logic):
   ``hf_to_mcore``   HF state -> full mcore tensors (global layer numbers, padded vocab)
@@ -24,19 +25,26 @@ from toolkit.plan.layout import padded_vocab_size  # its one home; re-exported f
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",
-           "find_family", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS", "split_expert"]
+           "find_family", "family_modules", "attention_dims", "Piece", "unpacked_layout", "unpack", "pack", "EXPERTS",
+           "split_expert"]
 
 
 @lru_cache(maxsize=1)
-def _registry() -> dict[str, Family]:
+def family_modules() -> dict[str, object]:
+    """model_type -> the module defining its ``FAMILY`` (and its tiny test config ``TINY``)."""
     found = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name in ("base", "tiny"):
             continue
-        family = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
         if isinstance(family, Family):
-            found[family.model_type] = family
+            found[family.model_type] = module
     return found
+
+
+def _registry() -> dict[str, Family]:
+    return {model_type: module.FAMILY for model_type, module in family_modules().items()}
 
 
 def find_family(model_type: str | None) -> Family | None:

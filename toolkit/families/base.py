@@ -299,6 +299,33 @@ class Check:
     needs_config: bool = False
 
 
+QK_NORMS = (None, "head", "full")
+"""Where a family normalizes queries and keys (``LayerSpec.qk_norm``)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A family's choices of transformer-layer submodules (what its megatron layer spec holds); the
+    megatron adapter turns them into megatron-core's ``TransformerLayerSubmodules``. The weight table
+    names the tensors of each choice (the mcore names below)."""
+    pre_norms: bool = True
+    """A norm before the attention and before the MLP (``input_layernorm``, ``pre_mlp_layernorm``);
+    False: megatron's ``IdentityOp`` in both places (OLMo 2 normalizes only sublayer outputs)."""
+    post_norms: bool = False
+    """A norm on the attention's and on the MLP's output, before each residual add (Gemma 2, OLMo 2:
+    HF's ``post_attention_layernorm`` / ``post_feedforward_layernorm``); mcore names
+    ``self_attention.linear_proj.post_norm.weight`` and ``mlp.linear_fc2.post_norm.weight``."""
+    qk_norm: str | None = None
+    """RMSNorm of queries and keys before RoPE: ``"head"`` over each head's ``head_dim`` (Qwen3,
+    megatron's ``qk_layernorm``); ``"full"`` over all heads' width at once (OLMo 2: ``[heads * d]``
+    and ``[groups * d]`` weights, split over TP with the heads); mcore names
+    ``self_attention.{q,k}_layernorm.weight``."""
+
+    def __post_init__(self):
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"LayerSpec.qk_norm={self.qk_norm!r}; choose one of {QK_NORMS}")
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -333,9 +360,9 @@ class Family:
     """HF config -> attention logit softcapping (``cap * tanh(score / cap)``, Gemma 2); None: none."""
     logit_softcap: Callable | None = None
     """HF config -> final logit softcapping of the LM head's output (Gemma 2); None: none."""
-    post_norms: bool = False
-    """A norm after the attention's and after the MLP's output projection, before each residual add
-    (Gemma 2): HF's ``post_attention_layernorm`` / ``post_feedforward_layernorm``."""
+    layer_spec: LayerSpec = LayerSpec()
+    """The layer's structure where it is not Llama's pre-norm layer: the megatron adapter builds its
+    layer spec from these choices, so a structural family needs no edit outside its file."""
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
 
@@ -398,6 +425,7 @@ class Family:
         self.check(hf_config)
         out = {mcore: getattr(hf_config, hf) for hf, mcore in self.config.items()}
         out.update(self.fixed)
+        out.update(qk_layernorm=self.layer_spec.qk_norm == "head")  # megatron's own, per head
         out.update({k: fn(hf_config) for k, fn in self.derived.items()})
         d = self.dims(hf_config, 1)
         out.update(num_query_groups=d.groups, kv_channels=d.head_dim,

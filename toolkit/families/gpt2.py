@@ -36,3 +36,6 @@ FAMILY = Family(
                   "(= resid_pdrop); set embd_pdrop equal to resid_pdrop", needs_config=True)),
 )
 
+TINY = dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=250, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+"""The tiny test config (``toolkit/families/tiny.py``): biases everywhere, learned positions, tied."""

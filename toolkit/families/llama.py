@@ -23,3 +23,11 @@ FAMILY = Family(
             Check("mlp_bias", bool, "MLP biases are not in the llama table"),
             Check("pretraining_tp", lambda v: v not in (None, 1), "set pretraining_tp=1 (same weights)")),
 )
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+            rope_theta=5000.0, tie_word_embeddings=False, pad_token_id=0,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+"""The tiny test config (``toolkit/families/tiny.py``): GQA, untied, llama3 RoPE, vocab 250 (not a multiple of
+128 * tp)."""

@@ -9,3 +9,9 @@ def every_layer_window(c) -> tuple:
 
 
 FAMILY = LLAMA.extend(model_type="mistral", windows=every_layer_window)
+
+TINY = dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+            sliding_window=8, tie_word_embeddings=False, pad_token_id=0)
+"""The tiny test config (``toolkit/families/tiny.py``): a sliding window of 8, shorter than the parity tests' 16
+tokens."""

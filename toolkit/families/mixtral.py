@@ -27,3 +27,10 @@ FAMILY = LLAMA.extend(
     checks=(Check("router_jitter_noise", bool, "set router_jitter_noise=0 (megatron jitters only the router input) "
                   "or use backend=deepspeed"),),
 )
+
+TINY = dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+            num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, tie_word_embeddings=False,
+            sliding_window=8)
+"""The tiny test config (``toolkit/families/tiny.py``): GQA, 4 experts top-2, vocab padding, a sliding window of
+8."""

@@ -23,3 +23,9 @@ FAMILY = LLAMA.extend(
             Check("partial_rotary_factor", lambda v, c: _partial_rotary(c) != 1.0,
                   "RoPE on part of each head is not in the megatron path; use backend=deepspeed", needs_config=True)),
 )
+
+TINY = dict(model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+            sliding_window=6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+"""The tiny test config (``toolkit/families/tiny.py``): fused qkv_proj and gate_up_proj in the checkpoint, a
+sliding window shorter than the parity tests' 16 tokens."""

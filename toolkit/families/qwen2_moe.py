@@ -34,3 +34,11 @@ FAMILY = QWEN2.extend(
             Check("mlp_only_layers", bool, "every layer must be a MoE layer (mlp_only_layers=[]) on the megatron "
                   "path; use backend=deepspeed")),
 )
+
+TINY = dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=250, max_position_embeddings=64,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True,
+            pad_token_id=0)
+"""The tiny test config (``toolkit/families/tiny.py``): q/k/v biases, a gated shared expert, tied embeddings and
+un-normalized top-k weights (megatron's pre-softmax routing), 4 experts top-2."""

@@ -24,3 +24,10 @@ FAMILY = QWEN3.extend(
             Check("mlp_only_layers", bool, "every layer must be a MoE layer (mlp_only_layers=[]) on the megatron "
                   "path; use backend=deepspeed")),
 )
+
+TINY = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+            max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=0)
+"""The tiny test config (``toolkit/families/tiny.py``): q/k norms, head_dim 32 (not hidden / heads), renormalized
+top-k, no shared expert, 4 experts top-2."""

@@ -16,14 +16,13 @@ Both backends name the trained tensors by peft parameter name in HF shapes, so t
 """
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import torch
 
-from toolkit.convert.canonical import STATES, Source, TensorInfo, hf_config_object
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.canonical import STATES, Source, TensorInfo, hf_config_object
+from toolkit.formats.errors import ConvertError
 from toolkit.lora.geometry import QKV, megatron_sites
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, peft_config, peft_skeleton
 from toolkit.lora.spec import LoraSpec
@@ -65,8 +64,8 @@ def read_lora_checkpoint(ckpt: Path, meta: dict) -> LoraSource:
 
 
 def _from_zero(ckpt: Path, meta: dict, hf_config: dict):
-    from toolkit.convert.zero import UniversalSource, ZeroSource
-    from toolkit.convert.zero_index import find_tag_dir
+    from toolkit.formats.zero import UniversalSource, ZeroSource
+    from toolkit.formats.zero_index import find_tag_dir
     tag = find_tag_dir(ckpt / "engine")
     if tag is None or meta["layout"].get("zero_stage", 0) == 0:
         raise ConvertError(f"{ckpt}: the ZeRO reader reads stages 1-3; this LoRA checkpoint was written at "
@@ -83,8 +82,8 @@ def _from_zero(ckpt: Path, meta: dict, hf_config: dict):
 def _from_megatron(ckpt: Path, meta: dict, hf_config: dict):
     """Each trained tensor (and its moments) from the torch_dist global tensors, strictly: every
     stored model tensor must be one of the spec's trained tensors."""
-    from toolkit.convert.megatron import OPT_PREFIX, open_dist, read_region
-    from toolkit.convert.safeload import safe_load
+    from toolkit.formats.megatron import OPT_PREFIX, open_dist, read_region
+    from toolkit.formats.safeload import safe_load
     engine = ckpt / "engine"
     reader, md = open_dist(engine)
     stored = {k for k, v in md.state_dict_metadata.items() if hasattr(v, "size") and not k.startswith("optimizer.")}
@@ -186,7 +185,7 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
 
 def open_lora_checkpoint(path: Path) -> LoraSource:
     """The LoRA checkpoint at ``path`` (a run directory: its newest complete one)."""
-    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.formats.detect import resolve_run_dir
     from toolkit.lora.files import lora_checkpoint_meta
     return read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(path))))
 
@@ -214,22 +213,19 @@ def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: i
     """``stage/engine`` as a toolkit LoRA checkpoint of ``to``'s backend saves it; returns the layout
     for its description (``run.describe_for_resume`` adds meta.json's ``lora`` and ``base_model``)."""
     if to == "zero":
-        from toolkit.convert.zero import write_zero
-        write_zero(source, stage / "engine", zero_stage, dp, weights_only, module_state=source.trained())
-        layout = {"dp": dp, "tp": 1, "pp": 1, "zero_stage": zero_stage}
-    else:
-        write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only, vocab_divisor)
-        layout = {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}
-    return layout
+        from toolkit.formats.zero import write_zero
+        return write_zero(source, stage / "engine", zero_stage, dp, weights_only, module_state=source.trained())
+    return write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only, vocab_divisor)
 
 
 def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, dp: int, ep: int,
-                        weights_only: bool, vocab_divisor: int) -> None:
+                        weights_only: bool, vocab_divisor: int) -> dict:
     """``engine_dir`` as a megatron LoRA run saves it (global tensors, any TP loads them), the
-    distributed optimizer's fp32 main weights and moments beside them."""
+    distributed optimizer's fp32 main weights and moments beside them; returns its layout record."""
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.convert.megatron import OPT_PREFIX, TOOLKIT_JSON, _common
+    from toolkit.formats.describe import layout_record, megatron_description, write_megatron_description
+    from toolkit.formats.megatron import OPT_PREFIX, _common, write_dist_metadata
     from toolkit.plan.layout import padded_vocab_size
     padded = padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp)
     moments = source.has_optimizer and not weights_only
@@ -245,15 +241,12 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=writer, no_dist=True)
-    (engine_dir / "metadata.json").write_text(json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    write_dist_metadata(engine_dir)
     torch.save(_common(source, moments), engine_dir / "common.pt")
-    (engine_dir / TOOLKIT_JSON).write_text(json.dumps({
-        "format": "megatron-core torch_dist", "family": source.model_type, "vocab_size": source.hf_config["vocab_size"],
-        "padded_vocab_size": padded, "make_vocab_size_divisible_by": vocab_divisor, "layer_spec": "gpt_layer_local_spec",
-        "optimizer_sharding": "fully_reshardable", "lora": "adapters only, HF-PEFT names",
-        "layout": {"dp": dp, "tp": tp, "pp": pp, "vpp": None, "ep": ep, "format": "torch_dist"}}, indent=2))
+    layout = layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep)
+    write_megatron_description(engine_dir, megatron_description(source.model_type, source.hf_config["vocab_size"],
+                                                                padded, vocab_divisor, layout, lora=True))
+    return layout
 
 
 def _as_stored(source: LoraSource, name: str, rows: dict[str, list[int]], padded: int) -> dict[str, dict]:

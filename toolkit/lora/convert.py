@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.convert.errors import ConvertError
+from toolkit.formats.errors import ConvertError
 from toolkit.lora.checkpoint import meta_peft_model
 from toolkit.lora.files import PEFT_CONFIG, PEFT_WEIGHTS
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, merged_weight, peft_config
@@ -91,8 +91,8 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
     r, lora_alpha, lora_dropout, target_modules and modules_to_save, and must make exactly the
     adapter's tensors; per-module ranks or alphas and rsLoRA have no ``lora.*`` setting: refused."""
     from toolkit.config import ConfigError, LoraConfig
-    from toolkit.convert.canonical import hf_config_object
     from toolkit.families.meta import meta_model
+    from toolkit.formats.canonical import hf_config_object
     from toolkit.lora.checkpoint import LoraSource
     from toolkit.lora.spec import resolve_lora
     from toolkit.storage.meta import base_model_record
@@ -198,7 +198,7 @@ def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]
     layer's own scaling, and each module to save replaced by its trained copy; every tensor fp32.
     ``model``: a peft-wrapped model (its layers give names and scalings), ``trained``: its trained
     tensors by parameter name. Read whole, one at a time by rank 0 alone (``collective`` False)."""
-    from toolkit.convert.canonical import Source, TensorInfo
+    from toolkit.formats.canonical import Source, TensorInfo
     pairs, saved = merge_table(model, trained)
 
     class Merged(Source):
@@ -246,8 +246,8 @@ def _delta_shape(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_ou
 def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_bytes: int, step=None) -> dict:
     """``adapter`` written staged as an HF-PEFT directory (``--to peft``) or merged onto its base
     (``--to hf``, fp32)."""
-    from toolkit.convert.hf import HFSource, write_hf
-    from toolkit.convert.staging import staged
+    from toolkit.formats.hf import HFSource, write_hf
+    from toolkit.formats.staging import staged
     if to not in ("hf", "peft"):
         raise ConvertError(f"{src}: a LoRA adapter converts --to peft (the adapter) or --to hf (merged onto its "
                            f"base), not --to {to}")
@@ -272,7 +272,7 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
 def open_adapter(src: Path, base: str | None) -> tuple[Adapter, dict]:
     """(the adapter, a description) of a LoRA source: an HF-PEFT directory or a toolkit LoRA
     checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
-    from toolkit.convert.detect import resolve_run_dir
+    from toolkit.formats.detect import resolve_run_dir
     from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(src):
         return adapter_from_peft_dir(src, base), {"format": "peft"}

@@ -64,12 +64,9 @@ def megatron_sites(family, hf_config, spec: LoraSpec, layers) -> list[Site]:
 
 def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
     """What the megatron path cannot do of a resolved spec, as errors naming the fix (modules to
-    save other than the embedding and LM head, post-norm families); and every module the spec
+    save other than the embedding and LM head); and every module the spec
     adapts must sit in a megatron linear the table knows."""
     megatron_saved(family, hf_config, spec)
-    if family.post_norms:
-        raise ConfigError(f"lora on {family.model_type}: its output projections are followed by a norm inside "
-                          "megatron's linear, where an adapter cannot be added yet; use backend=deepspeed")
     sites = megatron_sites(family, hf_config, spec, range(hf_config.num_hidden_layers))
     found = sum(p is not None for s in sites for p in s.projections)
     if found != spec.adapted:

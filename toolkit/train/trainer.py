@@ -18,6 +18,7 @@ from toolkit import device
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
+from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.launch.agent import PREEMPTED_EXIT
 from toolkit.launch.events import emit, read_events
 from toolkit.launch.faults import FaultInjector
@@ -25,7 +26,6 @@ from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
-from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.train.schedule import lr_at
 
 

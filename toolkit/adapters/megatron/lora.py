@@ -205,7 +205,8 @@ def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.
                     mine[short_name(module)] = ProjectionAdapter(a.to(like.device, like.dtype),
                                                                  [b.to(like.device, like.dtype) for b in b_parts])
                 setattr(base, LORA_CHILD, LoraSite(site, geometry, mine, spec, base))
-                base.register_forward_hook(_add_delta, with_kwargs=True)
+                # first of its hooks: the delta joins the projection's own output (before a post norm)
+                base.register_forward_hook(_add_delta, with_kwargs=True, prepend=True)
 
 
 def _replay_under_full_recompute(chunk) -> None:

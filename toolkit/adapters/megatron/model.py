@@ -11,9 +11,11 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters.compiled import compile_works
 from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
+from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
 from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
 from toolkit.engine import DTYPES
+from toolkit.families.base import LayerSpec
 from toolkit.plan import Layout
 
 
@@ -110,7 +112,7 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
     chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
-        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.post_norms), vocab_size=lay.padded_vocab,
+        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.layer_spec), vocab_size=lay.padded_vocab,
                                vp_stage=vp, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), **kwargs))
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
@@ -161,11 +163,13 @@ def _scale_embedding(embedding, scale: float) -> None:
     embedding.register_forward_hook(lambda module, args, output: output * factor.to(output.dtype).to(output.device))
 
 
-def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None, post_norms: bool = False):
+def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None,
+               structure: LayerSpec = LayerSpec()):
     """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
-    ``attention``: the toolkit's core attention, else megatron's DotProductAttention); with sequence
-    parallelism or zero-centered norm weights, a block spec whose norms are ``ToolkitNorm``
-    (megatron's own torch-norm wrapper refuses both)."""
+    ``attention``: the toolkit's core attention, else megatron's DotProductAttention) with the
+    family's ``structure`` (``_apply_structure``); with sequence parallelism or zero-centered norm
+    weights, a block spec whose norms are ``ToolkitNorm`` (megatron's own torch-norm wrapper refuses
+    both)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False,
@@ -175,18 +179,36 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
             module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
-    if post_norms:  # Gemma 2: a norm on each output projection's result, before the residual add
-        spec.submodules.self_attention.submodules.linear_proj = post_normed_linear_class()
-        spec.submodules.mlp.submodules.linear_fc2 = post_normed_linear_class()
+    _apply_structure(spec, structure, tconfig)
     if not (tconfig.sequence_parallel or tconfig.layernorm_zero_centered_gamma):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ToolkitNorm
+    if structure.pre_norms:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ToolkitNorm
     if tconfig.qk_layernorm:  # per head, on this rank's heads of the whole sequence: a partial gradient too
         attention_parts = spec.submodules.self_attention.submodules
         attention_parts.q_layernorm = attention_parts.k_layernorm = ToolkitNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_stage),
                                       layer_norm=ToolkitNorm)
+
+
+def _apply_structure(spec, structure: LayerSpec, tconfig) -> None:
+    """A family's ``LayerSpec`` on megatron's local layer spec: no pre-norms (``IdentityOp``), a
+    norm after each output projection (``post_normed_linear_class``), q/k norms over all heads'
+    width (``FullWidthRMSNorm``; per-head ones are megatron's ``qk_layernorm``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    if not structure.pre_norms:
+        layer.input_layernorm = layer.pre_mlp_layernorm = IdentityOp
+    if structure.post_norms:  # a norm on each output projection's result, before the residual add
+        if tconfig.num_moe_experts:
+            raise ValueError("post norms on mixture-of-experts layers are not in the toolkit's layer spec")
+        attention.linear_proj = post_normed_linear_class()
+        layer.mlp.submodules.linear_fc2 = post_normed_linear_class()
+    if structure.qk_norm == "full":
+        attention.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "q"})
+        attention.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "k"})
 
 
 class ToolkitNorm:
@@ -229,21 +251,25 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 def post_normed_linear_class():
     """megatron's ``RowParallelLinear`` followed by a ``ToolkitNorm`` of its (reduced) output: the
     norm's weight is ``<linear>.post_norm.weight``, replicated in checkpoints; under sequence
-    parallelism each rank normalizes its slice and the gradients are summed over TP."""
+    parallelism each rank normalizes its slice and the gradients are summed over TP. The norm is a
+    forward hook registered at build time, so a LoRA delta hook prepended later (``lora.attach``)
+    adds to the projection's output before the norm, as peft's adapted ``o_proj`` does in HF."""
     from megatron.core.tensor_parallel import RowParallelLinear
 
     class PostNormedRowParallelLinear(RowParallelLinear):
         def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.post_norm = ToolkitNorm(config, output_size, eps=config.layernorm_epsilon)
-
-        def forward(self, input_):
-            output, bias = super().forward(input_)
-            if bias is not None:
-                raise ValueError("post norms with a bias on the output projection are not in the toolkit")
-            return self.post_norm(output), None
+            self.register_forward_hook(_post_norm)
 
     return PostNormedRowParallelLinear
+
+
+def _post_norm(module, args, output):
+    output, bias = output
+    if bias is not None:
+        raise ValueError("post norms with a bias on the output projection are not in the toolkit")
+    return module.post_norm(output), None
 
 
 @lru_cache(maxsize=1)

@@ -3,14 +3,13 @@ its fully reshardable form (tensors keyed by global layer numbers, so any TP/PP/
 plus ``toolkit_megatron.json`` (true vocab, layer spec, layout)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch.distributed as dist
 
 from toolkit.compat import megatron_core
+from toolkit.formats.describe import megatron_description, write_megatron_description
 
-DESCRIPTION = "toolkit_megatron.json"
 
 
 def model_sharded_state_dict(engine) -> dict:
@@ -54,7 +53,7 @@ def save(engine, path: Path) -> None:
     megatron_core.materialize_optimizer_state(engine.optimizer)
     dist_checkpointing.save(sharded_state_dict(engine, is_loading=False), str(path))
     if dist.get_rank() == 0:  # after megatron's save, which warns about a folder not empty before it
-        (path / DESCRIPTION).write_text(json.dumps(describe(engine), indent=2))
+        write_megatron_description(path, describe(engine))
     dist.barrier()
 
 
@@ -90,9 +89,5 @@ def holds_optimizer_state(path: Path) -> bool:
 
 def describe(engine) -> dict:
     """What a reader of the checkpoint needs: true vocab, layer spec, layout."""
-    return {"format": "megatron-core torch_dist", "family": engine.family.model_type,
-            "vocab_size": engine.hf_config.vocab_size, "padded_vocab_size": engine.lay.padded_vocab,
-            "make_vocab_size_divisible_by": engine.lay.vocab_divisor,
-            "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable",
-            "layout": engine.layout_record(),
-            **({"lora": "adapters only, HF-PEFT names"} if engine.lora is not None else {})}
+    return megatron_description(engine.family.model_type, engine.hf_config.vocab_size, engine.lay.padded_vocab,
+                                engine.lay.vocab_divisor, engine.layout_record(), lora=engine.lora is not None)

@@ -1,0 +1,112 @@
+"""The format table (toolkit/formats/table.py): every registered format recognises a checkpoint its
+writer produced (the toolkit's own writer, or DeepSpeed / megatron-core for the formats the toolkit
+only reads), opens it with its reader (tensors equal to the HF model's state dict), and its
+``describe`` gives back the layout the writer was asked for.
+
+The expected layout records and ``toolkit_megatron.json`` are written out literally here on purpose:
+they are what checkpoints written before the table carry, so old checkpoints keep loading."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.families.tiny import tiny_model
+from toolkit.formats.canonical import WriteRequest
+from toolkit.formats.detect import locate, open_located, open_source
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.table import FORMATS, TARGETS, by_name, for_target
+
+FAMILY = "qwen2"  # tied embeddings, vocab 250: padded to 256 at tp=2 with divisor 64
+REQUEST = WriteRequest(dp=2, tp=2, pp=1, ep=1, zero_stage=3, vocab_divisor=64)
+WRITTEN = {
+    "hf": {},
+    "megatron": {"dp": 2, "tp": 2, "pp": 1, "vpp": None, "ep": 1, "format": "torch_dist"},
+    "zero-universal": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
+}
+"""Layout records the toolkit's writers produce for ``REQUEST``."""
+READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1}}
+"""Formats written by DeepSpeed / Megatron-LM themselves (the slow cases below, at DP 2 / TP 2)."""
+MEGATRON_DESCRIPTION = {
+    "format": "megatron-core torch_dist", "family": "qwen2", "vocab_size": 250, "padded_vocab_size": 256,
+    "make_vocab_size_divisible_by": 64, "layer_spec": "gpt_layer_local_spec",
+    "optimizer_sharding": "fully_reshardable", "layout": WRITTEN["megatron"]}
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> tuple[Path, dict]:
+    model = tiny_model(FAMILY)
+    path = tmp_path_factory.mktemp("table") / "hf"
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model.state_dict()
+
+
+def test_every_registered_format_is_tested_here():
+    """A new format is registered in the table and gets its case here."""
+    assert {f.name for f in FORMATS} == set(WRITTEN) | set(READ_ONLY)
+    assert {f.name for f in FORMATS if f.writer} == set(WRITTEN)
+    assert TARGETS == ("hf", "megatron", "zero")
+
+
+def _write(fmt, hf_dir: Path, out: Path) -> dict:
+    """``fmt``'s writer as the convert command calls it: a backend's format under ``engine/``."""
+    out.mkdir()
+    return fmt.write(open_source(hf_dir), out / "engine" if fmt.backend else out, REQUEST)
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_writer_output_is_detected_read_and_described_as_written(hf_model, tmp_path, name):
+    hf_dir, state = hf_model
+    fmt = by_name(name)
+    record = _write(fmt, hf_dir, tmp_path / "out")
+    found = locate(tmp_path / "out", hf_config=str(hf_dir))
+    assert found.format == name
+    assert record == fmt.describe(found.path) == WRITTEN[name]
+    source = open_located(found)
+    try:
+        assert sorted(source.names()) == sorted(n for n in state if n != "lm_head.weight")  # tied
+        for n in source.names():
+            assert torch.equal(source.read(n), state[n]), n
+    finally:
+        source.close()
+
+
+def test_megatron_description_keeps_its_keys_and_values(hf_model, tmp_path):
+    _write(by_name("megatron"), hf_model[0], tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "engine" / "toolkit_megatron.json").read_text()) == MEGATRON_DESCRIPTION
+
+
+def test_targets_name_their_formats_and_an_unknown_one_is_refused():
+    assert {to: for_target(to).name for to in TARGETS} == {"hf": "hf", "megatron": "megatron", "zero": "zero-universal"}
+    with pytest.raises(ConvertError, match=r"--to 'zarr': choose one of \['hf', 'megatron', 'zero'\]"):
+        for_target("zarr")
+    with pytest.raises(ConvertError, match="the zero format is read only"):
+        by_name("zero").write(None, Path("."), REQUEST)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero_checkpoint_is_detected_read_and_described(tmp_path_factory):
+    from tests.helpers.convert import build_zero_checkpoints
+    root = build_zero_checkpoints(tmp_path_factory, "table_zero", [(FAMILY, 3, 2)])
+    found = locate(root / f"{FAMILY}-z3-dp2")
+    assert found.format == "zero"
+    assert by_name("zero").describe(found.path) == READ_ONLY["zero"]
+    source = open_located(found)
+    assert source.layout == READ_ONLY["zero"] and source.names()
+
+
+@pytest.mark.slow
+def test_megatron_legacy_checkpoint_is_detected_read_and_described(tmp_path):
+    from tests.helpers.convert import save_legacy_megatron, write_config
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path / "legacy"
+    held = run_ranks(save_legacy_megatron, 2, tmp_path, FAMILY, 2, 1, str(root))[0]["weights"]
+    write_config(root, FAMILY)
+    found = locate(root)
+    assert found.format == "megatron-legacy"
+    assert by_name("megatron-legacy").describe(found.path) == READ_ONLY["megatron-legacy"]
+    source = open_located(found)
+    for n in source.names():
+        assert torch.equal(source.read(n), held[n]), n

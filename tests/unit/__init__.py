@@ -1,0 +1,1 @@
+"""Unit tier: in-process tests, no process group and no launched job."""

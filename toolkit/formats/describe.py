@@ -1,0 +1,115 @@
+"""What a checkpoint says of itself, in one place each, read and written without torch:
+
+  ``layout_record``        the parallel layout a checkpoint was written at (``Layout.record()``: the
+                           dict meta.json, the universal ZeRO layout and ``toolkit_megatron.json``
+                           carry, and that resume compares)
+  ``megatron_description`` ``toolkit_megatron.json`` beside a torch_dist checkpoint (true vocab,
+                           padded vocab and its divisor, layer spec, layout), written and read by
+                           ``write_megatron_description`` / ``read_megatron_description``
+  ``find_dist_dir`` / ``find_legacy_dir``  where a megatron checkpoint lies (its own markers)
+  ``describe_*``           each format's layout record, read back from a checkpoint (the table's
+                           ``describe``)
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from toolkit.formats.errors import ConvertError
+
+MEGATRON_DESCRIPTION = "toolkit_megatron.json"
+LEGACY_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+"""Megatron-LM's legacy rank folders: ``mp_rank_{tp:02d}[_{pp:03d}]``."""
+
+
+def layout_record(backend: str, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, zero_stage: int = 0) -> dict:
+    """The record of a layout given by its sizes, as the run plan's ``Layout.record()`` writes it
+    (the converter writes checkpoints a run at that layout resumes as its own)."""
+    from toolkit.plan.layout import Layout
+    return Layout(backend=backend, world=dp * tp * pp, dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage).record()
+
+
+def megatron_description(family: str, vocab_size: int, padded_vocab: int, vocab_divisor: int, layout: dict,
+                         lora: bool = False) -> dict:
+    """``toolkit_megatron.json``: what a reader of a torch_dist checkpoint needs beyond its tensors."""
+    return {"format": "megatron-core torch_dist", "family": family, "vocab_size": vocab_size,
+            "padded_vocab_size": padded_vocab, "make_vocab_size_divisible_by": vocab_divisor,
+            "layer_spec": "gpt_layer_local_spec", "optimizer_sharding": "fully_reshardable", "layout": layout,
+            **({"lora": "adapters only, HF-PEFT names"} if lora else {})}
+
+
+def write_megatron_description(engine_dir: Path, description: dict) -> None:
+    (Path(engine_dir) / MEGATRON_DESCRIPTION).write_text(json.dumps(description, indent=2))
+
+
+def read_megatron_description(engine_dir: Path) -> dict:
+    """The description beside a torch_dist checkpoint; {} for one written without it (megatron's own)."""
+    path = Path(engine_dir) / MEGATRON_DESCRIPTION
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# --- where a megatron checkpoint lies -------------------------------------------------------------------
+
+def find_dist_dir(path: Path) -> Path | None:
+    """A megatron-core ``torch_dist`` checkpoint: the folder (or its ``engine/``) with its metadata.json."""
+    for cand in (path, path / "engine"):
+        meta = cand / "metadata.json"
+        if meta.is_file():
+            try:
+                if json.loads(meta.read_text()).get("sharded_backend") == "torch_dist":
+                    return cand
+            except ValueError:
+                raise ConvertError(f"{meta}: not valid JSON; the checkpoint is damaged") from None
+    return None
+
+
+def find_legacy_dir(path: Path) -> Path | None:
+    """Megatron-LM's ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (the folder holding them)."""
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
+    if any(path.glob("mp_rank_*/model_optim_rng.pt")):
+        return path
+    return None
+
+
+# --- each format's layout record, read back -----------------------------------------------------------
+
+def describe_hf(path: Path) -> dict:
+    """An HF directory holds whole tensors: no parallel layout."""
+    return {}
+
+
+def describe_zero(tag_dir: Path) -> dict:
+    """A native ZeRO checkpoint: its stage (in the optimizer states) and DP size (their files)."""
+    from toolkit.formats.safeload import safe_load
+    from toolkit.formats.zero_index import optim_files
+    files = optim_files(tag_dir)
+    stage = int(safe_load(files[0])["optimizer_state_dict"]["zero_stage"])
+    return layout_record("deepspeed", dp=len(files), zero_stage=stage)
+
+
+def describe_zero_universal(tag_dir: Path) -> dict:
+    """DeepSpeed's universal layout: the layout recorded in ``zero/optimizer_state.pt``."""
+    from toolkit.formats.safeload import safe_load
+    return universal_layout(safe_load(tag_dir / "zero" / "optimizer_state.pt", mmap=False).get("toolkit", {}))
+
+
+def universal_layout(toolkit_meta: dict) -> dict:
+    """The layout in the ``toolkit`` entry of a universal ``zero/optimizer_state.pt`` (DP 1, stage 0
+    when absent: DeepSpeed's ``ds_to_universal`` writes none)."""
+    if "layout" in toolkit_meta:
+        return dict(toolkit_meta["layout"])
+    return layout_record("deepspeed", dp=1, zero_stage=0)
+
+
+def describe_megatron(engine_dir: Path) -> dict:
+    return dict(read_megatron_description(engine_dir).get("layout", {}))
+
+
+def describe_megatron_legacy(path: Path) -> dict:
+    """TP and PP from the rank folders' names."""
+    ranks = [(int(m.group(1)), int(m.group(2) or 0)) for d in path.iterdir() if (m := LEGACY_RE.match(d.name))]
+    return {"tp": 1 + max(t for t, _ in ranks), "pp": 1 + max(p for _, p in ranks)}
