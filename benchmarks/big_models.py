@@ -90,14 +90,16 @@ def run_config(case: str, model_dir: Path, run_dir: Path, dtype: str):
 
 
 def toolkit_rank(case: str, model_dir: Path, out: Path, dtype: str) -> dict:
-    from toolkit.plan import build_plan
     import torch.distributed as dist
+
+    from toolkit.plan import build_plan
     plan = build_plan(run_config(case, model_dir, out, dtype), [dist.get_world_size()])
     floor = memory_mb()["rss"]
     reset_peak()
     built = {}
     if plan.config.backend == "megatron":
-        from toolkit.adapters.megatron import build_engine, engine as megatron_engine
+        from toolkit.adapters.megatron import build_engine
+        from toolkit.adapters.megatron import engine as megatron_engine
         wrap = megatron_engine.MegatronEngine._wrap_ddp
 
         def built_then_wrap(self, chunks):  # the model's layers built and loaded; DDP's buffers not yet
@@ -186,8 +188,8 @@ def model_facts(model_dir: Path) -> dict:
 def estimated_mb(key: str, result: dict, root: Path) -> dict:
     """``toolkit estimate``'s per-rank figures for this case (MB): host memory at load and export, and
     the model states plus buffers the engine allocates (on CPU these live in the same RSS)."""
+    from toolkit.estimate.memory import memory
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
     size, case = key.split("/")
     plan = build_plan(run_config(case, checkpoint(size, root), root / "unused", result["dtype"]), [2])
     ds = plan.ds_config(2).get("zero_optimization", {}) if plan.config.backend == "deepspeed" else {}
@@ -199,7 +201,7 @@ def estimated_mb(key: str, result: dict, root: Path) -> dict:
 def table(results: dict, root: Path) -> str:
     """Markdown: per case the worst rank's peaks (MB above its floor) beside their bounds. Build bound:
     estimate's host_load + the tiny model's build peak (runtime), and by how much the build exceeds it
-    in largest tensors of the training dtype (the CPU-only transient ``plan/memory.py`` describes);
+    in largest tensors of the training dtype (the CPU-only transient ``estimate/memory.py`` describes);
     engine-ready: host_load + model states + buffers + the tiny model's engine-ready peak; export
     transient: export peak - RSS after load (estimate: (w+4)·Λ)."""
     rows = ["| params | case | dtype | model MB | build peak | bound | over, in w·Λ | engine ready | bound | export transient |",

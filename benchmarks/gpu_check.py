@@ -28,7 +28,7 @@ throughput of a ~1.1B Llama in bf16 at sequence 4096 (plain HF + torch, DeepSpee
 TP=1; tokens/s, MFU against the spec peak and the measured matmul peak, peak GPU memory), and
 multi-rank layouts (only with 2 or more GPUs; otherwise SKIP "not possible on 1 GPU").
 
-MFU = achieved model FLOP/s / peak (``toolkit/plan/flops.py``): model FLOPs per token
+MFU = achieved model FLOP/s / peak (``toolkit/estimate/flops.py``): model FLOPs per token
 ``6 * N + 12 * n_layers * attention_width * seq_len`` (PaLM, appendix B), N without the input embedding.
 """
 from __future__ import annotations
@@ -841,9 +841,9 @@ def phase_tests(ctx: Ctx, name: str) -> None:
 # --- throughput -----------------------------------------------------------------------------------
 
 def model_flops_per_token(config: dict, seq: int) -> float:
-    """The toolkit's own count (``toolkit/plan/flops.py``, what ``toolkit train`` logs MFU with)."""
+    """The toolkit's own count (``toolkit/estimate/flops.py``, what ``toolkit train`` logs MFU with)."""
     from transformers import AutoConfig
-    from toolkit.plan.flops import flops_per_token
+    from toolkit.estimate.flops import flops_per_token
     from toolkit.plan.model import model_spec
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     return flops_per_token(model_spec(AutoConfig.for_model(config["model_type"], **fields)), seq)
@@ -851,7 +851,7 @@ def model_flops_per_token(config: dict, seq: int) -> float:
 
 def spec_peak(dtype: str) -> float | None:
     try:
-        from toolkit.plan.flops import peak_flops
+        from toolkit.estimate.flops import peak_flops
         return peak_flops(dtype)
     except Exception:  # noqa: BLE001 - no GPU, or an unknown one
         return None

@@ -146,8 +146,8 @@ def cmd_train(args) -> int:
 
 def cmd_estimate(args) -> int:
     """Exit 0 when the layout fits the device memory, 3 when it does not."""
+    from toolkit.estimate.run import parse_cluster, run_estimate
     from toolkit.plan import build_plan
-    from toolkit.plan.estimate import parse_cluster, run_estimate
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)

@@ -88,7 +88,7 @@ def synchronize() -> None:
 
 
 def use_tf32(enabled: bool) -> None:
-    """fp32 matmuls on NVIDIA tensor cores in TF32 (Ampere and newer; what ``toolkit.plan.flops`` assumes
+    """fp32 matmuls on NVIDIA tensor cores in TF32 (Ampere and newer; what ``toolkit.estimate.flops`` assumes
     for an fp32 run's peak), or strict IEEE fp32. Nothing changes on the CPU."""
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high" if enabled else "highest")

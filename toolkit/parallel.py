@@ -5,6 +5,7 @@ Works the same when ranks come from our own elastic launcher, torchrun, the deep
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from datetime import timedelta
@@ -137,6 +138,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def unit_seed(seed: int, unit: str) -> int:
+    """The seed of one named unit's init (a piece of the HF model, the LoRA adapters) under the run's
+    ``seed``: the same on every rank, whatever else the rank builds."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{unit}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def rng_state() -> dict:

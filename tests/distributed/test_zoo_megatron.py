@@ -48,7 +48,7 @@ def _zoo_rank(rank, world, bases, root):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     results = {}
     for variant, layout in LORA.items():

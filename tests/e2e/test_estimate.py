@@ -12,10 +12,10 @@ from tests.helpers.loss import loss_allocations
 from tests.helpers.runs import REPO, run_cli, run_in_process
 from toolkit.cli import main
 from toolkit.config import load_config
+from toolkit.estimate.memory import GiB, memory, suggestions
+from toolkit.estimate.steptime import Cluster, collective_seconds, step_time
 from toolkit.plan.layout import check_layout
-from toolkit.plan.memory import GiB, memory, suggestions
 from toolkit.plan.model import model_spec
-from toolkit.plan.steptime import Cluster, collective_seconds, step_time
 
 LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32000)
@@ -31,7 +31,7 @@ def test_parameter_count_is_hf_own():
 def test_mixture_of_experts_split_over_ep_and_only_active_experts_count_as_flops():
     from transformers import MixtralConfig
 
-    from toolkit.plan.flops import flops_per_token
+    from toolkit.estimate.flops import flops_per_token
     mixtral = MixtralConfig()  # 8x7B: 46.7B parameters, 12.9B active per token (Mistral AI's figures)
     shape = model_spec(mixtral)
     assert shape.experts == 8 and shape.experts_per_token == 2 and round(shape.total / 1e9, 1) == 46.7
@@ -202,7 +202,7 @@ def test_lora_model_state_against_what_real_engines_hold(tmp_path):
     (the plan's LoRA formula was only ever restated by its tests). Measured: ZeRO-2 +0.25 MiB
     (1.011), ZeRO-3 +0.51 MiB (1.038): the same few allocations full fine-tuning's ratios show
     (1.005, 1.013 of a larger state), so judged in bytes against full fine-tuning's 2%. Megatron
-    counts every adapter whole on each TP rank (``plan/memory.py``: an upper bound, about half of
+    counts every adapter whole on each TP rank (``estimate/memory.py``: an upper bound, about half of
     them is TP-split): measured 2.80 MiB (0.833) under it, within the split half's 4.56 MiB."""
     from toolkit.plan import build_plan
     model = tmp_path / "model"
@@ -260,7 +260,7 @@ def _hf(cfg):
 
 
 def _stage_memory(cfg, lay, rank: int):
-    from toolkit.plan.memory import DTYPE_BYTES, _megatron_stage_memory
+    from toolkit.estimate.memory import DTYPE_BYTES, _megatron_stage_memory
     return _megatron_stage_memory(cfg, model_spec(_hf(cfg)), lay, DTYPE_BYTES[cfg.model.dtype], rank)
 
 
@@ -271,8 +271,8 @@ def test_activation_model_within_8_percent_of_what_autograd_saves():
 
     from toolkit.adapters.hf import build_model
     from toolkit.loss import token_loss_sum
+    from toolkit.estimate.memory import _activations
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import _activations
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
     model = build_model(build_plan(cfg, [2]))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -349,7 +349,7 @@ def test_logits_and_loss_formula_matches_the_allocator():
     import torch
 
     from toolkit.loss import token_loss_sum
-    from toolkit.plan.memory import chunked_loss_bytes
+    from toolkit.estimate.memory import chunked_loss_bytes
     b, s, v = 2, 256, 4099
     shape = model_spec(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=v))

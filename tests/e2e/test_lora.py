@@ -1,4 +1,4 @@
-"""LoRA on the DeepSpeed path (``lora.*``, ``toolkit/plan/lora.py``, ``toolkit/adapters/lora.py``)
+"""LoRA on the DeepSpeed path (``lora.*``, ``toolkit/lora/spec.py``, ``toolkit/lora/peft.py``)
 against references we did not write: HF + ``peft`` on the same weights and adapters.
 
 - names: bad targets, the MoE router and packed experts are refused before anything starts (megatron
@@ -88,7 +88,7 @@ def test_moe_router_is_never_adapted_and_packed_experts_are_refused(family):
 @pytest.mark.parametrize("family", sorted({**TINY, **TINY_MOE}))  # every family: a new one by being added
 def test_planned_trainable_count_is_peft_s(family):
     """The plan's count (estimate, dry-run, metrics) against peft's own count on the wrapped model."""
-    from toolkit.adapters.lora import apply_lora
+    from toolkit.lora.peft import apply_lora
     plan = plan_for(family)
     model = apply_lora(tiny_model(family), plan.lora, seed=1)
     trainable, _ = model.get_nb_trainable_parameters()
@@ -99,7 +99,7 @@ def _layer_forwards_and_grads(checkpointing: bool, lora: bool) -> tuple[float, d
     """The toolkit's HF model of tiny llama (``adapters/hf.build_model``, with adapters if ``lora``),
     one training forward and backward: attention forwards per decoder layer, and the gradients."""
     from toolkit.adapters.hf import build_model
-    from toolkit.adapters.lora import apply_lora
+    from toolkit.lora.peft import apply_lora
     from toolkit.plan import build_plan
     cfg = validate({"model": {"activation_checkpointing": checkpointing}, "lora": {"rank": RANK} if lora else {}})
     plan = build_plan(cfg, [1], hf_config=tiny_config("llama"))
@@ -130,8 +130,8 @@ def test_activation_checkpointing_is_applied(lora):
 def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only(stage):
     """fp32, DP 2: the frozen base holds weights only; gradients and Adam state (m, v, fp32 master
     at ZeRO 1-3) are the adapters'."""
+    from toolkit.estimate.memory import memory
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
     cfg = validate({"lora": {"rank": RANK}, "zero": {"stage": stage}})
     plan = build_plan(cfg, [2], hf_config=tiny_config("llama"))
     tau, phi, d = plan.lora.trainable, plan.model.total, 2
@@ -427,7 +427,7 @@ def test_convert_lora_checkpoint_to_peft_and_merged_hf_equals_the_run_s_exports(
     from safetensors.torch import load_file
 
     from toolkit.convert import convert
-    from toolkit.convert.peft import verify_adapter
+    from toolkit.lora.convert import verify_adapter
     run = lora_runs("zero3")
     convert(run, tmp_path / "peft", to="peft")
     convert(run, tmp_path / "hf", to="hf")
@@ -456,8 +456,8 @@ def test_verify_fails_on_a_destination_that_is_not_the_source_s(lora_runs, tmp_p
     from safetensors.torch import load_file, save_file
 
     from toolkit.convert import convert
-    from toolkit.convert.lora_ckpt import compare_lora_sources, open_lora_checkpoint
-    from toolkit.convert.peft import verify_adapter
+    from toolkit.lora.checkpoint import compare_lora_sources, open_lora_checkpoint
+    from toolkit.lora.convert import verify_adapter
     run, other = lora_runs("zero2"), lora_runs("zero2_decay_clip")  # the same lora.* settings, other adapters
     convert(run, tmp_path / "peft", to="peft")
     convert(run, tmp_path / "hf", to="hf")

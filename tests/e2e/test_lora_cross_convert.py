@@ -1,4 +1,4 @@
-"""LoRA checkpoints across backends (``toolkit/convert/lora_ckpt.py``), end to end through the CLI:
+"""LoRA checkpoints across backends (``toolkit/lora/checkpoint.py``), end to end through the CLI:
 a ZeRO-2 LoRA checkpoint converted ``--to megatron --tp 2`` and a megatron TP=2 one converted
 ``--to zero`` resume with ``--resume auto`` on the other backend and continue the loss curve of
 the uninterrupted run (adapters, Adam moments and step carried); a round trip keeps every tensor
@@ -62,8 +62,8 @@ def test_megatron_lora_checkpoint_resumes_on_zero3_dp2(lora_runs, tmp_path, data
 
 def test_round_trip_keeps_adapters_and_moments_bit_for_bit_and_back_to_peft_exact(lora_runs, tmp_path):
     from toolkit.convert import convert
-    from toolkit.convert.lora import lora_checkpoint_meta
-    from toolkit.convert.lora_ckpt import read_lora_checkpoint
+    from toolkit.lora.checkpoint import read_lora_checkpoint
+    from toolkit.lora.files import lora_checkpoint_meta
     ckpt = lora_runs["zero2"] / "checkpoints" / f"step_{K:08d}"
     convert(ckpt, tmp_path / "m", to="megatron", tp=2)
     convert(tmp_path / "m", tmp_path / "z", to="zero", dp=2, zero_stage=1)
@@ -104,8 +104,8 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     (``Geometry.b_parts``)."""
     import json
 
-    from toolkit.convert.lora_ckpt import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
     from toolkit.families.tiny import tiny_config
+    from toolkit.lora.checkpoint import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
     from toolkit.plan import build_plan
     from toolkit.storage import meta as meta_io
     cfg = tiny_config(family, tie_word_embeddings=False) if saved else tiny_config(family)
@@ -126,8 +126,8 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     packed = list(_packed_sites(cfg, spec))
     assert bool(packed) == (family != "llama")
     for site, b_name in packed:  # the engine's own split of a packed B, part by part
-        from toolkit.adapters.megatron.lora import Geometry
         from toolkit.families import find_family
+        from toolkit.lora.geometry import Geometry
         dims = find_family(family).dims(cfg, cfg.vocab_size)
         want = [tuple(p.shape) for p in Geometry(site, dims, 1, shapes[b_name][0]).b_parts(tensors[b_name]["param"])]
         assert [tuple(md[f"{b_name}.part{k}"].size) for k in range(len(want))] == want
@@ -142,8 +142,9 @@ def _lora_cfg(saved):
 
 
 def _trained_shapes(hf_config, spec):
-    from toolkit.convert.lora_ckpt import meta_peft_model
-    from toolkit.plan.lora import LoraSpec, peft_config
+    from toolkit.lora.checkpoint import meta_peft_model
+    from toolkit.lora.peft import peft_config
+    from toolkit.lora.spec import LoraSpec
     model = meta_peft_model(hf_config, peft_config(LoraSpec(**spec)))
     return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
 
@@ -155,7 +156,8 @@ def _stored_metadata(engine):
 
 def _packed_sites(cfg, spec):
     from toolkit.families import find_family
-    from toolkit.plan.lora import LoraSpec, megatron_sites
+    from toolkit.lora.geometry import megatron_sites
+    from toolkit.lora.spec import LoraSpec
     for site in megatron_sites(find_family(cfg.model_type), cfg, LoraSpec(**spec), range(cfg.num_hidden_layers)):
         if site.parts > 1:
             yield site, f"base_model.model.{site.projections[0]}.lora_B.default.weight"

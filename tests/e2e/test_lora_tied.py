@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.runs import losses, resumes, run_in_process, train
-from toolkit.plan.lora import ADAPTER
+from toolkit.lora.peft import ADAPTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -92,7 +92,7 @@ def test_zero3_checkpoint_reads_as_deepspeed_reads_it(runs):
     """The converter's reader against DeepSpeed's ``zero_to_fp32`` (which skips the dangling tie)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from toolkit.convert.lora_ckpt import open_lora_checkpoint
+    from toolkit.lora.checkpoint import open_lora_checkpoint
     step = ckpt(runs("zero3"), STEPS)
     ours = open_lora_checkpoint(step)
     want = get_fp32_state_dict_from_zero_checkpoint(str(step / "engine"), exclude_frozen_parameters=True)
@@ -192,8 +192,8 @@ def test_plan_counts_modules_to_save_as_peft_matches_them_and_refuses_a_tied_emb
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.config import ConfigError, validate
+    from toolkit.lora.peft import peft_config
     from toolkit.plan import build_plan
-    from toolkit.plan.lora import peft_config
     config = AutoConfig.from_pretrained(tied_base)
 
     def plan(saved, backend="deepspeed"):
@@ -213,3 +213,22 @@ def test_plan_counts_modules_to_save_as_peft_matches_them_and_refuses_a_tied_emb
         with pytest.raises(ConfigError, match=f"'{name}' on megatron: only the embedding and the LM head .* "
                                               f"\\(peft would train {hit}"):
             plan([name], backend="megatron")
+
+
+def test_a_peft_adapter_training_a_tied_embedding_is_refused_as_a_resumable_checkpoint(tied_base, tmp_path):
+    """An HF-PEFT adapter that trains a tied embedding in full (``modules_to_save=[embed_tokens]``)
+    converted ``--to zero`` / ``--to megatron`` (a step-0 LoRA checkpoint) is refused naming the tie
+    and ``--to hf``: the plan refuses that setting, so no run could resume the checkpoint. The
+    converter resolved it on its own skeleton, built untied, and wrote the checkpoint anyway."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert import ConvertError, convert
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tied_base),
+                           LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"]))
+    model.save_pretrained(tmp_path / "adapter")
+    for to in ("zero", "megatron"):
+        with pytest.raises(ConvertError, match=r"lora.modules_to_save: 'embed_tokens' is a tied embedding.*"
+                                               r"convert it --to hf"):
+            convert(tmp_path / "adapter", tmp_path / to, to=to, base=str(tied_base))
+        assert not (tmp_path / to).exists()

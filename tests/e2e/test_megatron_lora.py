@@ -81,8 +81,7 @@ def test_plan_refuses_what_megatron_lora_cannot_do():
 
 def test_adapters_are_drawn_as_the_deepspeed_path_draws_them():
     """peft's init from (seed, "lora") on a skeleton equals ``apply_lora`` on the real model."""
-    from toolkit.adapters.lora import apply_lora
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import apply_lora, draw_adapters
     from toolkit.plan import build_plan
     for family in ("llama", "gpt2"):
         plan = build_plan(lora_config(1, 1), [1], hf_config=tiny_config(family))
@@ -98,7 +97,7 @@ def _rank_parity(rank, world, layouts, base_dirs, cases):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     results = {}
     for name, (tp, pp, extra) in layouts.items():
@@ -180,7 +179,7 @@ def _rank_dropout(rank, world, base_dir):
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.megatron import MegatronEngine
-    from toolkit.adapters.megatron.lora import draw_adapters
+    from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     micro = batches(model.config.vocab_size)
@@ -414,8 +413,8 @@ def test_resume_at_another_layout_goes_on_the_loss_curve(saved, resumed, tmp_pat
 def test_estimate_counts_gradients_and_adam_state_of_the_adapters_only():
     """bf16, PP=2, DP=2: each stage holds its base share plus its layers' adapters; fp32 gradients
     and Adam (m, v, fp32 master) cover the adapters only, Adam sharded over DP."""
+    from toolkit.estimate.memory import memory
     from toolkit.plan import build_plan
-    from toolkit.plan.memory import memory
     cfg = validate({"backend": "megatron", "model": {"dtype": "bf16"}, "megatron": {"pp": 2},
                     "lora": {"rank": RANK}})
     plan = build_plan(cfg, [4], hf_config=tiny_config("llama"))

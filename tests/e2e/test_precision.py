@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.helpers.runs import losses, resumes, train
-from toolkit.plan.flops import peak_flops
+from toolkit.estimate.flops import peak_flops
 
 FP16 = ("backend=megatron", "model.dtype=fp16", "train.steps=26")
 FORCED = 21  # a step well after the start (the scale starts at 2^16, as DeepSpeed's presets)

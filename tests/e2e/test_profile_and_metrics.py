@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.runs import run_in_process, train
+from toolkit.estimate.flops import flops_per_token, peak_flops
 from toolkit.observe.profile import kind_of, summarize_trace
-from toolkit.plan.flops import flops_per_token, peak_flops
 from toolkit.plan.model import model_spec
 
 

@@ -156,8 +156,8 @@ def reference_run(demo_base, data_cache, modules_to_save=(), steps: int = 6, lr_
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from toolkit.adapters.hf import unit_seed
     from toolkit.data import global_batch_indices, load_tokenizer, prepare_data
+    from toolkit.parallel import unit_seed
     cfg = load_config(None, [f"model.name_or_path={demo_base}", "data.seq_len=32", f"data.cache_dir={data_cache}"])
     ds = prepare_data(cfg, load_tokenizer(cfg)).train.with_format("torch", columns=["input_ids", "labels"])
     base = AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.float32)

@@ -106,30 +106,56 @@ def test_only_adapters_and_compat_import_the_backends():
     assert {n: m for n, m in offenders.items() if m} == {}
 
 
+def test_lora_lives_in_its_room_or_beside_a_backend():
+    """LoRA code is ``toolkit/lora/`` (and the backend-specific parts in ``toolkit/adapters/``): only
+    those import peft or name a module after LoRA, and only ``toolkit/lora/`` calls peft's
+    ``get_peft_model`` (the one skeleton, ``apply_lora``, the converter's reference)."""
+    known = modules()
+    home = ("toolkit.lora", "toolkit.adapters")
+    peft_users = sorted(n for n, p in known.items() if "peft" in {m.split(".")[0] for m in imports(p, n, known)})
+    assert [n for n in peft_users if not n.startswith(home)] == []
+    assert [n for n in known if "lora" in n.rsplit(".", 1)[-1] and not n.startswith(home)] == []
+    assert [n for n, p in known.items() if "get_peft_model(" in p.read_text() and not n.startswith("toolkit.lora")] == []
+
+
+def test_one_builder_of_the_meta_model():
+    """The HF model on the meta device is built in one place (``families/meta.py``), so the plan,
+    the engines, peft's skeleton and the converter see the same model (tied weights tied)."""
+    builders = {name for name, path in modules().items() if "from_config(" in (text := path.read_text())
+                and ("init_empty_weights(" in text or 'torch.device("meta")' in text)}
+    assert builders == {"toolkit.families.meta"}
+
+
+def test_the_plan_imports_no_estimator():
+    """``toolkit/plan/`` is config -> layout -> plan.json; the estimate reads the plan, not the reverse."""
+    known = modules()
+    assert {name: sorted(m for m in imports(path, name, known) if m.startswith("toolkit.estimate"))
+            for name, path in known.items() if name.startswith("toolkit.plan")} == \
+        {name: [] for name in known if name.startswith("toolkit.plan")}
+
+
 COMMAND_USERS = ("toolkit", "toolkit.cli")
 """Outside ``toolkit/convert`` itself, only the command line and the package's front door import the
 ``convert`` command; training reads and writes checkpoints through ``toolkit/formats``."""
-LORA_IN_TRANSIT = {"toolkit.convert.lora", "toolkit.convert.lora_ckpt", "toolkit.convert.peft"}
-"""LoRA checkpoint and PEFT modules, still under ``convert/`` until they get their own room
-(``toolkit/lora``, issue #30): adapters and format detection use them, not the command."""
+LORA_VERIFY = {"toolkit.lora.checkpoint": ["toolkit.convert.verify"], "toolkit.lora.convert": ["toolkit.convert.verify"]}
+"""The LoRA room's ``--verify`` of a LoRA conversion fills the command's report (``convert/verify.py``)."""
 RESUME_CONVERTS = {"toolkit.checkpoint.reshard"}
 """A resume at another layout converts the checkpoint with the command's ``convert`` (LoRA included)."""
 
 
 def test_only_the_command_line_imports_the_convert_command():
     edges = graph()
-    outside = {name: sorted(t for t in targets if t.split(".")[:2] == ["toolkit", "convert"] and t not in LORA_IN_TRANSIT)
+    outside = {name: sorted(t for t in targets if t.split(".")[:2] == ["toolkit", "convert"])
                for name, targets in edges.items()
                if not name.startswith("toolkit.convert") and name not in COMMAND_USERS + tuple(RESUME_CONVERTS)}
-    assert {n: t for n, t in outside.items() if t} == {}
+    assert {n: t for n, t in outside.items() if t} == LORA_VERIFY
 
 
 def test_formats_do_not_import_the_convert_command():
     edges = graph()
     assert {n: sorted(t for t in targets if t.startswith("toolkit.convert"))
             for n, targets in edges.items() if n.startswith("toolkit.formats")} == {
-        "toolkit.formats": [], **{n: [] for n in edges if n.startswith("toolkit.formats.")},
-        "toolkit.formats.detect": ["toolkit.convert.lora"]}  # LORA_IN_TRANSIT: LoRA sources refused by name
+        "toolkit.formats": [], **{n: [] for n in edges if n.startswith("toolkit.formats.")}}
 
 
 def test_the_loop_knows_no_model_family():

@@ -1,4 +1,4 @@
-"""``toolkit convert`` of HF-PEFT directories (``toolkit/convert/peft.py``) against peft itself.
+"""``toolkit convert`` of HF-PEFT directories (``toolkit/lora/convert.py``) against peft itself.
 
 Adapters here are made and saved by peft, not by the toolkit, with what published adapters carry
 and a hand-written merge gets wrong: per-module ranks and alphas (``rank_pattern``,
@@ -61,7 +61,7 @@ def _merged_by_peft(base_dir, adapter_dir) -> dict[str, torch.Tensor]:
 def test_peft_dir_to_hf_is_peft_s_merge_and_unload_and_verifies(family, bases, tmp_path):
     from safetensors.torch import load_file
 
-    from toolkit.convert.peft import verify_adapter
+    from toolkit.lora.convert import verify_adapter
     adapter = _peft_adapter(bases[family], family, tmp_path / "adapter")
     summary = convert(adapter, tmp_path / "merged", to="hf")  # the base named in adapter_config.json
     assert summary["to"] == "hf" and summary["from"] == "peft"
@@ -81,7 +81,7 @@ def test_verify_finds_a_damaged_merge(bases, tmp_path):
     """A merged output with one weight off by one ulp-sized step fails --verify, naming it."""
     from safetensors.torch import load_file, save_file
 
-    from toolkit.convert.peft import verify_adapter
+    from toolkit.lora.convert import verify_adapter
     adapter = _peft_adapter(bases["llama"], "llama", tmp_path / "adapter")
     convert(adapter, tmp_path / "merged", to="hf")
     weights = tmp_path / "merged" / "model.safetensors"
@@ -98,7 +98,7 @@ def test_bf16_peft_dir_to_peft_is_fp32_and_loads(bases, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from toolkit.convert.peft import verify_adapter
+    from toolkit.lora.convert import verify_adapter
     adapter = _peft_adapter(bases["llama"], "llama", tmp_path / "adapter", dtype=torch.bfloat16)
     convert(adapter, tmp_path / "fp32", to="peft", base=str(bases["llama"]))
     saved, written = load_file(adapter / "adapter_model.safetensors"), load_file(tmp_path / "fp32" / "adapter_model.safetensors")

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
+from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
-from toolkit.adapters.lora import saved_layout, to_universal
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import token_loss_sum
@@ -326,13 +326,13 @@ def _written_by_rank0(param):
 
 
 def build_model(plan: Plan, ds_config: dict) -> torch.nn.Module:
-    """The HF model for this rank (``_build_hf``), wrapped by peft for a LoRA run (``adapters/lora.py``:
+    """The HF model for this rank (``_build_hf``), wrapped by peft for a LoRA run (``lora/peft.py``:
     the adapters are created whole on every rank, alike, and ``deepspeed.initialize`` partitions them
     at ZeRO-3)."""
     model = _build_hf(plan, ds_config)
     if plan.lora is None:
         return model
-    from toolkit.adapters.lora import apply_lora
+    from toolkit.lora.peft import apply_lora
     return apply_lora(model, plan.lora, plan.config.train.seed)
 
 

@@ -65,23 +65,23 @@ class ModuleSource(Source):
 
 
 class MergedLoraSource(ModuleSource):
-    """A peft-wrapped module (``adapters/lora.py``) as the merged HF model, for a base that exists
+    """A peft-wrapped module (``lora/peft.py``'s ``apply_lora``) as the merged HF model, for a base that exists
     only in the module (a random init): each adapted layer's weight is W + scaling x B @ A in fp32
     on rank 0, W gathered from the module (one layer at a time under ZeRO-3), A and B from
     ``trained``; a module trained in full (modules_to_save) is its trained copy. ``trained``: the
     fp32 trained tensors by peft name (``trained_fp32``) on rank 0, None on the others."""
 
     def __init__(self, module: torch.nn.Module, model_type: str, trained: dict | None, gather=None):
-        from toolkit.convert.peft import merge_table
+        from toolkit.lora.convert import merge_table
         super().__init__(module, model_type, gather=gather)
         self.pairs, self.saved = merge_table(module, trained) if trained is not None else ({}, {})
 
     def _hf_params(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        from toolkit.adapters.lora import hf_name
+        from toolkit.lora.peft import hf_name
         return {hf: param for name, param in module.named_parameters() if (hf := hf_name(name)) is not None}
 
     def _gathered_fp32(self, param_name: str) -> torch.Tensor | None:
-        from toolkit.plan.lora import merged_weight
+        from toolkit.lora.peft import merged_weight
         whole = super()._gathered_fp32(param_name)  # collective under ZeRO-3: every rank asks
         if whole is None:
             return None
@@ -97,7 +97,7 @@ def trained_fp32(module: torch.nn.Module, gather=None) -> dict[str, torch.Tensor
     else the parameter itself."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from toolkit.adapters.lora import trainable_names
+    from toolkit.lora.peft import trainable_names
     params, out = dict(module.named_parameters()), {}
     for name in trainable_names(module):  # every rank, same order: the gathers are collective
         master = safe_get_full_fp32_param(params[name])
@@ -122,7 +122,7 @@ def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, toke
         write_streamed(None, path)
         return
     from toolkit.formats.hf import HFSource
-    from toolkit.convert.peft import merged_source
+    from toolkit.lora.convert import merged_source
     reader = HFSource(Path(base))
     try:
         write_streamed(merged_source(reader, module, trained), path, tokenizer, generation_config, beat=beat)
@@ -142,7 +142,7 @@ def write_adapter(module: torch.nn.Module, path: Path, trained: dict | None, bas
 
 def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None) -> None:
     """The HF-PEFT directory staged beside ``path``, then put in its place whole."""
-    from toolkit.convert.peft import save_peft
+    from toolkit.lora.convert import save_peft
     with _replaced_whole(path) as stage:
         save_peft(module, trained, stage, base_name)
         umask = os.umask(0)

@@ -13,33 +13,31 @@ Weights come from one of two sources, the same for every backend, layout and DP 
 - ``model.init=pretrained``: the checkpoint, read by slice through the converter's HF reader
   (``formats/hf.py``: safetensors, sharded with an index, truncation checks).
 
-The model skeleton is built with accelerate's ``init_empty_weights`` (parameters on the meta device,
-buffers real) and its parameters materialized in the training dtype (ZeRO 0-2: the one full copy
-ZeRO 0-2 keep by design), or under DeepSpeed's ``zero.Init`` (ZeRO-3: each rank holds its partition
-from the start; see ``adapters/deepspeed.py``).
+The model skeleton is ``families/meta.py``'s (parameters on the meta device, buffers real) and its
+parameters materialized in the training dtype (ZeRO 0-2: the one full copy ZeRO 0-2 keep by
+design), or under DeepSpeed's ``zero.Init`` (ZeRO-3: each rank holds its partition from the start;
+see ``adapters/deepspeed.py``).
 """
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit.config import ConfigError
+from toolkit.parallel import unit_seed
 from toolkit.plan import Plan
 
 
 def empty_model(hf_config) -> torch.nn.Module:
     """The HF causal LM with its parameters on the meta device (no memory) and real buffers."""
-    from accelerate import init_empty_weights
+    from toolkit.families.meta import meta_model
     # eager for a capped or windowed model: transformers' default may refuse a request it cannot
     # honour (5.24: gemma2 with sdpa); ``finish`` switches it to the toolkit's attention
     choice = {"attn_implementation": "eager"} if caps_or_windows(hf_config) else {}
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **choice)
-    model.tie_weights()  # init_empty_weights re-registers every parameter, which unties them
+    model = meta_model(hf_config, dtype=torch.float32, **choice)
     model.config.use_cache = False
     return model
 
@@ -56,10 +54,6 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, device: torch.devic
                 made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
                                                      requires_grad=param.requires_grad)
             owner._parameters[name] = made[id(param)]
-
-
-def unit_seed(seed: int, unit: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{unit}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def post_order(model: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Module]]:

@@ -32,14 +32,14 @@ def _verify(args):
 
     from toolkit.convert.run import is_lora_source
     if is_lora_source(Path(args.src)) and args.to in ("zero", "megatron"):
-        from toolkit.convert.lora import is_peft_dir
-        from toolkit.convert.lora_ckpt import compare_lora_sources, open_lora_checkpoint
-        from toolkit.convert.peft import peft_dir_as_checkpoint
+        from toolkit.lora.checkpoint import compare_lora_sources, open_lora_checkpoint
+        from toolkit.lora.convert import peft_dir_as_checkpoint
+        from toolkit.lora.files import is_peft_dir
         src = Path(args.src)
         source = peft_dir_as_checkpoint(src, args.base) if is_peft_dir(src) else open_lora_checkpoint(src)
         return compare_lora_sources(source, open_lora_checkpoint(Path(args.dst)))
     if is_lora_source(Path(args.src)):
-        from toolkit.convert.peft import verify_adapter
+        from toolkit.lora.convert import verify_adapter
         return verify_adapter(Path(args.src), Path(args.dst), args.base)
     from toolkit.convert.verify import verify
     return verify(args.src, args.dst, args.hf_config)

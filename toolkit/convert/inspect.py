@@ -1,5 +1,5 @@
 """``inspect``: what a checkpoint is (format, family, layout, step, sizes, completeness) and where
-it can train; LoRA adapters are described by ``convert/lora.py``."""
+it can train; LoRA adapters are described by ``lora/files.py``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from toolkit.formats.detect import open_source, resolve_run_dir
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
-    from toolkit.convert.lora import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
     from toolkit.storage import MANIFEST
     if Path(path).exists() and is_peft_dir(Path(path)):
         return inspect_peft(Path(path))

@@ -19,7 +19,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
     the torch one), seconds. A LoRA source (a toolkit LoRA checkpoint or an HF-PEFT directory)
-    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``convert/peft.py``).
+    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``lora/convert.py``).
     ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
     source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
     from toolkit.formats.detect import locate, open_located
@@ -31,7 +31,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, dp or (ep if to == "megatron" else 1)),
                                                zero_stage, weights_only, base, vocab_divisor)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
-        from toolkit.convert.peft import convert_adapter, open_adapter
+        from toolkit.lora.convert import convert_adapter, open_adapter
         adapter, described = open_adapter(Path(src), base)
         summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
         return {**summary, "from": described["format"], "seconds": round(time.perf_counter() - tic, 3)}
@@ -64,13 +64,13 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
 def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
                              base: str | None, vocab_divisor: int | None) -> dict:
     """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
-    ``to``'s backend (``convert/lora_ckpt.py``)."""
+    ``to``'s backend (``lora/checkpoint.py``)."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
-    from toolkit.convert.lora_ckpt import read_lora_checkpoint, write_lora
     from toolkit.formats.staging import staged
+    from toolkit.lora.checkpoint import read_lora_checkpoint, write_lora
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(src):  # a step-0 checkpoint, no optimizer state
-        from toolkit.convert.peft import peft_dir_as_checkpoint
+        from toolkit.lora.convert import peft_dir_as_checkpoint
         source = peft_dir_as_checkpoint(src, base)
         meta = source.meta
     else:
@@ -93,8 +93,8 @@ def _is_lora(src) -> bool:
 
 def is_lora_source(src) -> bool:
     """An HF-PEFT directory, or a toolkit LoRA checkpoint (or the run directory holding one)."""
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
     from toolkit.formats.detect import resolve_run_dir
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     src = Path(src)
     return src.exists() and (is_peft_dir(src) or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 

@@ -68,9 +68,9 @@ def resolve_run_dir(path: Path) -> Path:
 def _refuse_lora(path: Path) -> None:
     """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
     and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint or an HF-PEFT directory whole
-    (``convert/peft.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
+    (``lora/convert.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
     or missing tensors (``toolkit inspect`` describes both)."""
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(path):
         raise ConvertError(f"{path}: an HF-PEFT adapter directory (LoRA); it converts only as a whole: toolkit "
                            "convert DIR OUT --to hf [--base BASE_DIR] (merged onto its base) or --to peft")

@@ -213,7 +213,7 @@ class ZeroIndex:
 
 TIED_HEADS = ("lm_head.weight", "base_model.model.lm_head.weight")
 """The output embedding's name in a transformers module and in the peft-wrapped one (a LoRA run's;
-``plan.lora.PEFT_PREFIX``, not imported: this module runs without torch)."""
+``lora.peft.PEFT_PREFIX``, not imported: this module runs without torch)."""
 
 
 def optim_files(tag_dir: Path) -> list[Path]:

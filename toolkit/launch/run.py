@@ -64,7 +64,7 @@ def train(run: RunConfig | Plan, *, nnodes: int = 1, min_nnodes: int | None = No
         check_machine(plan)
     data = _check_data_before_launch(plan.config)
     if dry_run:  # after every check the launch makes: a dry run that passes, launches
-        from toolkit.plan.estimate import dry_run as print_dry_run
+        from toolkit.estimate.run import dry_run as print_dry_run
         print(_data_line(plan.config, data))
         return print_dry_run(plan, nodes.nnodes)
     run_dir = Path(plan.config.run_dir)

@@ -11,7 +11,7 @@ estimate``, ``--dry-run`` and the converter build their plans the same way.
   plan.model      ``ModelSpec``: family, HF config, dimensions, parameter counts, MoE shape
   plan.layouts    ``Layout`` per world size (``plan.layout(world)``)
   plan.ds_configs the resolved DeepSpeed JSON per world size (``plan.ds_config(world)``)
-  plan.lora       ``LoraSpec`` (``plan/lora.py``): LoRA resolved against the model's modules; None: off
+  plan.lora       ``LoraSpec`` (``lora/spec.py``): LoRA resolved against the model's modules; None: off
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict
 
 from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
+from toolkit.lora.spec import LoraSpec, resolve_lora
 from toolkit.plan.layout import Layout, check_layout
-from toolkit.plan.lora import LoraSpec, resolve_lora
 from toolkit.plan.model import ModelSpec, load_hf_config, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 
@@ -79,14 +79,11 @@ def _lora(cfg: RunConfig, hf_config) -> LoraSpec | None:
     """LoRA checked against the model's module names (a meta-device model: no memory)."""
     if not cfg.lora.enabled:
         return None
-    import torch
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    spec = resolve_lora(cfg.lora, model)
+    from toolkit.families.meta import meta_model
+    spec = resolve_lora(cfg.lora, meta_model(hf_config))
     if cfg.backend == "megatron":
         from toolkit.families import get_family
-        from toolkit.plan.lora import check_megatron_lora
+        from toolkit.lora.geometry import check_megatron_lora
         check_megatron_lora(spec, get_family(hf_config.model_type), hf_config)
     return spec
 

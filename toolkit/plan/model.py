@@ -59,12 +59,9 @@ class ModelSpec(BaseModel):
 
 def model_spec(hf_config) -> ModelSpec:
     """Derive the spec; parameters are counted on the HF model built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from toolkit.families import attention_dims
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    from toolkit.families.meta import meta_model
+    model = meta_model(hf_config)
     counts = _parameter_counts(model, hf_config.num_hidden_layers)
     heads, kv_heads, head_dim = attention_dims(hf_config)
     act = str(getattr(hf_config, "hidden_act", getattr(hf_config, "activation_function", "gelu")))

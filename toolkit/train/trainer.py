@@ -19,6 +19,7 @@ from toolkit import device
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
+from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.launch.agent import PREEMPTED_EXIT
 from toolkit.launch.events import emit, read_events
 from toolkit.launch.faults import FaultInjector
@@ -27,7 +28,6 @@ from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
-from toolkit.plan.flops import flops_per_token, mfu, peak_flops
 from toolkit.train.schedule import lr_at
 
 
@@ -195,7 +195,7 @@ class Trainer:
             self.skipped_steps += stats.skipped
             record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
         record.update(stats.extra)
-        if self._peak:  # GPUs only; the formula and peaks: toolkit/plan/flops.py
+        if self._peak:  # GPUs only; the formula and peaks: toolkit/estimate/flops.py
             record["mfu"] = mfu(tokens / step_s / dist.get_world_size(), self._flops_per_token, self._peak)
         self.metrics.log(record)
 

@@ -88,9 +88,11 @@ class MegatronEngine:
         self.owns_experts = place.expert_dp_rank == 0
 
     def _attach_lora(self, chunks, adapters) -> None:
-        """The base frozen, this rank's slices of the adapters on its linears (``lora.py``)."""
+        """The base frozen, this rank's slices of the adapters on its linears (``lora.py``; drawn as the
+        DeepSpeed path draws them where ``adapters`` is None)."""
         if adapters is None:
-            adapters = lora.draw_adapters(self.hf_config, self.lora, self.cfg.train.seed)
+            from toolkit.lora.peft import draw_adapters
+            adapters = draw_adapters(self.hf_config, self.lora, self.cfg.train.seed)
         lora.attach(chunks, self.family, self.hf_config, self.lora, adapters, self.lay.padded_vocab, self.lay.tp,
                     self.tp_rank)
 

@@ -68,8 +68,10 @@ def export_lora(engine, path: Path, tokenizer, generation, beat=None) -> None:
     from toolkit.adapters.export import write_adapter, write_merged, write_streamed
     from toolkit.adapters.hf import model_dir
     from toolkit.adapters.megatron.lora import gather_adapters
+    from toolkit.lora.peft import peft_config, peft_skeleton
     trained = {**trained_in_full(engine), **(gather_adapters(engine) or {})}  # collective; whole on rank 0
-    model, trained = (peft_meta_model(engine), trained) if dist.get_rank() == 0 else (None, None)
+    model, trained = (peft_skeleton(engine.hf_config, peft_config(engine.lora)), trained) if dist.get_rank() == 0 \
+        else (None, None)
     m = engine.cfg.model
     base = model_dir(m.name_or_path) if m.init == "pretrained" else None
     if base is not None:
@@ -79,22 +81,12 @@ def export_lora(engine, path: Path, tokenizer, generation, beat=None) -> None:
     write_adapter(model, path.parent / "adapter", trained, base_name=m.name_or_path if base else None)
 
 
-def peft_meta_model(engine):
-    """peft's model of the HF base on the meta device (no weights): names, scalings, saved keys."""
-    from accelerate import init_empty_weights
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.plan.lora import peft_config
-    with init_empty_weights():
-        return get_peft_model(AutoModelForCausalLM.from_config(engine.hf_config), peft_config(engine.lora))
-
-
 def trained_in_full(engine) -> dict[str, torch.Tensor]:
     """Collective: the modules to save's trained tensors (the optimizer's fp32 main copies, joined
     over TP) under peft's names, on rank 0 ({} elsewhere)."""
     from toolkit.adapters.megatron.lora import main_params
-    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, megatron_saved
+    from toolkit.lora.geometry import megatron_saved
+    from toolkit.lora.peft import ADAPTER, PEFT_PREFIX
     saved = megatron_saved(engine.family, engine.hf_config, engine.lora)
     params = [p for chunk in engine.model for n, p in chunk.module.named_parameters() if n in saved]
     for param, main in zip(params, main_params(engine, params)):  # the same order on the DP ranks
@@ -149,7 +141,7 @@ class MegatronSource(Source):
     def _full(self, mcore: str) -> torch.Tensor | None:
         """The unsharded tensor on global rank 0 (fp32, CPU); None elsewhere. Shards travel in the
         training dtype and become fp32 once, joined on rank 0: the transient is one tensor in the
-        training dtype and its fp32 copy (``plan/memory.py``'s host_export)."""
+        training dtype and its fp32 copy (``estimate/memory.py``'s host_export)."""
         full = self._gather_tp(mcore) if mcore in self.local else None
         sender = self.sender[mcore]
         if sender != 0 and dist.get_rank() == sender:
@@ -224,11 +216,11 @@ class MergedLoraSource(MegatronSource):
     each layer's scaling from ``trained`` and peft's meta ``model`` (rank 0; None elsewhere)."""
 
     def __init__(self, engine, model, trained: dict | None):
-        from toolkit.convert.peft import merge_table
+        from toolkit.lora.convert import merge_table
         super().__init__(engine)
         self.pairs = merge_table(model, trained)[0] if trained is not None else {}
 
     def _hf_tensors(self, mcore: str, entry, name: str) -> dict[str, torch.Tensor]:
-        from toolkit.plan.lora import merged_weight
+        from toolkit.lora.peft import merged_weight
         return {n: merged_weight(t, *self.pairs[n]) if n in self.pairs else t
                 for n, t in super()._hf_tensors(mcore, entry, name).items()}

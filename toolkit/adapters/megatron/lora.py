@@ -3,10 +3,11 @@ projection (q, k and v apart although megatron fuses them into ``linear_qkv``; g
 in ``linear_fc1``), so a megatron LoRA run computes what ``peft`` computes on the HF model, and its
 adapters are peft's tensors, split over TP.
 
-Which linear carries which projections comes from the family's weight table (``plan/lora.py``'s
-``megatron_sites``). Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order, one dropout
-mask per projection as peft draws them), with
-``A [r, in]`` and ``B [out, r]`` split over TP as the base is:
+Which linear carries which projections comes from the family's weight table, and how an adapter
+splits over TP, from ``lora/geometry.py`` (``megatron_sites``, ``Geometry``); this module is the
+part that runs megatron-core. Per projection, ``y += scaling x B @ A @ dropout(x)`` (peft's order,
+one dropout mask per projection as peft draws them), with ``A [r, in]`` and ``B [out, r]`` split
+over TP as the base is:
 
   column-parallel base (``linear_qkv``, ``linear_fc1``): A whole on every TP rank; B split by rows
       as the base's output is: each projection's own rows of this rank (for QKV: the rows of the
@@ -27,18 +28,30 @@ keeps its B as row blocks ("parts"), each split over TP like the projection it f
 
 Parameters live in the model tree as ``<linear>.lora.adapters.<projection>.A`` and
 ``.B.<part>`` (so megatron's DDP and distributed optimizer see them); the base is frozen. The
-adapters are drawn as part 1 draws them (``adapters/lora.py``: peft's own init from a CPU generator
-seeded with (train.seed, "lora")) in HF shapes, on a model skeleton with no weights, and each
-rank keeps its slices: a megatron run starts from the DeepSpeed run's adapters.
+adapters are drawn as the DeepSpeed path draws them (``lora/peft.py``'s ``draw_adapters``: peft's
+own init from a CPU generator seeded with (train.seed, "lora")) in HF shapes, on peft's skeleton
+with no weights, and each rank keeps its slices: a megatron run starts from the DeepSpeed run's
+adapters.
 
-Names: ``peft_names(site)`` gives each adapter's HF-PEFT names (``base_model.model.<module>.lora_A.
+Names: ``lora/peft.py``'s ``peft_names(module)`` gives each adapter's HF-PEFT names (``base_model.model.<module>.lora_A.
 default.weight``), the canonical names of exports, checkpoints and conversions.
 """
 from __future__ import annotations
 
 import torch
 
-from toolkit.plan.lora import ADAPTER, GLU, PEFT_PREFIX, QKV, ROW_LINEAR, LoraSpec, Site
+from toolkit.lora.geometry import (
+    QKV,
+    ROW_LINEAR,
+    Geometry,
+    Site,
+    megatron_saved,
+    megatron_sites,
+    shard_adapter,
+    unshard_adapter,
+)
+from toolkit.lora.peft import peft_names
+from toolkit.lora.spec import LoraSpec
 
 LORA_CHILD = "lora"
 """The child module of an adapted megatron linear that holds its adapters."""
@@ -49,85 +62,8 @@ def is_adapter_name(name: str) -> bool:
     return f".{LORA_CHILD}.adapters." in name
 
 
-def peft_names(module: str) -> tuple[str, str]:
-    """HF-PEFT names (in peft's model, adapter ``default``) of an HF module's A and B."""
-    return (f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight", f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight")
-
-
 def short_name(module: str) -> str:
     return module.rsplit(".", 1)[-1]
-
-
-# --- drawing the adapters as peft does ---------------------------------------------------------------
-
-def draw_adapters(hf_config, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Every adapter matrix of the model in HF shapes, by HF-PEFT name: peft's own init, drawn as
-    ``adapters/lora.apply_lora`` draws it (the same generator, seed and module order), on a model
-    skeleton whose weights are on the meta device except the adapted layers', which are zero-strided
-    CPU views (peft reads their shapes; no memory)."""
-    from accelerate import init_empty_weights
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.adapters.hf import unit_seed
-    from toolkit.plan.lora import matches, peft_config
-    with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    for name, module in skeleton.named_modules():
-        if any(matches(name, t) for t in spec.targets) and isinstance(getattr(module, "weight", None), torch.Tensor):
-            module.weight = torch.nn.Parameter(torch.zeros(()).expand(module.weight.shape), requires_grad=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(unit_seed(seed, "lora"))
-        wrapped = get_peft_model(skeleton, peft_config(spec), autocast_adapter_dtype=False)
-    return {n: p.detach() for n, p in wrapped.named_parameters() if p.requires_grad}
-
-
-# --- one rank's slices of an adapter, and back ---------------------------------------------------------
-
-class Geometry:
-    """A column site's fused output on one TP rank as row blocks (q, k, v; gate, up; or one), and
-    how a projection's HF B splits into them."""
-
-    def __init__(self, site: Site, dims, tp: int, out_local: int):
-        self.site, self.tp = site, tp
-        if site.kind == QKV:
-            q, kv = dims.heads * dims.head_dim, dims.groups * dims.head_dim
-            self.hf_rows = [q, kv, kv]
-            self.groups = dims.groups // tp
-        else:
-            self.hf_rows, self.groups = None, None
-        self.widths = ([r // tp for r in self.hf_rows] if site.kind == QKV
-                       else [out_local // 2] * 2 if site.kind == GLU else [out_local])
-        """This rank's rows of each block of the fused output."""
-
-    def b_parts(self, b: torch.Tensor) -> list[torch.Tensor]:
-        """The HF B ``[out, r]`` of one projection as its row blocks (one, or [q; k; v] / [gate; up]
-        for a packed projection)."""
-        if self.site.parts == 1:
-            return [b]
-        return list(torch.split(b, self.hf_rows or [b.shape[0] // self.site.parts] * self.site.parts))
-
-
-def shard_adapter(site: Site, geometry: Geometry, a: torch.Tensor, b: torch.Tensor, tp: int,
-                  rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """TP rank ``rank``'s A and B parts of one projection's HF ``a [r, in]``, ``b [out, r]``."""
-    if site.kind == ROW_LINEAR:
-        return torch.chunk(a, tp, dim=1)[rank].contiguous(), [b.contiguous()]
-    return a.contiguous(), [torch.chunk(p, tp, dim=0)[rank].contiguous() for p in geometry.b_parts(b)]
-
-
-def unshard_adapter(site: Site, a_parts: list[torch.Tensor], b_parts: list[list[torch.Tensor]]):
-    """The HF ``(a, b)`` from every TP rank's A and B parts (in rank order). The matrix every TP
-    rank holds whole must be the same on all of them (else a rank's gradient or dropout mask
-    differed: an error, not one rank's copy picked)."""
-    whole = [p[0] for p in b_parts] if site.kind == ROW_LINEAR else a_parts
-    if any(not torch.equal(w, whole[0]) for w in whole[1:]):
-        raise RuntimeError(f"LoRA: the TP ranks' copies of the replicated adapter matrix of {site.projections} "
-                           f"(layer {site.layer}, {site.mcore}) differ")
-    if site.kind == ROW_LINEAR:
-        return torch.cat(a_parts, dim=1), whole[0]
-    blocks = [torch.cat([rank_parts[k] for rank_parts in b_parts]) for k in range(len(b_parts[0]))]
-    return a_parts[0], torch.cat(blocks)
 
 
 # --- the adapted linear ------------------------------------------------------------------------------
@@ -246,7 +182,6 @@ def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.
     """Freeze every parameter of ``chunks`` but those of ``modules_to_save`` (the embedding, the LM
     head) and give each adapted linear its adapters: this rank's slices of ``adapters`` (HF-PEFT
     names, HF shapes, e.g. ``draw_adapters``'s), in the base's dtype and device."""
-    from toolkit.plan.lora import megatron_saved, megatron_sites
     dims = family.dims(hf_config, padded_vocab)
     saved = megatron_saved(family, hf_config, spec)
     for chunk in chunks:

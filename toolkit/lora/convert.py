@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 from toolkit.formats.errors import ConvertError
-from toolkit.convert.lora import PEFT_CONFIG, PEFT_WEIGHTS
-from toolkit.convert.lora_ckpt import lora_layers, meta_peft_model
+from toolkit.lora.checkpoint import meta_peft_model
+from toolkit.lora.files import PEFT_CONFIG, PEFT_WEIGHTS
+from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, merged_weight, peft_config
+from toolkit.lora.spec import LoraSpec
 
 UNMERGEABLE = {
     "use_dora": "DoRA rescales each merged column by a trained magnitude",
@@ -56,9 +58,8 @@ class Adapter:
 # --- reading -----------------------------------------------------------------------------------
 
 def adapter_from_checkpoint(ckpt: Path, meta: dict) -> Adapter:
-    """A toolkit LoRA checkpoint's adapters, of either backend (``lora_ckpt.read_lora_checkpoint``)."""
-    from toolkit.convert.lora_ckpt import read_lora_checkpoint
-    from toolkit.plan.lora import LoraSpec, peft_config
+    """A toolkit LoRA checkpoint's adapters, of either backend (``lora/checkpoint.py``'s ``read_lora_checkpoint``)."""
+    from toolkit.lora.checkpoint import read_lora_checkpoint
     source = read_lora_checkpoint(ckpt, meta)
     model = meta_peft_model(source.hf_config, peft_config(LoraSpec(**meta["lora"])))
     _assign(model, source.trained(), f"{ckpt}")
@@ -89,13 +90,11 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
     from it. Its ``lora`` spec is resolved as the plan resolves ``lora.*`` from adapter_config.json's
     r, lora_alpha, lora_dropout, target_modules and modules_to_save, and must make exactly the
     adapter's tensors; per-module ranks or alphas and rsLoRA have no ``lora.*`` setting: refused."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.config import LoraConfig
+    from toolkit.config import ConfigError, LoraConfig
+    from toolkit.families.meta import meta_model
     from toolkit.formats.canonical import hf_config_object
-    from toolkit.convert.lora_ckpt import LoraSource
-    from toolkit.plan.lora import ADAPTER, peft_config, resolve_lora
+    from toolkit.lora.checkpoint import LoraSource
+    from toolkit.lora.spec import resolve_lora
     from toolkit.storage.meta import base_model_record
     adapter = adapter_from_peft_dir(path, base)
     config = adapter.model.peft_config[ADAPTER]
@@ -104,11 +103,13 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
         raise ConvertError(f"{path}: its {', '.join(patterns) or 'regex target_modules'} cannot be said in lora.* "
                            "settings, so no toolkit run could resume this adapter; convert it --to hf (merged) and "
                            "fine-tune that")
-    with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(hf_config_object(adapter.hf_config))
-    spec = resolve_lora(LoraConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                                   target_modules=sorted(config.target_modules),
-                                   modules_to_save=list(config.modules_to_save or [])), skeleton)
+    settings = LoraConfig(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                          target_modules=sorted(config.target_modules), modules_to_save=list(config.modules_to_save or []))
+    try:  # on the model the plan resolves against (a tied embedding tied), so a run can resume the result
+        spec = resolve_lora(settings, meta_model(hf_config_object(adapter.hf_config)))
+    except ConfigError as exc:
+        raise ConvertError(f"{path}: its adapter_config.json as a toolkit run's settings is refused ({exc}), so no "
+                           "toolkit run could resume this adapter; convert it --to hf (merged) and fine-tune that") from None
     trained = adapter.trained()
     resolved = {n: tuple(p.shape) for n, p in meta_peft_model(adapter.hf_config, peft_config(spec)).named_parameters()
                 if p.requires_grad}
@@ -141,7 +142,6 @@ def _load_saved(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Pa
     parameter must come from the file and every tensor of the file must land somewhere."""
     from peft import get_peft_model_state_dict
 
-    from toolkit.plan.lora import ADAPTER
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     keyed = get_peft_model_state_dict(model, state_dict={n: torch.tensor([i]) for i, n in enumerate(names)},
                                       adapter_name=ADAPTER)
@@ -186,7 +186,6 @@ def save_peft(model: torch.nn.Module, trained: dict[str, torch.Tensor], out: Pat
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from toolkit.plan.lora import ADAPTER
     tensors = get_peft_model_state_dict(model, state_dict=trained, adapter_name=ADAPTER)
     config = copy.deepcopy(model.peft_config[ADAPTER])
     config.base_model_name_or_path = base_name
@@ -200,7 +199,6 @@ def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]
     ``model``: a peft-wrapped model (its layers give names and scalings), ``trained``: its trained
     tensors by parameter name. Read whole, one at a time by rank 0 alone (``collective`` False)."""
     from toolkit.formats.canonical import Source, TensorInfo
-    from toolkit.plan.lora import merged_weight
     pairs, saved = merge_table(model, trained)
 
     class Merged(Source):
@@ -230,7 +228,6 @@ def merge_table(model: torch.nn.Module, trained: dict[str, torch.Tensor]) -> tup
     """({HF weight name: (lora_A, lora_B, scaling, fan_in_fan_out)}, {HF name: trained copy}): the
     tensors from ``trained`` (by peft parameter name), each layer's scaling and layout from peft's
     own layers of ``model`` (so rank/alpha patterns and rsLoRA scale as peft scales them)."""
-    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
     pairs = {f"{name.removeprefix(PEFT_PREFIX)}.weight": (trained[f"{name}.lora_A.{ADAPTER}.weight"],
                                                           trained[f"{name}.lora_B.{ADAPTER}.weight"],
                                                           m.scaling[ADAPTER], m.fan_in_fan_out)
@@ -276,7 +273,7 @@ def open_adapter(src: Path, base: str | None) -> tuple[Adapter, dict]:
     """(the adapter, a description) of a LoRA source: an HF-PEFT directory or a toolkit LoRA
     checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.convert.lora import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     if is_peft_dir(src):
         return adapter_from_peft_dir(src, base), {"format": "peft"}
     ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
@@ -306,8 +303,8 @@ def verify_adapter(src: Path, dst: Path, base: str | None):
     fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``); a tensor DST holds
     beyond those is a mismatch. Without a pretrained base (a random-init run) only the adapter
     tensors are compared."""
-    from toolkit.convert.lora import is_peft_dir
     from toolkit.convert.verify import Report
+    from toolkit.lora.files import is_peft_dir
     adapter, _ = open_adapter(src, base)
     report = Report()
     want = adapter.trained()
@@ -359,7 +356,6 @@ def _peft_model(adapter: Adapter) -> torch.nn.Module:
     """peft's model of the base with the adapter's tensors: the reference for ``--verify``."""
     from peft import get_peft_model
 
-    from toolkit.plan.lora import ADAPTER
     model = get_peft_model(_base_model(adapter.base), adapter.model.peft_config[ADAPTER])
     trained = adapter.trained()
     missing = set(trained) - {n for n, p in model.named_parameters() if p.requires_grad}

@@ -1,16 +1,5 @@
-"""LoRA on the DeepSpeed path, through ``peft``: the plan's ``LoraSpec`` applied to the built HF model
-(before ``deepspeed.initialize``, as HF Trainer does), what saves and exports need to know of it,
-and an adapter-only checkpoint made loadable at another DP size or ZeRO stage (``to_universal``).
-
-At ZeRO-3 the base model is built under ``zero.Init`` (its weights already partitioned); peft's
-adapter layers are created afterwards as ordinary tensors and ``deepspeed.initialize`` partitions
-them, each rank keeping its slice of its own copy. Every rank therefore draws the same adapter init:
-from a CPU generator seeded with (train.seed, "lora"), whatever the rank, device or dtype.
-
-Names. peft nests the HF model as ``base_model.model.<hf name>``; an adapted layer ``q_proj`` holds
-``q_proj.base_layer.weight`` (frozen) and ``q_proj.lora_A.default.weight`` [r, in],
-``q_proj.lora_B.default.weight`` [out, r]; a module trained in full holds
-``lm_head.modules_to_save.default.weight`` beside its frozen ``lm_head.original_module.weight``.
+"""A DeepSpeed LoRA run resumed at another DP size or ZeRO stage: its adapter-only checkpoint made
+loadable there (``to_universal``). The model itself is ``lora/peft.py``'s ``apply_lora``.
 """
 from __future__ import annotations
 
@@ -19,43 +8,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, LoraSpec, peft_config
+__all__ = ["saved_layout", "to_universal"]
 
-__all__ = ["ADAPTER", "PEFT_PREFIX", "apply_lora", "peft_config", "hf_name", "trainable_names",
-           "saved_layout", "to_universal"]
-
-def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> torch.nn.Module:
-    """``model`` wrapped by peft: base frozen, adapters (and modules to save) trainable, in the
-    model's dtype. The adapter init is drawn from (seed, "lora") alone, the same on every rank."""
-    from peft import get_peft_model
-
-    from toolkit.adapters.hf import unit_seed
-    with torch.random.fork_rng(devices=[]):  # the CPU generator only: peft draws adapters on the CPU
-        torch.random.default_generator.manual_seed(unit_seed(seed, "lora"))  # GPU streams left alone
-        wrapped = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in wrapped.parameters() if p.requires_grad)
-    if trainable != spec.trainable:  # the plan (estimate, dry-run, metrics) counted something else
-        raise RuntimeError(f"LoRA: peft made {trainable:,} trainable parameters where the plan counted "
-                           f"{spec.trainable:,} (targets {spec.targets}, modules_to_save {spec.modules_to_save})")
-    return wrapped
-
-
-def trainable_names(module: torch.nn.Module) -> list[str]:
-    """Names (as ``module.named_parameters`` gives them) of what a LoRA run trains and checkpoints."""
-    return [n for n, p in module.named_parameters() if p.requires_grad]
-
-
-def hf_name(peft_name: str) -> str | None:
-    """The HF checkpoint name a peft parameter stands for in the merged model: the base layer's
-    weight and a module to save's trained copy under the HF name; None for adapter matrices and
-    the frozen originals of modules to save (the merge consumes or replaces them)."""
-    name = peft_name.removeprefix(PEFT_PREFIX)
-    if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name or ".original_module." in name:
-        return None
-    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
-
-
-# --- resuming at another DP size or ZeRO stage ---------------------------------------------------
 
 def saved_layout(engine_dir: Path) -> dict | None:
     """The layout a toolkit checkpoint's engine state was written at (its meta.json), if recorded."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from toolkit.config import ConfigError, RunConfig
+from toolkit.estimate.memory import USABLE, GiB, fits, memory, suggestions
+from toolkit.estimate.steptime import Cluster, StepTime, step_time
 from toolkit.plan import Plan
 from toolkit.plan.layout import Layout
-from toolkit.plan.memory import GiB, USABLE, fits, memory, suggestions
 from toolkit.plan.model import ModelSpec
-from toolkit.plan.steptime import Cluster, StepTime, step_time
-
 
 # --- the whole estimate -----------------------------------------------------------------------------
 
@@ -57,9 +56,10 @@ def _scaling(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> 
 
 
 def print_estimate(result: dict) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
-    import sys
     # Off a terminal rich assumes 80 columns and wraps the tables; logs and pipes can take more.
     console = Console(width=None if sys.stdout.isatty() else 120)
     mem, model = result["memory"], result["model"]
@@ -71,7 +71,7 @@ def print_estimate(result: dict) -> None:
     c = result["cluster"]
     console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
                   f"{result['layout']['world']} ranks")
-    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/plan/memory.py)")
+    table = Table("per rank (fullest)", "GiB", title="memory (formulas: toolkit/estimate/memory.py)")
     for key, label in (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
                        ("buffers", "buffers"), ("activations_no_ckpt", "activations, no checkpointing"),
                        ("activations_ckpt", "activations, with checkpointing"), ("activations", "activations, as set"),

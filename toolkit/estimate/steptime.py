@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolkit.config import RunConfig
-from toolkit.plan.flops import PEAK_TFLOPS
+from toolkit.estimate.flops import PEAK_TFLOPS
+from toolkit.estimate.memory import DTYPE_BYTES, memory, micro_batches
 from toolkit.plan.layout import Layout, stage_layers
-from toolkit.plan.memory import DTYPE_BYTES, memory, micro_batches
 from toolkit.plan.model import ModelSpec
 
 DEFAULT_GPU = "H100"
@@ -41,7 +41,7 @@ class Cluster(BaseModel):
     intra_latency_us: float = Field(5.0, ge=0)
     inter_latency_us: float = Field(10.0, ge=0)
     peak_tflops: float | None = Field(None, gt=0, description="dense peak per GPU; default by dtype (H100 SXM, "
-                                      "toolkit.plan.flops)")
+                                      "toolkit.estimate.flops)")
     mfu: float = Field(0.4, gt=0, le=1, description="share of peak the compute reaches")
 
     @property

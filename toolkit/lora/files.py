@@ -1,7 +1,7 @@
 """``toolkit inspect`` of LoRA adapters, read without torch: an HF-PEFT directory
 (``adapter_config.json`` + ``adapter_model.safetensors``, as a LoRA run's ``adapter/``) or a toolkit
 LoRA checkpoint (adapters only; ``meta.json`` holds the resolved ``lora`` spec and its base).
-Converting them is ``convert/peft.py``'s (it needs torch and peft)."""
+Converting them is ``lora/convert.py``'s (it needs torch and peft)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """LoRA resolved against the model's own module names, once, in the plan: which modules get
 adapters, which are trained in full, and how many parameters train. ``--dry-run``, the estimate
-and every rank read this one resolution (``plan.lora``); ``adapters/lora.py`` applies it with peft.
+and every rank read this one resolution (``plan.lora``); ``lora/peft.py`` applies it with peft,
+``lora/geometry.py`` lays it onto megatron's fused linears.
 
 Names are HF module names as peft matches them: a target matches a module whose name equals it or
 ends with ``.`` + it (``q_proj``, ``shared_expert.down_proj``). ``all-linear`` is every linear layer
@@ -164,110 +165,3 @@ def _modules_to_save(names: list[str], modules: dict, model: torch.nn.Module) ->
             raise ConfigError(f"lora.modules_to_save: {name!r} is a tied embedding (input and output share one "
                               "matrix) and training one copy would untie them; not supported yet: leave it out")
     return list(names)
-
-
-# --- peft's names and math, shared by the engine (adapters/lora.py) and the converter ----------------
-
-ADAPTER = "default"
-"""peft's adapter name (the one adapter a run trains)."""
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_config(spec: LoraSpec):
-    """peft's ``LoraConfig`` of a resolved spec (peft is imported here only when called)."""
-    from peft import LoraConfig
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.targets,
-                      modules_to_save=spec.modules_to_save or None, fan_in_fan_out=spec.fan_in_fan_out,
-                      bias="none", task_type="CAUSAL_LM")
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                  fan_in_fan_out: bool) -> torch.Tensor:
-    """W + scaling x B @ A in fp32 (peft's merge): base [out, in] ([in, out] for Conv1D), A [r, in],
-    B [out, r]."""
-    delta = (b.float() @ a.float()) * scaling
-    return base.float() + (delta.T if fan_in_fan_out else delta)
-
-
-# --- megatron: which fused linear carries which HF projections' adapters ----------------------------
-
-QKV, GLU, COLUMN_LINEAR, ROW_LINEAR = "qkv", "glu", "column", "row"
-"""How a megatron linear's output (column) or input (row) is laid out over its HF projections."""
-
-
-class Site(BaseModel):
-    """One megatron linear of one layer that carries adapters (``toolkit/adapters/megatron/lora.py``).
-
-    ``projections``: the HF modules whose weights the linear fuses, in the table's order (q, k, v;
-    gate, up; or one), each with the HF name (``model.layers.3.self_attn.q_proj``) or None where
-    that projection has no adapter (``target_modules=[q_proj, v_proj]``). ``parts``: for a packed HF
-    module (GPT-2's ``c_attn`` = [q; k; v], Phi-3's ``gate_up_proj``) the number of row blocks of
-    its B that land in separate parts of the fused output; else 1."""
-    model_config = ConfigDict(frozen=True)
-
-    layer: int
-    mcore: str
-    """The linear's module name in the layer (``self_attention.linear_qkv``)."""
-    kind: str
-    projections: list[str | None]
-    parts: int = 1
-
-
-def megatron_sites(family, hf_config, spec: LoraSpec, layers) -> list[Site]:
-    """The adapted megatron linears of ``layers`` (global numbers), read off the family's weight
-    table: each table entry of a layer's ``.weight`` names the HF modules it fuses. Routed experts
-    are never adapted (the plan refused them); a replicated linear (router, shared expert gate)
-    never is either."""
-    from toolkit.families.base import COLUMN, ROW, FuseGLU, FuseQKV
-    out = []
-    for layer in layers:
-        prefix = family.hf_layer.format(i=layer)
-        for entry in family.layer:
-            if not all(n.endswith(".weight") for n in entry.hf_names()):
-                continue
-            modules = [prefix + n.removesuffix(".weight") for n in entry.hf_names()]
-            adapted = [m if any(matches(m, t) for t in spec.targets) else None for m in modules]
-            if not any(adapted):
-                continue
-            kind = (QKV if isinstance(entry, FuseQKV) else GLU if isinstance(entry, FuseGLU)
-                    else {COLUMN: COLUMN_LINEAR, ROW: ROW_LINEAR}.get(entry.split))
-            if kind is None:
-                raise ConfigError(f"lora.target_modules: {adapted} is replicated over TP in megatron "
-                                  f"({entry.mcore}); LoRA adapts column- and row-parallel linears only")
-            parts = {QKV: 3, GLU: 2}.get(kind, 1) if len(modules) == 1 else 1
-            out.append(Site(layer=layer, mcore=entry.mcore.removesuffix(".weight"), kind=kind, projections=adapted,
-                            parts=parts))
-    return out
-
-
-def check_megatron_lora(spec: LoraSpec, family, hf_config) -> None:
-    """What the megatron path cannot do of a resolved spec, as errors naming the fix (modules to
-    save other than the embedding and LM head); and every module the spec
-    adapts must sit in a megatron linear the table knows."""
-    megatron_saved(family, hf_config, spec)
-    sites = megatron_sites(family, hf_config, spec, range(hf_config.num_hidden_layers))
-    found = sum(p is not None for s in sites for p in s.projections)
-    if found != spec.adapted:
-        raise ConfigError(f"lora.target_modules={spec.targets}: peft adapts {spec.adapted} modules of this model, "
-                          f"megatron's layers carry {found} of them; target the attention and MLP projections "
-                          "(or use backend=deepspeed)")
-
-
-def megatron_saved(family, hf_config, spec: LoraSpec) -> dict[str, str]:
-    """megatron name -> HF name of each tensor trained in full (``modules_to_save``): the embedding
-    and the untied LM head (the table's vocabulary-split top entries); a name that peft's rule
-    (``saved_matches``) also finds elsewhere (``norm``: every layer's norms too) is refused by name."""
-    from toolkit.families import table
-    from toolkit.families.base import VOCAB
-    entries = table(family, hf_config)
-    out = {}
-    for name in spec.modules_to_save:
-        hits = {mcore: prefix + hf for mcore, (entry, prefix) in entries.items() for hf in entry.hf_names()
-                if saved_matches(prefix + hf.rsplit(".", 1)[0], name)}
-        others = sorted(hf for mcore, hf in hits.items() if getattr(entries[mcore][0], "split", None) != VOCAB)
-        if not hits or others:
-            named = f" (peft would train {', '.join(others[:3])} in full)" if others else ""
-            raise ConfigError(f"lora.modules_to_save: {name!r} on megatron: only the embedding and the LM head can "
-                              f"be trained in full beside the adapters{named}; leave it out or set backend=deepspeed")
-        out.update(hits)
-    return out

@@ -1,7 +1,7 @@
 """LoRA checkpoints of either backend (adapters only) as one stream, written at any layout of either:
 ``toolkit convert LORA_CKPT OUT --to zero [--dp N --zero-stage S]`` or ``--to megatron --tp N``,
 Adam moments and step carried, so ``toolkit train --resume auto`` continues the run on the other
-backend (``--to peft`` / ``--to hf``: ``convert/peft.py``).
+backend (``--to peft`` / ``--to hf``: ``lora/convert.py``).
 
 Both backends name the trained tensors by peft parameter name in HF shapes, so the stream is
 ``LoraSource``: name -> (fp32 weight, exp_avg, exp_avg_sq). Where each backend keeps them:
@@ -23,6 +23,9 @@ import torch
 
 from toolkit.formats.canonical import STATES, Source, TensorInfo, hf_config_object
 from toolkit.formats.errors import ConvertError
+from toolkit.lora.geometry import QKV, megatron_sites
+from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, peft_config, peft_skeleton
+from toolkit.lora.spec import LoraSpec
 
 PART = ".part"
 """Suffix of a packed projection's B row block in a megatron LoRA checkpoint (``<B name>.part<k>``)."""
@@ -129,18 +132,10 @@ def _from_stored(name: str, tensors: list[torch.Tensor], hf_config: dict) -> tor
 # --- names ----------------------------------------------------------------------------------------------
 
 def meta_peft_model(hf_config: dict, config) -> torch.nn.Module:
-    """peft's model of the base on the meta device; LoRA layers other than linear ones are refused."""
-    import copy
-
-    from accelerate import init_empty_weights
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(config)
-    config.base_model_name_or_path = None  # the Adapter keeps the base; peft warns when it differs from the model's
+    """peft's model of the base on the meta device (``lora/peft.py``'s skeleton); LoRA layers other
+    than linear ones are refused."""
     try:
-        with init_empty_weights():
-            model = get_peft_model(AutoModelForCausalLM.from_config(hf_config_object(hf_config)), config)
+        model = peft_skeleton(hf_config_object(hf_config), config)
     except ValueError as exc:  # peft's "no module matched" and the like
         raise ConvertError(f"the adapter does not fit this base ({hf_config.get('model_type')}): {exc}") from None
     for name, module in lora_layers(model):
@@ -150,22 +145,13 @@ def meta_peft_model(hf_config: dict, config) -> torch.nn.Module:
     return model
 
 
-def lora_layers(model: torch.nn.Module):
-    from peft.tuners.lora import LoraLayer
-
-    from toolkit.plan.lora import ADAPTER
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.scaling]
-
-
 def _trained_names(hf_config: dict, spec: dict) -> list[str]:
     """The peft parameter names a run with ``spec`` trains (peft's model of the base, meta device)."""
-    from toolkit.plan.lora import LoraSpec, peft_config
     model = meta_peft_model(hf_config, peft_config(LoraSpec(**spec)))
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _is_saved(name: str) -> bool:
-    from toolkit.plan.lora import ADAPTER
     return f".modules_to_save.{ADAPTER}." in name
 
 
@@ -173,11 +159,10 @@ def _saved_mcore(hf_config: dict, name: str) -> str:
     """The megatron name of a module to save's trained tensor (the embedding, the LM head)."""
     from toolkit.families import find_family, table
     from toolkit.families.base import VOCAB
-    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX
     hf = name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")
     family = find_family(hf_config["model_type"])
     for mcore, (entry, _) in table(family, hf_config_object(hf_config), []).items():
-        if entry.hf == hf and entry.split == VOCAB:  # as plan.lora.megatron_saved allows
+        if entry.hf == hf and entry.split == VOCAB:  # as lora.geometry.megatron_saved allows
             return mcore
     raise ConvertError(f"{hf} is trained in full (lora.modules_to_save), which a megatron LoRA run does only for the "
                        f"embedding and the LM head ({family.model_type}); convert this checkpoint --to zero, peft or hf")
@@ -188,7 +173,6 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
     and v (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or 2 equal halves (Phi-3's ``gate_up_proj``)."""
     from toolkit.families import find_family
     from toolkit.families.base import attention_dims
-    from toolkit.plan.lora import ADAPTER, PEFT_PREFIX, QKV, LoraSpec, megatron_sites
     cfg = hf_config_object(hf_config)
     heads, groups, head_dim = attention_dims(cfg)
     out = {}
@@ -202,7 +186,7 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
 def open_lora_checkpoint(path: Path) -> LoraSource:
     """The LoRA checkpoint at ``path`` (a run directory: its newest complete one)."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.convert.lora import lora_checkpoint_meta
+    from toolkit.lora.files import lora_checkpoint_meta
     return read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(path))))
 
 

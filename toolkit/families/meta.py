@@ -1,0 +1,20 @@
+"""The HF model with no storage: every parameter on the meta device. The plan counts parameters
+and resolves LoRA on it, the adapters materialize it, peft's skeleton (``toolkit/lora/peft.py``)
+wraps it, the exports and the converter read names and shapes off it. One builder, so every one of
+them sees the same model: tied weights tied, buffers real."""
+from __future__ import annotations
+
+import torch
+
+
+def meta_model(hf_config, **from_config) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(hf_config, **from_config)`` with its parameters on the meta
+    device (accelerate's ``init_empty_weights``; buffers such as RoPE's stay real and small) and the
+    config's tied weights tied again (under ``init_empty_weights`` transformers 5 unties them, and the
+    plan tells a tied LM head by ``input.weight is output.weight``)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, **from_config)
+    model.tie_weights()
+    return model
