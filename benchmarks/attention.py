@@ -208,12 +208,15 @@ def measure(seqs: list[int], dtype: str, repeats: int) -> list[dict]:
     return rows
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f}"
+
+
 def _line(r: dict) -> str:
-    mib = lambda n: f"{n / 2**20:.0f}"
     m, b, s, p = r["median_s"], r["best_s"], r["saved_bytes"], r["peak_bytes"]
     return (f"| {r['seq']} | {m['toolkit']:.3f} ({b['toolkit']:.3f}) | {m['local']:.3f} ({b['local']:.3f}) | "
             f"{m['toolkit'] / m['local']:.2f} ({b['toolkit'] / b['local']:.2f}) | "
-            f"{mib(s['toolkit'])} | {mib(s['local'])} | {mib(p['toolkit'])} | {mib(p['local'])} | "
+            f"{_mib(s['toolkit'])} | {_mib(s['local'])} | {_mib(p['toolkit'])} | {_mib(p['local'])} | "
             f"{r['max_abs_diff']:.1e} |")
 
 
@@ -231,7 +234,8 @@ def main() -> None:
             child_peak(rest[0], int(rest[1]), rest[2])
         print(json.dumps(result))
         return
-    print("| seq | toolkit s, median (best) | local s, median (best) | ratio | toolkit saved MiB | local saved MiB | toolkit peak MiB | "
+    print("| seq | toolkit s, median (best) | local s, median (best) | ratio | toolkit saved MiB | local saved MiB | "
+          "toolkit peak MiB | "
           "local peak MiB | max abs diff |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = measure(args.seq, args.dtype, args.repeats)
     import torch

@@ -108,8 +108,7 @@ def child_wait(corpus: Path, cache: Path, num_proc: int, steps: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.config import DEMO_DIR
-    from toolkit.data import (count_loss_tokens, global_batch_indices, load_tokenizer, prepare_data,
-                              rank_micro_batches)
+    from toolkit.data import count_loss_tokens, global_batch_indices, load_tokenizer, prepare_data, rank_micro_batches
     cfg = config(corpus, cache, num_proc)
     ds = prepare_data(cfg, load_tokenizer(cfg)).train  # cached by the runs before
 

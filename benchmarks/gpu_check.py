@@ -605,6 +605,7 @@ def _flex_probe(ctx: Ctx, strict: bool) -> None:
     """The toolkit's document attention through compiled flex_attention vs sdpa with the same boolean mask,
     forward and (on a GPU) backward; ``strict``: inside the toolkit's strict device mode (issue 28, 1)."""
     import torch
+
     from toolkit.adapters.attention import TokenLayout, attend
     dev = ctx.device()
     label = ("the toolkit's attend, flex kernel (compiled on GPUs), documents"
@@ -712,6 +713,7 @@ def save_fixed_model(path: Path, perturb: float = 0.0, init_range: float = FIXED
     one backend computing something else)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from toolkit.config import DEMO_DIR
     config = AutoConfig.from_pretrained(DEMO_DIR / "tiny-llama")
     config.initializer_range = init_range
@@ -843,6 +845,7 @@ def phase_tests(ctx: Ctx, name: str) -> None:
 def model_flops_per_token(config: dict, seq: int) -> float:
     """The toolkit's own count (``toolkit/estimate/flops.py``, what ``toolkit train`` logs MFU with)."""
     from transformers import AutoConfig
+
     from toolkit.estimate.flops import flops_per_token
     from toolkit.plan.model import model_spec
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
@@ -906,6 +909,7 @@ def phase_throughput_hf(ctx: Ctx) -> None:
     """The baseline: plain HF model + torch AdamW (fused on GPUs), bf16 autocast over fp32 weights (what
     HF Trainer's bf16 does), sdpa attention, the same shapes and step count; random tokens."""
     import statistics
+
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
     sh, dev = ctx.shape, ctx.device()

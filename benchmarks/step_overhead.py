@@ -245,7 +245,8 @@ def main(argv=None) -> int:
             per_round = [round(statistics.median(intervals(x["stamps"], a.warmup)) /
                                statistics.median(intervals(y["stamps"], a.warmup)), 3)
                          for x in runs if x["case"] == ours for y in runs if y["case"] == ref and y["round"] == x["round"]]
-            ratios[f"{ours}/{ref}"] = {"step_time_ratio": round(figures[ours]["median_step_s"] / figures[ref]["median_step_s"], 3),
+            ratios[f"{ours}/{ref}"] = {"step_time_ratio": round(figures[ours]["median_step_s"]
+                                                                / figures[ref]["median_step_s"], 3),
                                        "per_round": per_round, "target_max": target}
     result = {"benchmark": "step_overhead", "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
               "machine": _machine(), "versions": _versions(),
@@ -416,7 +417,8 @@ def hf_trainer(workdir: Path, data: dict, steps: int, stamps: Stamps, lora: bool
         learning_rate=t["lr"], weight_decay=t["weight_decay"], adam_beta1=t["betas"][0], adam_beta2=t["betas"][1],
         adam_epsilon=t["eps"], max_grad_norm=t["grad_clip"], lr_scheduler_type="cosine", warmup_steps=t["warmup_steps"],
         logging_steps=t["log_every"], save_strategy="no", eval_strategy="no", report_to="none", seed=t["seed"],
-        data_seed=t["seed"], dataloader_num_workers=0, accelerator_config={"use_configured_state": True}, deepspeed=json.loads(json.dumps(DS_ZERO2)))
+        data_seed=t["seed"], dataloader_num_workers=0, accelerator_config={"use_configured_state": True},
+        deepspeed=json.loads(json.dumps(DS_ZERO2)))
     model = _hf_model()
     if lora:
         from peft import LoraConfig, get_peft_model

@@ -146,7 +146,8 @@ def test_strict_mode_refuses_host_positions():
 # --- kernel choice ------------------------------------------------------------------------------------
 
 def test_kernel_choice_per_device_and_need():
-    pick = lambda mode, dev, **kw: choose_kernel(mode, dev, **{"masked": False, "softcap": False, "dropout": False, **kw})
+    def pick(mode, dev, **kw):
+        return choose_kernel(mode, dev, **{"masked": False, "softcap": False, "dropout": False, **kw})
     assert [pick("auto", d) for d in ("cpu", "cuda")] == ["sdpa", "sdpa"]
     assert [pick("auto", d, masked=True) for d in ("cpu", "cuda")] == ["sdpa", "flex"]
     assert [pick("auto", d, softcap=True) for d in ("cpu", "cuda")] == ["math", "flex"]

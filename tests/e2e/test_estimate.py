@@ -154,8 +154,10 @@ def test_dry_run_megatron_prints_the_layout(capsys):
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["backend=megatron", "megatron.tp=3", "nproc=3"], "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
-    (["backend=megatron", "megatron.tp=3"], "world size 2 is not divisible by megatron.tp=3 x megatron.pp=1; choose tp x pp in [1, 2]"),
+    (["backend=megatron", "megatron.tp=3", "nproc=3"],
+     "num_attention_heads=4 is not divisible by megatron.tp=3; choose tp in [1, 2]"),
+    (["backend=megatron", "megatron.tp=3"],
+     "world size 2 is not divisible by megatron.tp=3 x megatron.pp=1; choose tp x pp in [1, 2]"),
     (["train.micro_batch_size=3"], "train.global_batch_size=16 is not divisible by train.micro_batch_size=3 x dp=2"),
     (["zero.offload_params=true"], "zero.offload_params needs ZeRO stage 3, got zero.stage=2"),
     (["train.steps=0"], "train.steps=0 must be >= 1"),
@@ -270,8 +272,8 @@ def test_activation_model_within_8_percent_of_what_autograd_saves():
     import torch
 
     from toolkit.adapters.hf import build_model
-    from toolkit.loss import token_loss_sum
     from toolkit.estimate.memory import _activations
+    from toolkit.loss import token_loss_sum
     from toolkit.plan import build_plan
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
     model = build_model(build_plan(cfg, [2]))
@@ -348,8 +350,8 @@ def test_logits_and_loss_formula_matches_the_allocator():
     logits, then the loss's peak during forward and backward, for one chunk and for several."""
     import torch
 
-    from toolkit.loss import token_loss_sum
     from toolkit.estimate.memory import chunked_loss_bytes
+    from toolkit.loss import token_loss_sum
     b, s, v = 2, 256, 4099
     shape = model_spec(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=v))

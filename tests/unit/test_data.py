@@ -75,7 +75,8 @@ def test_text_packing_matches_eos_separated_stream(tmp_path, tok):
 
 def test_instruction_masks_prompt_and_labels_response_and_eos(tmp_path, tok):
     examples = [{"prompt": "Reverse: a b c", "response": "c b a"}, {"prompt": "Say hi", "response": "hi there"}]
-    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "i.jsonl", examples * 4), template="instruction", packing="concat", seq_len=64)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "i.jsonl", examples * 4), template="instruction", packing="concat",
+                   seq_len=64)
     r = rows(data.prepare_data(cfg, tok).train)
     ids = r["input_ids"][0]
     labelled = r["labels"][0][r["labels"][0] != -100].tolist()

@@ -51,7 +51,8 @@ def test_every_setup_cfg_requirement_is_pinned_within_its_range():
     pins = pinned_versions()
     for req in setup_cfg_requirements():
         assert _norm(req.name) in pins, f"setup.cfg needs {req.name} but requirements/constraints.txt does not pin it"
-        assert req.specifier.contains(pins[_norm(req.name)]), f"pin {req.name}=={pins[_norm(req.name)]} is outside setup.cfg's {req}"
+        pin = pins[_norm(req.name)]
+        assert req.specifier.contains(pin), f"pin {req.name}=={pin} is outside setup.cfg's {req}"
 
 
 def test_both_images_install_through_install_sh_with_the_pins():

@@ -124,7 +124,8 @@ def test_modes_default_cache_keys_counts_and_micro_batches(tmp_path, tok):
 
 # --- the HF path -----------------------------------------------------------------------------------
 
-FAMILIES = ("llama", "qwen2", "gpt2", "qwen2_moe", "gemma2")  # RoPE llama3; biases, tied; learned positions; MoE; softcap + windows
+# RoPE llama3; biases, tied; learned positions; MoE; softcap + windows
+FAMILIES = ("llama", "qwen2", "gpt2", "qwen2_moe", "gemma2")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -20,6 +20,7 @@ from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import token_loss_sum
 from toolkit.plan import Plan
 
+
 def _install_op_caches() -> None:
     from toolkit.compat import cpuinfo_cache, torch_extensions
     cpuinfo_cache.install()  # DeepSpeed's CPU op builders would start a subprocess per query
@@ -381,6 +382,7 @@ def _hf_zero3_load(plan: Plan, ds_config: dict, dtype: torch.dtype) -> torch.nn.
     """transformers' own ZeRO-3 load (its checkpoint conversions; rank 0 reads, ranks keep shares)."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+
     from toolkit.adapters.hf import model_dir
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
     return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)

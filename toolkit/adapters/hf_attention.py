@@ -27,8 +27,14 @@ from functools import lru_cache
 
 import torch
 
-from toolkit.adapters.attention import (KERNEL_NOTES, TokenLayout, attend, choose_kernel, flex_unavailable,
-                                        softcap_score_mod)
+from toolkit.adapters.attention import (
+    KERNEL_NOTES,
+    TokenLayout,
+    attend,
+    choose_kernel,
+    flex_unavailable,
+    softcap_score_mod,
+)
 
 ATTENTION = "toolkit_documents"
 """The name under which the toolkit's attention is registered with transformers."""

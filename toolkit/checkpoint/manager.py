@@ -18,8 +18,16 @@ import os
 import shutil
 from pathlib import Path
 
-from toolkit.storage import (COMPLETE, LATEST, MANIFEST, build_manifest, fsync, newest_complete, write_json_durable,
-                             write_text_atomic)
+from toolkit.storage import (
+    COMPLETE,
+    LATEST,
+    MANIFEST,
+    build_manifest,
+    fsync,
+    newest_complete,
+    write_json_durable,
+    write_text_atomic,
+)
 
 
 class CheckpointError(RuntimeError):

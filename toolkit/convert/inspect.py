@@ -35,8 +35,8 @@ def inspect(path, hf_config: str | None = None) -> dict:
 def runs_on(config: dict) -> dict:
     """Where the model can train: DeepSpeed takes any transformers causal LM; megatron needs a family
     table and a config it honours exactly, then the TP/PP/EP sizes that split it evenly."""
-    from toolkit.formats.canonical import hf_config_object
     from toolkit.families import FamilyError, find_family, supported
+    from toolkit.formats.canonical import hf_config_object
     from toolkit.plan.layout import divisors, valid_tp
     family = find_family(config.get("model_type"))
     if family is None:

@@ -156,8 +156,8 @@ def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
 
 
 def _experts(config: dict) -> int:
-    from toolkit.formats.canonical import hf_config_object
     from toolkit.families import find_family
+    from toolkit.formats.canonical import hf_config_object
     family = find_family(config.get("model_type"))
     return family.num_experts(hf_config_object(config)) if family else 0
 
@@ -214,8 +214,14 @@ class _RichProgress:
         self.count = len(source.infos)
 
     def __enter__(self):
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             TextColumn("{task.fields[tensors]} tensors"), TimeElapsedColumn(), transient=False)
         self.bar.__enter__()

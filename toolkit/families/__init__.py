@@ -19,8 +19,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from toolkit.families.base import (Family, FamilyError, MappingReader, Packed, Reader, attention_dims,
-                                   rope_parameters)
+from toolkit.families.base import Family, FamilyError, MappingReader, Packed, Reader, attention_dims, rope_parameters
 from toolkit.plan.layout import padded_vocab_size  # its one home; re-exported for the family tools
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",

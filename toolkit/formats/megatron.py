@@ -28,8 +28,12 @@ from pathlib import Path
 import torch
 
 from toolkit.formats.canonical import Source, TensorInfo, WriteRequest, hf_config_object
-from toolkit.formats.describe import (layout_record, megatron_description, read_megatron_description,
-                                      write_megatron_description)
+from toolkit.formats.describe import (
+    layout_record,
+    megatron_description,
+    read_megatron_description,
+    write_megatron_description,
+)
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.pages import SourceMaps, give_back, trim_heap
 from toolkit.formats.safeload import safe_load

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from toolkit.formats.errors import ConvertError
 
+
 class Fields:
     """Stand-in for a small object a checkpoint holds (LossScaler, fragment_address): keeps its
     fields, runs none of its code, and needs no import of the library that defined it."""

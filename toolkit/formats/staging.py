@@ -8,8 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-from toolkit.storage import COMPLETE, MANIFEST, build_manifest, verify_complete, write_json_durable
 from toolkit.formats.errors import ConvertError
+from toolkit.storage import COMPLETE, MANIFEST, build_manifest, verify_complete, write_json_durable
 
 
 @contextlib.contextmanager

@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from toolkit.formats.describe import (describe_hf, describe_megatron, describe_megatron_legacy, describe_zero,
-                                      describe_zero_universal, find_dist_dir, find_legacy_dir)
+from toolkit.formats.describe import (
+    describe_hf,
+    describe_megatron,
+    describe_megatron_legacy,
+    describe_zero,
+    describe_zero_universal,
+    find_dist_dir,
+    find_legacy_dir,
+)
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.hf import is_hf_dir
 from toolkit.formats.zero_index import find_tag_dir, is_universal

@@ -33,7 +33,6 @@ from toolkit.formats.pages import FileMaps, SourceMaps, give_back
 from toolkit.formats.safeload import safe_load
 from toolkit.formats.zero_index import ZeroIndex, spans, sub_frags
 
-
 READ_BLOCK = 4 << 20
 """Elements (16 MB of fp32) copied out of a memory-mapped partition before its pages are given back."""
 

@@ -105,7 +105,8 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _emit_restart_timeline(self) -> None:
         """``restarted``: seconds from the failure's detection to the end of the backoff, the ranks
-        torn down, the rendezvous closed and the ranks started (the ranks add theirs to ``recovered``: ``Trainer._note_recovery``)."""
+        torn down, the rendezvous closed and the ranks started (the ranks add theirs to ``recovered``:
+        ``Trainer._note_recovery``)."""
         marks = self._recovery
         if "detected" not in marks:
             return

@@ -14,7 +14,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-
 ELASTIC_WAIT_S = 10
 RDZV_JOIN_TIMEOUT_S = 900  # how long a node waits for node 0, as torchrun's join timeout
 

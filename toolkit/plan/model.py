@@ -67,7 +67,8 @@ def model_spec(hf_config) -> ModelSpec:
     act = str(getattr(hf_config, "hidden_act", getattr(hf_config, "activation_function", "gelu")))
     mlp = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * hf_config.hidden_size
     moe = any(counts["per_layer_experts"])
-    return ModelSpec(hf=json.loads(hf_config.to_json_string(use_diff=False)), model_type=hf_config.model_type, layers=hf_config.num_hidden_layers,
+    return ModelSpec(hf=json.loads(hf_config.to_json_string(use_diff=False)), model_type=hf_config.model_type,
+                     layers=hf_config.num_hidden_layers,
                      hidden=hf_config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
                      glu="silu" in act or "swiglu" in act, vocab=hf_config.vocab_size, **counts,
                      experts=_routed_experts(hf_config) if moe else 0,

@@ -99,7 +99,8 @@ class Trainer:
         d, data = self.cfg.data, self.data
         line = f"data.packing={data.packing}: {data.num_documents:,} documents -> {len(data.train):,} train rows"
         if data.packing != "concat":
-            line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({'split' if d.overflow == 'split' else 'dropped'})"
+            handled = "split" if d.overflow == "split" else "dropped"
+            line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({handled})"
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,

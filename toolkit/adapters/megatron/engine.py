@@ -21,16 +21,24 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters.megatron import export, grid, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
-from toolkit.adapters.megatron.model import (attention_options, build_chunks, load_balanced_router_class,
-                                             transformer_config)
-from toolkit.adapters.megatron.weights import (check_hf_keys, checkpoint_names, hf_weights, load_hf_into_chunk,
-                                               release_storage)
+from toolkit.adapters.megatron.model import (
+    attention_options,
+    build_chunks,
+    load_balanced_router_class,
+    transformer_config,
+)
+from toolkit.adapters.megatron.weights import (
+    check_hf_keys,
+    checkpoint_names,
+    hf_weights,
+    load_hf_into_chunk,
+    release_storage,
+)
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import IGNORE_INDEX
 from toolkit.plan import Plan
-
 
 
 class MegatronEngine:

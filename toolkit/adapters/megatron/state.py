@@ -11,7 +11,6 @@ from toolkit.compat import megatron_core
 from toolkit.formats.describe import megatron_description, write_megatron_description
 
 
-
 def model_sharded_state_dict(engine) -> dict:
     """``model`` (or ``model0``, ``model1``... per virtual stage, as Megatron-LM names them); a LoRA
     run's adapters only, under ``adapters`` (``lora.sharded_adapters``: HF-PEFT names)."""

@@ -3,7 +3,6 @@ only its slices (through the family's weight table), plus what the table cannot 
 frequencies, the embedding's ``padding_idx``)."""
 from __future__ import annotations
 
-
 import torch
 
 from toolkit.adapters.megatron import grid
