@@ -128,3 +128,29 @@ def test_a_metadata_setting_attributes_on_a_dcp_class_is_refused(fsdp2, tmp_path
     with pytest.raises(ConvertError, match=r"refusing to unpickle setting attributes on 'Metadata'"):
         open_source(tmp_path / "dcp", str(config))
     assert "planner_data" not in vars(Metadata) or vars(Metadata)["planner_data"] is None
+
+
+def _save_single_process(folder: Path, model_state: dict, optim: dict) -> None:
+    """DCP's own writer, in this process (``no_dist``): the same key layout as an FSDP2 save."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model": model_state, "optim": optim}, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_a_pickled_hyperparameter_that_runs_code_is_refused(fsdp2, tmp_path):
+    """Non-tensor items (param_groups) are pickles inside the .distcp files; DCP's own planner loads
+    them with weights_only=False, the reader here with weights_only=True."""
+    ckpt, config, reference = fsdp2
+    marker = tmp_path / "payload_ran"
+    optim = {"state": reference["optim"]["state"], "param_groups": [{"lr": _RunsCode(f"touch {marker}")}]}
+    _save_single_process(tmp_path / "dcp", reference["model"], optim)
+    with pytest.raises(ConvertError, match=r"refusing to unpickle (posix|os)\.system in optim\.param_groups\.0\.lr"):
+        open_source(tmp_path / "dcp", str(config))
+    assert not marker.exists()
+
+
+def test_another_optimizers_state_is_refused_by_name(fsdp2, tmp_path):
+    ckpt, config, reference = fsdp2
+    state = {n: {"momentum_buffer": torch.zeros_like(t)} for n, t in reference["model"].items()}
+    _save_single_process(tmp_path / "dcp", reference["model"], {"state": state})
+    with pytest.raises(ConvertError, match=r"optimizer state \['momentum_buffer'\] is not Adam/AdamW's"):
+        open_source(tmp_path / "dcp", str(config))

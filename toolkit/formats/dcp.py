@@ -16,6 +16,8 @@ the few pickled hyperparameters with ``weights_only=True``: nothing in the direc
 from __future__ import annotations
 
 import io
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -113,8 +115,11 @@ class DCPSource(Source):
                                planner).wait()
         try:
             return torch.load(io.BytesIO(planner.value), weights_only=True)
-        except Exception as exc:  # an UnpicklingError naming the refused global
-            raise ConvertError(f"{self.path}: refusing {key}: {str(exc).splitlines()[0]}") from None
+        except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            raise ConvertError(f"{self.path}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: "
+                               "an optimizer's hyperparameters are plain numbers, and unpickling anything else "
+                               "could run code (do not trust this checkpoint)") from None
 
     def read(self, name: str, state: str = "param") -> torch.Tensor:
         if state == "param":
