@@ -109,7 +109,8 @@ def test_a_malicious_metadata_is_refused_without_running_it(fsdp2, tmp_path):
     shutil.copytree(ckpt, tmp_path / "dcp")
     marker = tmp_path / "payload_ran"
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_RunsCode(f"touch {marker}")))
-    for call in (lambda: open_source(tmp_path / "dcp", str(config)),
+    from toolkit.formats.megatron import open_dist  # megatron's torch_dist reader vets it the same way
+    for call in (lambda: open_source(tmp_path / "dcp", str(config)), lambda: open_dist(tmp_path / "dcp"),
                  lambda: convert(tmp_path / "dcp", tmp_path / "out", to="hf", hf_config=str(config))):
         with pytest.raises(ConvertError, match=r"refusing to unpickle (posix|os)\.system"):
             call()
@@ -154,3 +155,17 @@ def test_another_optimizers_state_is_refused_by_name(fsdp2, tmp_path):
     _save_single_process(tmp_path / "dcp", reference["model"], {"state": state})
     with pytest.raises(ConvertError, match=r"optimizer state \['momentum_buffer'\] is not Adam/AdamW's"):
         open_source(tmp_path / "dcp", str(config))
+
+
+def test_megatron_cores_torch_dist_metadata_passes_the_vetting_unchanged(tmp_path):
+    """The megatron format's reader vets its .metadata the same way: megatron-core's own save (with
+    its save plans) reads back equal to what DCP's bare ``pickle.load`` gives."""
+    from tests.helpers.dcp import save_megatron_engine
+    from tests.helpers.ranks import run_ranks
+    from toolkit.formats.dcp_metadata import load_metadata
+    run_ranks(save_megatron_engine, 2, tmp_path, "qwen2", str(tmp_path / "ckpt"))
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        trusted = pickle.load(f)  # written by this test just now
+    vetted = load_metadata(tmp_path / "ckpt")
+    assert vetted.all_local_plans  # the save plans are there, and equal
+    assert vars(vetted) == vars(trusted)

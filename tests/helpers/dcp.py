@@ -45,3 +45,14 @@ def build_fsdp2_dcp(tmp_path: Path, family: str = "llama", world: int = 2) -> tu
     reference = run_ranks(save_fsdp2_dcp, world, tmp_path, family, str(ckpt))[0]
     tiny_config(family).to_json_file(config)
     return ckpt, config, reference
+
+
+def save_megatron_engine(rank: int, world: int, family: str, path: str) -> None:
+    """Rank body: a megatron-core engine at TP ``world`` saves untrained through its own
+    ``dist_checkpointing`` (torch_dist: a DCP directory whose ``.metadata`` also holds the save plans)."""
+    from tests.helpers.ranks import megatron_engine
+    from toolkit.config import validate
+    from toolkit.families.tiny import tiny_model
+    config = validate({"backend": "megatron", "megatron": {"tp": world, "pp": 1},
+                       "train": {"global_batch_size": 4, "micro_batch_size": 2}})
+    megatron_engine(config, tiny_model(family)).save(path, 0)

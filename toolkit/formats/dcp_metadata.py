@@ -1,7 +1,8 @@
 """A PyTorch distributed checkpoint's ``.metadata``, unpickled with an allowlist.
 
 Why: ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` is a bare ``pickle.load``, so a
-``.metadata`` file from an untrusted source could run any code when DCP opens it. ``load_metadata``
+``.metadata`` file from an untrusted source could run any code when DCP opens it (a PyTorch DCP
+directory, and megatron-core's torch_dist format, which is one). ``load_metadata``
 unpickles it here instead, with ``find_class`` answering only DCP's own metadata classes, torch
 dtypes / layouts / memory formats, ``torch.Size`` and paths, and hands the result to the reader
 (which then never unpickles the file itself). Any other global (``os.system``, ``builtins.eval``)
@@ -22,12 +23,15 @@ _DCP_CLASSES = {
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # megatron-core's torch_dist saves keep every rank's save plan in ``Metadata.all_local_plans``
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
     "torch.serialization": ("_get_layout",),
     "torch": ("Size",),
     "pathlib": ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),  # storage_meta.checkpoint_id
     "collections": ("OrderedDict",),
 }
-"""Every global a ``.metadata`` written by ``torch.distributed.checkpoint`` names (torch 2.x)."""
+"""Every global a ``.metadata`` written by ``torch.distributed.checkpoint`` names (torch 2.x), directly or
+through megatron-core's ``dist_checkpointing`` (the megatron format's reader vets it too)."""
 
 
 class _VettingUnpickler(pickle._Unpickler):
