@@ -70,9 +70,8 @@ class DCPSource(Source):
 
     def _check_names(self) -> None:
         """Exactly the HF model's parameters with its shapes (a meta-device model of the config)."""
-        from transformers import AutoModelForCausalLM
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config_object(self.hf_config))
+        from toolkit.families.meta import meta_model
+        model = meta_model(hf_config_object(self.hf_config))
         want = {n: tuple(t.shape) for n, t in model.state_dict().items()
                 if not (self.tied and n == "lm_head.weight")}
         missing, unknown = sorted(set(want) - set(self.infos)), sorted(set(self.infos) - set(want))
