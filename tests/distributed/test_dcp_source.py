@@ -78,11 +78,15 @@ def test_inspect_names_the_format_and_its_writer_ranks(fsdp2):
     assert "dcp" in proc.stdout
 
 
-def test_a_missing_rank_file_is_refused(fsdp2, tmp_path):
+def test_a_missing_rank_file_and_a_truncated_metadata_are_refused(fsdp2, tmp_path):
     ckpt, config, _ = fsdp2
     shutil.copytree(ckpt, tmp_path / "dcp")
     (tmp_path / "dcp" / "__1_0.distcp").unlink()
     with pytest.raises(ConvertError, match=r"data files \['__1_0.distcp'\] named in .metadata are missing"):
+        open_source(tmp_path / "dcp", str(config))
+    metadata = (tmp_path / "dcp" / ".metadata").read_bytes()
+    (tmp_path / "dcp" / ".metadata").write_bytes(metadata[:len(metadata) // 2])
+    with pytest.raises(ConvertError, match=r"not a readable DCP .metadata .*truncated or damaged"):
         open_source(tmp_path / "dcp", str(config))
 
 
