@@ -27,8 +27,9 @@ WRITTEN = {
     "zero-universal": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
 }
 """Layout records the toolkit's writers produce for ``REQUEST``."""
-READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1}}
-"""Formats written by DeepSpeed / Megatron-LM themselves (the slow cases below, at DP 2 / TP 2)."""
+READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1},
+             "dcp": {"dp": 2}}
+"""Formats written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2)."""
 MEGATRON_DESCRIPTION = {
     "format": "megatron-core torch_dist", "family": "qwen2", "vocab_size": 250, "padded_vocab_size": 256,
     "make_vocab_size_divisible_by": 64, "layer_spec": "gpt_layer_local_spec",
@@ -110,3 +111,18 @@ def test_megatron_legacy_checkpoint_is_detected_read_and_described(tmp_path):
     source = open_located(found)
     for n in source.names():
         assert torch.equal(source.read(n), held[n]), n
+
+
+@pytest.mark.slow
+def test_fsdp2_dcp_checkpoint_is_detected_read_and_described(tmp_path):
+    """FSDP2 + ``torch.distributed.checkpoint`` on 2 ranks (tests/helpers/dcp.py), tied embeddings."""
+    from tests.helpers.dcp import build_fsdp2_dcp
+    ckpt, config, reference = build_fsdp2_dcp(tmp_path, FAMILY)
+    found = locate(ckpt, hf_config=str(config))
+    assert found.format == "dcp"
+    assert by_name("dcp").describe(found.path) == READ_ONLY["dcp"]
+    source = open_located(found)
+    assert source.layout == READ_ONLY["dcp"]
+    assert sorted(source.names()) == sorted(n for n in reference["model"] if n != "lm_head.weight")  # tied
+    for n in source.names():
+        assert torch.equal(source.read(n), reference["model"][n]), n

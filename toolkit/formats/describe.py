@@ -6,7 +6,8 @@
   ``megatron_description`` ``toolkit_megatron.json`` beside a torch_dist checkpoint (true vocab,
                            padded vocab and its divisor, layer spec, layout), written and read by
                            ``write_megatron_description`` / ``read_megatron_description``
-  ``find_dist_dir`` / ``find_legacy_dir``  where a megatron checkpoint lies (its own markers)
+  ``find_dist_dir`` / ``find_legacy_dir`` / ``find_dcp_dir``  where a megatron or PyTorch DCP checkpoint
+                           lies (its own markers)
   ``describe_*``           each format's layout record, read back from a checkpoint (the table's
                            ``describe``)
 """
@@ -21,6 +22,8 @@ from toolkit.formats.errors import ConvertError
 MEGATRON_DESCRIPTION = "toolkit_megatron.json"
 LEGACY_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 """Megatron-LM's legacy rank folders: ``mp_rank_{tp:02d}[_{pp:03d}]``."""
+DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+"""``FileSystemWriter``'s data files: ``__{rank}_{file index}.distcp``."""
 
 
 def layout_record(backend: str, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, zero_stage: int = 0) -> dict:
@@ -75,6 +78,13 @@ def find_legacy_dir(path: Path) -> Path | None:
     return None
 
 
+def find_dcp_dir(path: Path) -> Path | None:
+    """A DCP directory: ``.metadata`` beside ``__R_N.distcp`` files (torch-free: the table's detector)."""
+    if path.is_dir() and (path / ".metadata").is_file() and any(DATA_FILE.match(p.name) for p in path.iterdir()):
+        return path
+    return None
+
+
 # --- each format's layout record, read back -----------------------------------------------------------
 
 def describe_hf(path: Path) -> dict:
@@ -113,3 +123,8 @@ def describe_megatron_legacy(path: Path) -> dict:
     """TP and PP from the rank folders' names."""
     ranks = [(int(m.group(1)), int(m.group(2) or 0)) for d in path.iterdir() if (m := LEGACY_RE.match(d.name))]
     return {"tp": 1 + max(t for t, _ in ranks), "pp": 1 + max(p for _, p in ranks)}
+
+
+def describe_dcp(path: Path) -> dict:
+    """The number of ranks that wrote it (the FSDP data-parallel size), from the data files' names."""
+    return {"dp": len({DATA_FILE.match(p.name).group(1) for p in path.iterdir() if DATA_FILE.match(p.name)})}

@@ -117,11 +117,10 @@ class _RegionPlanner:
 def open_dist(path: Path):
     """(FileSystemReader, its metadata) of a torch_dist directory, ready to read regions."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from toolkit.formats.dcp_metadata import load_metadata
     reader = FileSystemReader(str(path))
-    try:
-        md = reader.read_metadata()
-    except Exception as exc:
-        raise ConvertError(f"{path}: cannot read the torch_dist metadata ({exc}); the checkpoint is damaged") from None
+    md = load_metadata(path)  # allowlisted: FileSystemReader.read_metadata is a bare pickle.load
     reader.set_up_storage_reader(md, True)
     return reader, md
 

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from toolkit.formats.describe import (
+    describe_dcp,
     describe_hf,
     describe_megatron,
     describe_megatron_legacy,
     describe_zero,
     describe_zero_universal,
+    find_dcp_dir,
     find_dist_dir,
     find_legacy_dir,
 )
@@ -85,6 +87,8 @@ FORMATS = (  # in the order ``locate`` tries them
     Format("zero", _zero_native, "toolkit.formats.zero:ZeroSource", None, describe_zero, backend="deepspeed"),
     Format("zero-universal", _zero_universal, "toolkit.formats.zero:UniversalSource", "toolkit.formats.zero:write",
            describe_zero_universal, to="zero", backend="deepspeed"),
+    # after megatron: a torch_dist directory is a DCP directory too, told apart by its metadata.json
+    Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", None, describe_dcp),
 )
 TARGETS = tuple(f.to for f in FORMATS if f.to)
 """What ``convert --to`` writes."""

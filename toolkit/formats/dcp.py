@@ -1,0 +1,138 @@
+"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF parameter names: read.
+
+The layout read here is what ``torch.distributed.checkpoint.save`` writes for
+``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}``
+(``torch.distributed.checkpoint.state_dict``) at any number of writer ranks: a directory of
+``__{rank}_{n}.distcp`` files and one ``.metadata``, whose keys are the flattened state dict:
+  ``model.<HF name>``                          the weights (each a global tensor, chunked by rank)
+  ``optim.state.<HF name>.{exp_avg,exp_avg_sq,step}``   AdamW's state, keyed by parameter name
+  ``optim.param_groups.<g>.{lr,betas,eps,weight_decay,params,...}``  hyperparameters (pickled bytes)
+
+Tensors are read one at a time through DCP's own ``FileSystemReader`` (each from whatever chunks
+the ranks wrote; DCP itself loads them with ``torch.load(weights_only=True)``). The ``.metadata``
+pickle is read by ``dcp_metadata.load_metadata``'s allowlist, never by DCP's ``pickle.load``, and
+the few pickled hyperparameters with ``weights_only=True``: nothing in the directory runs code.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from toolkit.formats.canonical import Source, TensorInfo, hf_config_object
+from toolkit.formats.dcp_metadata import load_metadata
+from toolkit.formats.describe import describe_dcp
+from toolkit.formats.errors import ConvertError
+from toolkit.formats.megatron import read_region
+
+MODEL, STATE, GROUPS = "model.", "optim.state.", "optim.param_groups."
+ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
+HPARAMS = ("lr", "betas", "eps", "weight_decay")
+class DCPSource(Source):
+    """An FSDP2 model's DCP checkpoint (HF names); weights, AdamW moments and step, tensor by tensor."""
+
+    def __init__(self, path: Path, hf_config: dict, **kw):
+        super().__init__(path=path, format="dcp", hf_config=hf_config, **kw)
+        from torch.distributed.checkpoint import FileSystemReader
+        self._md = load_metadata(path)
+        self._check_files()
+        self._reader = FileSystemReader(str(path))
+        self._reader.set_up_storage_reader(self._md, True)  # the vetted metadata: DCP never unpickles it
+        tensors = {k: v for k, v in self._md.state_dict_metadata.items() if hasattr(v, "size")}
+        self.infos = self._model_infos(tensors)
+        self._check_names()
+        self.has_optimizer = self._check_optimizer(tensors)
+        self.step = self._step(tensors) if self.has_optimizer else None
+        self.optimizer_hparams = self._hparams()
+        self.layout = describe_dcp(path)
+
+    # --- what the checkpoint holds -----------------------------------------------------------------
+
+    def _check_files(self) -> None:
+        missing = sorted({s.relative_path for s in self._md.storage_data.values()
+                          if not (self.path / s.relative_path).is_file()})
+        if missing:
+            raise ConvertError(f"{self.path}: data files {missing} named in .metadata are missing; the checkpoint "
+                               "is incomplete (copy every writer rank's .distcp file)")
+
+    def _model_infos(self, tensors: dict) -> dict[str, TensorInfo]:
+        infos = {k[len(MODEL):]: TensorInfo(tuple(v.size), v.properties.dtype)
+                 for k, v in tensors.items() if k.startswith(MODEL)}
+        if not infos:
+            raise ConvertError(f"{self.path}: no 'model.*' tensors; expected a DCP checkpoint saved as "
+                               "{'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, opt)}")
+        if self.tied:
+            infos.pop("lm_head.weight", None)  # the input embedding itself (canonical names)
+        return infos
+
+    def _check_names(self) -> None:
+        """Exactly the HF model's parameters with its shapes (a meta-device model of the config)."""
+        from toolkit.families.meta import meta_model
+        model = meta_model(hf_config_object(self.hf_config))
+        want = {n: tuple(t.shape) for n, t in model.state_dict().items()
+                if not (self.tied and n == "lm_head.weight")}
+        missing, unknown = sorted(set(want) - set(self.infos)), sorted(set(self.infos) - set(want))
+        wrong = sorted(n for n in set(want) & set(self.infos) if want[n] != self.infos[n].shape)
+        if missing or unknown or wrong:
+            raise ConvertError(f"{self.path}: the model tensors are not the HF {self.model_type} model's (wrong "
+                               f"--hf-config, or names other than HF's?): missing {missing[:6]}, unknown "
+                               f"{unknown[:6]}, wrong shapes {wrong[:6]}")
+
+    def _check_optimizer(self, tensors: dict) -> bool:
+        """AdamW state or none; another optimizer's state is refused by its keys."""
+        kinds = {k[len(STATE):].rpartition(".")[2] for k in tensors if k.startswith(STATE)}
+        if not kinds:
+            return False
+        if not kinds <= ADAM_STATE or "exp_avg" not in kinds:
+            raise ConvertError(f"{self.path}: optimizer state {sorted(kinds)} is not Adam/AdamW's (exp_avg, "
+                               "exp_avg_sq, step); only Adam/AdamW state converts (or pass --weights-only)")
+        return True
+
+    def _step(self, tensors: dict) -> int | None:
+        steps = [k for k in tensors if k.startswith(STATE) and k.endswith(".step")]
+        return int(self._tensor(steps[0]).item()) if steps else None
+
+    def _hparams(self) -> dict:
+        keys = {k: f"{GROUPS}0.{k}" for k in HPARAMS}
+        found = {k: key for k, key in keys.items() if key in self._md.state_dict_metadata}
+        return {k: self._bytes(key) for k, key in found.items()}
+
+    # --- data --------------------------------------------------------------------------------------
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        return read_region(self._reader, self._md, key)
+
+    def _bytes(self, key: str):
+        """A pickled non-tensor item, loaded as data only (DCP's own planner would trust it)."""
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import _create_read_items
+        planner = _BytesPlanner()
+        self._reader.read_data(LoadPlan(_create_read_items(key, self._md.state_dict_metadata[key], None)),
+                               planner).wait()
+        try:
+            return torch.load(io.BytesIO(planner.value), weights_only=True)
+        except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            raise ConvertError(f"{self.path}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: "
+                               "an optimizer's hyperparameters are plain numbers, and unpickling anything else "
+                               "could run code (do not trust this checkpoint)") from None
+
+    def read(self, name: str, state: str = "param") -> torch.Tensor:
+        if state == "param":
+            return self._tensor(MODEL + name)
+        key = f"{STATE}{name}.{state}"
+        if key not in self._md.state_dict_metadata:  # a frozen parameter: no optimizer state
+            return torch.zeros(self.infos[name].shape, dtype=torch.float32)
+        return self._tensor(key)
+
+
+class _BytesPlanner:
+    """Receives one pickled item's bytes (``FileSystemReader.read_data`` hands them to ``load_bytes``)."""
+
+    value = b""
+
+    def load_bytes(self, read_item, value):
+        self.value = value.read()
