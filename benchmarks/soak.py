@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ["kill", "raise", "hang", "kill_in_save", "corrupt"]
+KINDS = ["kill", "raise", "hang", "kill_in_save", "corrupt", "abort", "sigterm", "sigint", "enospc"]
+PREEMPTED_EXIT = 75  # sigterm, sigint: the job saved and stopped; the same command resumes it
 
 
 def train(run_dir: Path, steps: int, every: int, faults: str, max_restarts: int) -> float:
@@ -32,8 +33,12 @@ def train(run_dir: Path, steps: int, every: int, faults: str, max_restarts: int)
     for s in sets:
         cmd += ["--set", s]
     tic = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, env={**os.environ, "TOOLKIT_FAULT": faults}, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
+    code = PREEMPTED_EXIT
+    while code == PREEMPTED_EXIT:  # preempted: run the same command again, as a scheduler would
+        code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TOOLKIT_FAULT": faults}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=3600).returncode
+    if code:
+        raise SystemExit(f"soak: toolkit train exited {code}; events in {run_dir}/events.jsonl")
     return time.perf_counter() - tic
 
 
@@ -41,7 +46,7 @@ def random_faults(n: int, steps: int, every: int, rng: random.Random) -> str:
     chosen = []
     for step in sorted(rng.sample(range(2, steps), n)):
         kind = rng.choice(KINDS)
-        if kind in ("kill_in_save", "corrupt"):
+        if kind in ("kill_in_save", "corrupt", "enospc"):
             step = max(every, step // every * every)  # these act on a checkpoint step
         chosen.append(f"{kind}:step={step}:rank={rng.randrange(2) if kind != 'corrupt' else 0}")
     return ";".join(dict.fromkeys(chosen))
@@ -57,6 +62,8 @@ def summarize(run_dir: Path, baseline: Path, steps: int) -> dict:
     recover = [e["time_to_recover_s"] for e in events if e["kind"] == "recovered" and e["time_to_recover_s"]]
     return {"restarts": sum(e["kind"] == "restart" for e in events),
             "hangs": sum(e["kind"] == "hang" for e in events),
+            "preemptions": sum(e["kind"] == "preempt_saved" for e in events),
+            "checkpoints_failed": sum(e["kind"] == "checkpoint_failed" for e in events),
             "checkpoints_skipped": sum(e["kind"] == "checkpoint_skipped" for e in events),
             "steps_lost": computed - steps,
             "time_to_recover_s": {"mean": round(statistics.mean(recover), 2) if recover else None,

@@ -126,8 +126,10 @@ def test_supervise_restarts_any_script(tmp_path):
     assert any(e["kind"] == "failure" and e["exit_code"] == 13 and e["rank"] == 1 for e in ev)
 
 
-def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninterrupted):
-    """What a scheduler does on preemption: SIGTERM to `toolkit train` itself."""
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninterrupted, signal_name):
+    """What a scheduler does on preemption: SIGTERM to `toolkit train` itself; a Ctrl-C (SIGINT, which
+    the launcher passes on to its ranks) stops it the same way."""
     import os
     import signal
     import subprocess
@@ -142,7 +144,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninter
     deadline = time.time() + 300
     while time.time() < deadline and len(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signal_name))
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, out[-3000:]
     saved = [e["step"] for e in events(run_dir) if e["kind"] == "preempt_saved"]

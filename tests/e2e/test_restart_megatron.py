@@ -71,3 +71,24 @@ def test_hang_then_preemption_then_resume(tmp_path, data_cache, uninterrupted):
     assert resumes(run_dir) == [("step_00000004", 4, "as saved")]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["async"] for r in rows if r.get("event") == "checkpoint")
+
+
+def test_abort_sigint_and_full_disk_recover_exactly(tmp_path, data_cache, uninterrupted):
+    """The newer fault kinds on 4 ranks: os.abort inside step 3 (restart from step 2), ENOSPC on rank
+    2 while writing step 4 (every rank fails at once, step 4 is dropped, restart from step 2), and
+    a Ctrl-C inside step 5 (save step 5, exit 75); the same command resumes from step 5."""
+    run_dir = tmp_path / "run"
+    faults = "abort:step=3:rank=1;enospc:step=4:rank=2;sigint:step=5:rank=3"
+    proc = train(run_dir, data_cache, *MEGATRON, "restart.max_restarts=3", nproc=NPROC,
+                 env={"TOOLKIT_FAULT": faults}, check=False)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    ev = events(run_dir)
+    assert [e["rank"] for e in ev if e["kind"] == "failure" and e["signal"] == "SIGABRT"] == [1]
+    [failed] = [e for e in ev if e["kind"] == "checkpoint_failed"]
+    assert (failed["step"], failed["kept"], failed["disk_full"], list(failed["errors"])) == (4, "step_00000002",
+                                                                                            True, ["2"])
+    assert (run_dir / "checkpoints" / "step_00000005" / "COMPLETE").exists()
+    train(run_dir, data_cache, *MEGATRON, nproc=NPROC)
+    assert losses(run_dir) == uninterrupted
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved"), ("step_00000002", 2, "as saved"),
+                                ("step_00000005", 5, "as saved")]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, step_dir_name
+from toolkit.checkpoint.manager import CheckpointManager, SaveFailed, describe_error, step_dir_name
 from toolkit.storage import fsync
 
 COPY_CHUNK = 1 << 22
@@ -137,11 +137,13 @@ class AsyncCheckpointer:
         return None
 
     def _fail(self) -> None:
+        """Some node's persist failed: every rank learns each one's error (collective) and raises."""
         step, error = self.pending, self._error
         self.pending, self._thread = None, None
-        raise CheckpointError(f"background persist of checkpoint step {step} failed"
-                              + (f" on this node: {error!r}" if error else " on another node")
-                              + "; the previous complete checkpoint is kept")
+        shutil.rmtree(self.snapshot_dir(step), ignore_errors=True)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, f"background persist failed: {describe_error(error)}" if error else None)
+        raise SaveFailed(step, errors)
 
     def _commit(self) -> Path | None:
         gathered = [None] * dist.get_world_size()

@@ -12,12 +12,20 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from toolkit import device
 from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
-from toolkit.checkpoint.manager import CheckpointManager, find_latest_complete
+from toolkit.checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    SaveFailed,
+    describe_error,
+    find_latest_complete,
+)
 from toolkit.checkpoint.reshard import check_same_lora, check_same_model, drop_conversion, engine_state_dir
 from toolkit.parallel import rng_state, seed_everything, set_rng_state
 from toolkit.plan import Plan
@@ -51,7 +59,13 @@ class Checkpointer:
 
     def save(self, step: int, progress: dict, wait: bool = False) -> Path | None:
         """Checkpoint ``step``; asynchronous saves return before the checkpoint is committed unless
-        ``wait``. Collective."""
+        ``wait``. Collective; raises ``CheckpointError`` on every rank if any rank failed to write it."""
+        try:
+            return self._save(step, progress, wait)
+        except SaveFailed as exc:
+            self._failed(exc)
+
+    def _save(self, step: int, progress: dict, wait: bool) -> Path | None:
         if self.async_ckpt is None:
             return self._save_sync(step, progress)
         self.poll(wait=True)  # one save in flight at most
@@ -67,8 +81,7 @@ class Checkpointer:
         if self.rank == 0:
             self.manager.begin(step)
         dist.barrier()
-        self._write(snapshot, step, progress, self.phase("save"))
-        dist.barrier()
+        self._write_agreed(snapshot, step, progress, self.phase("save"))
         self.async_ckpt.start(step)
         self._log_save(step, tic, asynchronous=True)
         return self.poll(wait=True) if wait else None
@@ -77,7 +90,10 @@ class Checkpointer:
         """Commit a background save once every node has persisted it (collective); rank 0 gets its path."""
         if self.async_ckpt is None:
             return None
-        final = self.async_ckpt.poll(wait=wait)
+        try:
+            final = self.async_ckpt.poll(wait=wait)
+        except SaveFailed as exc:
+            self._failed(exc)
         if final is not None:  # rank 0, which committed it
             self.hooks.after_commit(int(final.name.split("_")[-1]), final)
         return final
@@ -89,8 +105,7 @@ class Checkpointer:
             self.manager.begin(step)
         dist.barrier()
         beat = self.phase("save")
-        self._write(stage, step, progress, beat)
-        dist.barrier()
+        self._write_agreed(stage, step, progress, beat)
         beat()
         final = None
         if self.rank == 0:
@@ -100,6 +115,43 @@ class Checkpointer:
         dist.barrier()
         self._log_save(step, tic, asynchronous=False)
         return final
+
+    def _write_agreed(self, stage: Path, step: int, progress: dict, beat) -> None:
+        """``_write`` on every rank, then agree that every part was written (collective): a rank that
+        could not write its part (a full disk, an I/O error) makes every rank raise ``SaveFailed``
+        together, rather than leave its peers waiting in a barrier."""
+        try:
+            self._write(stage, step, progress, beat)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - any failure to write means the checkpoint is not whole
+            error = describe_error(exc)
+        failed = device.tensor([int(error is not None)], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            raise SaveFailed(step, errors)
+
+    def _failed(self, exc: SaveFailed) -> NoReturn:
+        """A checkpoint not written whole is never committed: drop its staging folder (a full disk gets
+        that space back), say which checkpoint a restart resumes from, and fail on every rank so that the
+        agent restarts the job from it."""
+        committed = self.manager.committed()
+        kept = committed[-1].name if committed else None
+        disk_full = any(e and e.startswith("ENOSPC") for e in exc.errors)
+        message = (f"{exc}; it was not committed, and "
+                   + (f"the newest complete checkpoint, {kept}, is kept: a restart resumes from it" if kept
+                      else "there is no complete checkpoint yet: a restart starts over"))
+        if disk_full:
+            message += (f". The disk holding {self.manager.root} is full: free space there, or lower "
+                        "checkpoint.keep_last")
+        if self.rank == 0:
+            shutil.rmtree(self.manager.staging(exc.step), ignore_errors=True)
+            from toolkit.launch.events import emit
+            emit(self.run_dir, "checkpoint_failed", step=exc.step, kept=kept, disk_full=disk_full,
+                 errors={str(rank): e for rank, e in enumerate(exc.errors) if e})
+            self.metrics.note(message)
+        raise CheckpointError(message) from exc
 
     def _write(self, stage: Path, step: int, progress: dict, beat) -> None:
         """This rank's files of the checkpoint (engine state, RNG; rank 0 the descriptions); ``beat``

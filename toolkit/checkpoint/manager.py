@@ -14,6 +14,7 @@ previous checkpoint or the new one, never a half-written directory that a resume
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -34,8 +35,24 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class SaveFailed(CheckpointError):
+    """A checkpoint that some rank could not write (or persist); it was never committed.
+    ``errors``: each rank's error (None where that rank's part was written)."""
+
+    def __init__(self, step: int, errors: list[str | None]):
+        self.step, self.errors = step, errors
+        failed = "; ".join(f"rank {rank}: {e}" for rank, e in enumerate(errors) if e)
+        super().__init__(f"checkpoint step {step} could not be written ({failed})")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """An error as a line, led by its errno's name when it has one (``ENOSPC: ...``: a full disk)."""
+    code = getattr(exc, "errno", None)
+    return f"{errno.errorcode.get(code, code)}: {exc}" if code else repr(exc)
 
 
 class CheckpointManager:
@@ -71,8 +88,12 @@ class CheckpointManager:
         self._apply_retention()
         return final
 
+    def committed(self) -> list[Path]:
+        """Committed checkpoints (COMPLETE written), oldest first; not verified."""
+        return sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
+
     def _apply_retention(self) -> None:
-        complete = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
+        complete = self.committed()
         for old in complete[:-self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 

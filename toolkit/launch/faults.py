@@ -5,9 +5,14 @@
   hang      sleep forever at step S (the watchdog must catch it)
   raise     raise RuntimeError after step S
   sigterm   send SIGTERM to this rank after step S (preemption)
+  abort     ``os.abort()`` (SIGABRT, no core file) in the middle of step S: in its first backward
+  sigint    send SIGINT (Ctrl-C) to this rank in the middle of step S (preemption, as SIGTERM)
   kill_in_save  SIGKILL while writing the checkpoint of step S (after the engine files)
   kill_in_persist  SIGKILL while the background writer persists the checkpoint of step S (async saves;
                    fires on the node's local rank 0, which runs that writer)
+  raise_in_persist  raise RuntimeError in that background writer while it persists step S
+  enospc    raise OSError(ENOSPC) while this rank writes the checkpoint of step S (after the engine
+            files; asynchronous saves: while writing the node-local snapshot): a full disk
   corrupt   after committing the checkpoint of step S, flip one byte in it (rank 0)
   slow      sleep ``ms`` milliseconds in every step from S on (a straggler)
   slow_eval, slow_save, slow_export  sleep ``ms`` milliseconds after each unit of that phase's work
@@ -24,13 +29,16 @@ trip over the same fault again.
 """
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import signal
 import time
 from pathlib import Path
 
 FAULT_KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
-         "overflow", "host_collective", "slow_eval", "slow_save", "slow_export", "hang_in_save", "hang_in_load"}
+               "overflow", "host_collective", "slow_eval", "slow_save", "slow_export", "hang_in_save", "hang_in_load",
+               "abort", "sigint", "raise_in_persist", "enospc"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -107,6 +115,23 @@ class FaultInjector:
                 time.sleep(f.get("ms", 200) / 1000)
         if self.params is not None and self._take("overflow", step):
             self._overflow_gradients()
+        if self.params is not None and self._take("abort", step):
+            self._in_first_backward(_abort)
+        if self.params is not None and self._take("sigint", step):
+            self._in_first_backward(lambda: os.kill(os.getpid(), signal.SIGINT))
+
+    def _in_first_backward(self, action) -> None:
+        """``action()`` once, when the first backward of the step reaches a parameter: mid-step, with
+        the forward done and the gradients half made."""
+        param = next(p for p in self.params() if p.requires_grad and p.numel() > 0)
+        handle = None
+
+        def fire(grad):
+            handle.remove()
+            action()
+            return grad
+
+        handle = param.register_hook(fire)
 
     def _overflow_gradients(self) -> None:
         param = next(p for p in self.params() if p.requires_grad and p.numel() > 0)
@@ -123,6 +148,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.faults and self._take("hang_in_save", step):
             _sleep_forever()
+        if self.faults and self._take("enospc", step):
+            raise OSError(errno.ENOSPC, f"No space left on device (injected while writing step {step})")
 
     def in_load(self, step: int) -> None:
         """Called once the engine loaded the checkpoint of ``step``, before the rank goes on."""
@@ -139,6 +166,8 @@ class FaultInjector:
         """Called by the background writer after each file it persisted."""
         if self.faults and step is not None and self._take("kill_in_persist", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults and step is not None and self._take("raise_in_persist", step):
+            raise RuntimeError(f"injected fault persisting step {step} on rank {self.rank}")
 
     def after_commit(self, step: int, ckpt: Path) -> None:
         if self.faults and self._take("corrupt", step):
@@ -146,6 +175,11 @@ class FaultInjector:
             data = bytearray(victim.read_bytes())
             data[len(data) // 2] ^= 0xFF
             victim.write_bytes(bytes(data))
+
+
+def _abort() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a test's crash leaves no core file behind
+    os.abort()
 
 
 def _sleep_forever() -> None:

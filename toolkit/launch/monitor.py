@@ -1,8 +1,9 @@
 """Per-rank health checks run by the trainer at step boundaries.
 
 - heartbeat: every step, for the agent's hang watchdog; stacks on SIGUSR2 (faulthandler);
-- preemption: SIGTERM/SIGUSR1 set a flag; ranks agree on it (max all-reduce) so all stop at the
-  same step boundary, save, and exit with PREEMPTED_EXIT;
+- preemption: SIGTERM/SIGINT/SIGUSR1 set a flag; ranks agree on it (max all-reduce) so all stop at
+  the same step boundary, save, and exit with PREEMPTED_EXIT (SIGINT: a Ctrl-C, which the launcher
+  passes on to its ranks, saves as a scheduler's SIGTERM does, rather than raise KeyboardInterrupt);
 - stragglers: every N steps, per-rank busy time (data + forward) is gathered; a rank slower than
   factor x the median of its peers is named in events.jsonl and the log;
 - divergence: every N steps, a checksum of the parameters that must be identical on DP replicas is
@@ -54,7 +55,7 @@ class RankMonitor:
         self._stop_requested = False
         self._busy_s = 0.0
         register_stack_dump(self.run_dir, self.rank)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:
