@@ -126,10 +126,10 @@ def test_supervise_restarts_any_script(tmp_path):
     assert any(e["kind"] == "failure" and e["exit_code"] == 13 and e["rank"] == 1 for e in ev)
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninterrupted, signal_name):
-    """What a scheduler does on preemption: SIGTERM to `toolkit train` itself; a Ctrl-C (SIGINT, which
-    the launcher passes on to its ranks) stops it the same way."""
+    """What a scheduler does on preemption: SIGTERM to `toolkit train` itself; a Ctrl-C (SIGINT) or a
+    lost terminal (SIGHUP), which the launcher passes on to its ranks, stop it the same way."""
     import os
     import signal
     import subprocess
@@ -152,6 +152,39 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path, data_cache, uninter
     train(run_dir, data_cache, *RESTART)
     assert losses(run_dir) == uninterrupted
     assert resumes(run_dir) == [(f"step_{saved[0]:08d}", saved[0], "as saved")]
+
+
+def test_sigquit_to_the_launcher_says_nothing_was_saved_and_the_run_resumes(tmp_path, data_cache, uninterrupted):
+    """SIGQUIT, which the launcher passes on too, ends the ranks where they are: the launcher must not
+    claim a save (it did: exit 75, "ranks saved a checkpoint"); the same command resumes from the
+    newest complete checkpoint and continues the loss curve."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers.runs import TINY
+    run_dir = tmp_path / "run"
+    sets = [a for s in [*TINY, f"data.cache_dir={data_cache}", *RESTART] for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", "2", *sets]
+    env = {**os.environ, "TOOLKIT_FAULT": "slow:step=1:rank=0:ms=1500"}
+    def no_cores():  # SIGQUIT's default action dumps core; the ranks inherit the limit
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=no_cores)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((run_dir / "checkpoints").glob("step_*/COMPLETE")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGQUIT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, out[-3000:]
+    assert "without a save" in out and "ranks saved a checkpoint" not in out, out[-3000:]
+    assert [e["kind"] for e in events(run_dir) if e["kind"] in ("preempt_saved", "stopped")] == ["stopped"]
+    train(run_dir, data_cache, *RESTART)
+    assert losses(run_dir) == uninterrupted
+    assert len(resumes(run_dir)) == 1
 
 
 def test_async_saves_match_and_survive_a_kill_mid_persist(tmp_path, data_cache, uninterrupted):

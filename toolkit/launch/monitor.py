@@ -1,9 +1,10 @@
 """Per-rank health checks run by the trainer at step boundaries.
 
 - heartbeat: every step, for the agent's hang watchdog; stacks on SIGUSR2 (faulthandler);
-- preemption: SIGTERM/SIGINT/SIGUSR1 set a flag; ranks agree on it (max all-reduce) so all stop at
-  the same step boundary, save, and exit with PREEMPTED_EXIT (SIGINT: a Ctrl-C, which the launcher
-  passes on to its ranks, saves as a scheduler's SIGTERM does, rather than raise KeyboardInterrupt);
+- preemption: SIGTERM/SIGINT/SIGHUP/SIGUSR1 (``PREEMPT_SIGNALS``) set a flag; ranks agree on it
+  (max all-reduce) so all stop at the same step boundary, save, and exit with PREEMPTED_EXIT (SIGINT: a Ctrl-C, which the launcher
+  passes on to its ranks, saves as a scheduler's SIGTERM does, rather than raise KeyboardInterrupt;
+  SIGHUP: the launcher's terminal or ssh session went away, which the launcher passes on too);
 - stragglers: every N steps, per-rank busy time (data + forward) is gathered; a rank slower than
   factor x the median of its peers is named in events.jsonl and the log;
 - divergence: every N steps, a checksum of the parameters that must be identical on DP replicas is
@@ -25,6 +26,10 @@ from toolkit.config import RestartConfig
 from toolkit.launch.agent import STACKS_DIR
 from toolkit.launch.events import emit
 from toolkit.launch.heartbeat import Heartbeat
+
+# Signals a rank answers by saving at the next step boundary and exiting PREEMPTED_EXIT. The launcher
+# passes SIGTERM, SIGINT and SIGHUP on to its ranks; SIGQUIT it passes too, and that one ends them unsaved.
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
 class DivergenceError(RuntimeError):
@@ -55,7 +60,7 @@ class RankMonitor:
         self._stop_requested = False
         self._busy_s = 0.0
         register_stack_dump(self.run_dir, self.rank)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:

@@ -155,11 +155,8 @@ def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     from toolkit.launch.events import emit
     try:
         launch_workers(spec, entrypoint, args)
-    except SignalException as exc:  # the launcher itself was told to stop; ranks got SIGTERM and saved
-        emit(spec.run_dir, "preempted", signal=exc.sigval.name, rank=None)
-        print(f"toolkit: stopped by {exc.sigval.name}; ranks saved a checkpoint - run the same command to resume",
-              file=sys.stderr)
-        return PREEMPTED_EXIT
+    except SignalException as exc:  # the launcher itself was told to stop and passed the signal on
+        return _stopped_by(spec, exc.sigval)
     except ChildFailedError as exc:
         if getattr(exc, "preempted", False):
             print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)
@@ -169,6 +166,24 @@ def _run_supervised(spec, entrypoint, args: list[str]) -> int:
               f"{spec.run_dir}/events.jsonl\n{exc.format_msg()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stopped_by(spec, sig) -> int:
+    """The launcher was signalled and passed ``sig`` on to its ranks: a preemption signal made them save
+    (PREEMPTED_EXIT); any other (SIGQUIT) ended them where they were, so say which checkpoint is left."""
+    from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.launch.events import emit
+    from toolkit.launch.monitor import PREEMPT_SIGNALS
+    if sig in PREEMPT_SIGNALS:
+        emit(spec.run_dir, "preempted", signal=sig.name, rank=None)
+        print(f"toolkit: stopped by {sig.name}; ranks saved a checkpoint - run the same command to resume",
+              file=sys.stderr)
+        return PREEMPTED_EXIT
+    emit(spec.run_dir, "stopped", signal=sig.name, rank=None)
+    print(f"toolkit: stopped by {sig.name}, which ends the ranks without a save (SIGTERM, SIGINT or SIGHUP save "
+          f"first); the same command resumes from the newest complete checkpoint in {spec.run_dir}/checkpoints",
+          file=sys.stderr)
+    return 1
 
 
 def _min_nnodes(nodes: Nodes) -> int:
