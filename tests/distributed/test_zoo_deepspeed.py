@@ -24,8 +24,7 @@ from tests.helpers.lora import (
     seeded_lora_engine,
     step_global_batch,
 )
-from tests.helpers.ranks import run_ranks
-from tests.helpers.zoo import VARIANTS, batches, cells, lora_convert_path, runs, save_base, selected
+from tests.helpers.zoo import VARIANTS, batches, cells, lora_convert_path, run_zoo_ranks, runs
 from toolkit.config import validate
 from toolkit.loss import IGNORE_INDEX
 
@@ -142,9 +141,7 @@ def _zoo_rank(rank, world, bases, root):
 
 @pytest.fixture(scope="module")
 def zoo(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo_deepspeed")
-    bases = {v: save_base(v, root / "bases") for v in selected(request, VARIANTS)}
-    ranks = run_ranks(_zoo_rank, 2, tmp_path_factory.mktemp("zoo_deepspeed_ranks"), bases, str(root), timeout=1200)
+    ranks, bases, root = run_zoo_ranks(request, tmp_path_factory, "zoo_deepspeed", VARIANTS, _zoo_rank)
     return {"ranks": ranks, "bases": bases, "root": root}
 
 

@@ -18,8 +18,7 @@ from tests.helpers.lora import (
     reference,
     seeded_adapter,
 )
-from tests.helpers.ranks import run_ranks
-from tests.helpers.zoo import REFUSALS, VARIANTS, batches, cells, runs, save_base, selected
+from tests.helpers.zoo import REFUSALS, VARIANTS, batches, cells, run_zoo_ranks, runs, save_base
 from toolkit.config import validate
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
@@ -71,9 +70,7 @@ def _zoo_rank(rank, world, bases, root):
 
 @pytest.fixture(scope="module")
 def zoo(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo_megatron")
-    bases = {v: save_base(v, root / "bases") for v in selected(request, LORA)}
-    ranks = run_ranks(_zoo_rank, 2, tmp_path_factory.mktemp("zoo_megatron_ranks"), bases, str(root), timeout=1200)
+    ranks, bases, root = run_zoo_ranks(request, tmp_path_factory, "zoo_megatron", LORA, _zoo_rank)
     out = {}
     for variant, d in ranks[0].items():  # rank 0 has the grads; the last stage's TP rank 0 the logits
         d["logits"] = next(r[variant]["logits"] for r in ranks if r[variant]["logits"] is not None)

@@ -201,6 +201,16 @@ def save_base(variant: str, root) -> str:
     return str(path)
 
 
+def run_zoo_ranks(request, tmp_path_factory, name: str, table: dict, rank_fn):
+    """The selected variants of ``table`` saved as bases once, then ``rank_fn(rank, world, bases, root)``
+    on 2 gloo ranks: (each rank's result, the bases, the root)."""
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path_factory.mktemp(name)
+    bases = {v: save_base(v, root / "bases") for v in selected(request, table)}
+    ranks = run_ranks(rank_fn, 2, tmp_path_factory.mktemp(f"{name}_ranks"), bases, str(root), timeout=1200)
+    return ranks, bases, root
+
+
 def batches(vocab: int, n_micro: int = 4, seq: int = 16, seed: int = 3):
     from tests.helpers.parity import batches as parity_batches
     return parity_batches(vocab, n_micro=n_micro, seq=seq, seed=seed)
