@@ -11,8 +11,11 @@ import torch
 from toolkit.families.base import LayerSpec
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", ["q", "k"])
-def test_full_width_norm_is_hf_s_norm_of_the_unsplit_projection(heads):
+def test_full_width_norm_is_hf_s_norm_of_the_unsplit_projection(heads, dtype):
+    """In fp32 and as a bf16 model holds it (bf16 weight and input; both compute in fp32, times the
+    weight in fp32, cast back): the same bits."""
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
@@ -22,12 +25,15 @@ def test_full_width_norm_is_hf_s_norm_of_the_unsplit_projection(heads):
     ref = Olmo2RMSNorm(n_heads * d, eps=1e-6)
     g = torch.Generator().manual_seed(0)
     weight = 1 + 0.1 * torch.randn(n_heads * d, generator=g)
+    mine, ref = mine.to(dtype), ref.to(dtype)
     with torch.no_grad():
         mine.weight.copy_(weight), ref.weight.copy_(weight)
     x = torch.randn(5, 3, n_heads, d, generator=g) * torch.arange(1, n_heads + 1).view(1, 1, -1, 1)  # heads differ
+    x = x.to(dtype)
     got = mine(x)
     want = ref(x.reshape(5, 3, -1)).reshape(x.shape)  # HF: [b, s, heads * d], normalized before the split
     assert mine.weight.shape == (n_heads * d,)
+    assert got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
