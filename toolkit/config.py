@@ -206,7 +206,7 @@ class RestartConfig(_Section):
     """Restarts of the whole job (from the newest complete checkpoint) before giving up."""
     backoff_s: float = 1.0
     """Wait before restart k: backoff_s x 2^(k-1), capped at 30 s."""
-    hang_timeout_s: float = 300.0
+    hang_timeout_s: float = Field(300.0, ge=0)
     """A rank silent this long in a step (or an eval batch) is hung: stacks are dumped, the job is
     restarted (0 = off, every phase). Load, reshard, save and export have budgets of their own:"""
     io_bytes_per_s: float = Field(100e6, gt=0)

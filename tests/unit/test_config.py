@@ -175,3 +175,11 @@ def test_ds_config_precision_and_offload_errors_name_the_fix(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
     with pytest.raises(ConfigError, match=r"offload_param.device='nvme': the toolkit offloads to the CPU only"):
         ds_config(load_config(None, [f"zero.ds_config={path}"]))
+
+
+@pytest.mark.parametrize("key", ["hang_timeout_s=-1", "io_bytes_per_s=0", "startup_s=0", "save_timeout_s=-5"])
+def test_restart_budgets_refuse_what_would_call_every_rank_hung(key):
+    """A negative hang timeout (0 turns the watchdog off) or a zero throughput would make every
+    budget negative or infinite: refused before launch, naming the key."""
+    with pytest.raises(ConfigError, match=f"restart.{key.split('=')[0]}"):
+        load_config(None, [f"restart.{key}"])
