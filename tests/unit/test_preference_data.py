@@ -237,3 +237,36 @@ def test_missing_column_names_the_field(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "good": "b", "rejected": "c"}])
     with pytest.raises(DataError, match=r"data.chosen_column='chosen' is not a column .*'good'.*preference"):
         data.prepare_data(make_cfg(tmp_path, path), tok)
+
+
+def test_too_few_rows_names_the_pairs(tmp_path, tok):
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN), packing="pad",
+                   train={"global_batch_size": 8})
+    with pytest.raises(DataError, match=r"fewer than train.global_batch_size=8; add pairs \(data.packing=pad keeps"):
+        data.prepare_data(cfg, tok)
+
+
+# --- the example's data ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["text", "chat"])
+def test_example_pairs_prefer_the_corpus_order_and_pack_whole(tmp_path, tok, form):
+    """examples/dpo/make_pairs.py: chosen = the corpus continuation, rejected = its words in another
+    order; deterministic; held-out lines differ; every pair fits seq_len 128 (text) or 256 (chat)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_pairs", Path(__file__).parents[2] / "examples/dpo/make_pairs.py")
+    make_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_pairs)
+    train, held_out = make_pairs.make_pairs(40, seed=1, form=form, held_out=10)
+    assert (train, held_out) == make_pairs.make_pairs(40, seed=1, form=form, held_out=10)
+    text = (lambda v: v) if form == "text" else (lambda v: v[0]["content"])
+    corpus = make_pairs.CORPUS.read_text()
+    for row in train + held_out:
+        chosen, rejected = text(row["chosen"]), text(row["rejected"])
+        assert chosen != rejected and sorted(chosen.split()) == sorted(rejected.split())
+        if form == "text":
+            assert row["prompt"] + chosen in corpus
+    assert not {json.dumps(r["prompt"]) for r in train} & {json.dumps(r["prompt"]) for r in held_out}
+    seq_len = 128 if form == "text" else 256  # the fixed chat format adds its headers to each document
+    packed = data.prepare_data(make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", train), seq_len=seq_len), tok)
+    assert packed.num_overflow == 0 and rows(packed.train)["num_pairs"].sum() == 40
