@@ -171,6 +171,8 @@ def test_rows_ranks_and_micro_batches_hold_whole_pairs(mode):
                 seen += top // 2
     assert counts["pairs"] == seen == int(out["num_pairs"][:n].sum())
     assert counts["documents"] == 2 * counts["pairs"]
+    none_fit = pack_pairs(ids, loss, lengths, 3, mode)  # every pair overflows: no rows, right shapes
+    assert none_fit["input_ids"].shape == (0, 3) and none_fit["num_pairs"].shape == (0,)
 
 
 def test_documents_packed_rows_hold_what_pad_rows_hold(tmp_path, tok):
@@ -253,6 +255,9 @@ def test_too_few_rows_names_the_pairs(tmp_path, tok):
     cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN), packing="pad",
                    train={"global_batch_size": 8})
     with pytest.raises(DataError, match=r"fewer than train.global_batch_size=8; add pairs \(data.packing=pad keeps"):
+        data.prepare_data(cfg, tok)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN * 2), seq_len=16, train={"global_batch_size": 2})
+    with pytest.raises(DataError, match=r"; 8 of 8 pairs are longer than data.seq_len=16 .* dropped: raise data.seq_len"):
         data.prepare_data(cfg, tok)
 
 

@@ -210,8 +210,6 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     packed = _pack(docs, cfg)
     lengths = pc.list_value_length(docs.data.column("ids"))
     num_tokens = int(pc.sum(lengths).as_py() or 0)
-    train, evals = _split_eval(packed, cfg)
-    _check_enough(train, evals, num_tokens, len(docs), cfg)
     if cfg.data.template == "preference":  # pairs with more than seq_len input/target positions
         inputs = np.maximum(lengths.to_numpy(zero_copy_only=False).astype(np.int64) - 1, 0)
         overflow = int((inputs.reshape(-1, 2).sum(axis=1) > cfg.data.seq_len).sum())
@@ -219,6 +217,8 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
         overflow = 0 if cfg.data.packing_mode == "concat" else \
             int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
     pairs = len(docs) // 2 if cfg.data.template == "preference" else None
+    train, evals = _split_eval(packed, cfg)
+    _check_enough(train, evals, num_tokens, len(docs), cfg, dropped_pairs=overflow if pairs else 0)
     return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs),
                       packing=cfg.data.packing_mode, num_overflow=overflow, num_pairs=pairs)
 
@@ -277,7 +277,7 @@ def _split_eval(packed: datasets.Dataset, cfg: RunConfig) -> tuple[datasets.Data
 
 
 def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_tokens: int,
-                  num_docs: int, cfg: RunConfig) -> None:
+                  num_docs: int, cfg: RunConfig, dropped_pairs: int = 0) -> None:
     d, g = cfg.data, cfg.train.global_batch_size
     if num_docs == 0:
         raise DataError(f"data.path={d.path!r}: every document is empty ({required_columns(cfg)} hold "
@@ -293,6 +293,9 @@ def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_t
     if d.template == "preference":
         hint = ("add pairs (data.packing=" + d.packing_mode + " keeps each pair whole in one row"
                 + (", several to a row)" if d.packing_mode == "documents" else ")"))
+        if dropped_pairs:
+            hint = (f"{dropped_pairs} of {num_docs // 2} pairs are longer than data.seq_len={d.seq_len} "
+                    f"in all (prompt twice and both answers) and were dropped: raise data.seq_len, or {hint}")
     elif d.packing_mode != "concat":  # rows of whole documents: seq_len helps only by splitting them
         hint = (f"add data (data.packing={d.packing_mode} makes at most one row per document"
                 + (", fewer when several share a row)" if d.packing_mode == "documents" else ")"))
