@@ -96,14 +96,23 @@ def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_l
     ``labels``, ``document_ids`` (1, 2, ... per piece in the row, 0 on the padded tail; input 0
     there) ``[n, seq_len]`` and per row ``num_loss_tokens``, ``num_tokens`` (not padding) and
     ``num_documents``. Pieces and rows without a loss token are left out."""
-    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
-    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    targets = _targets(ids, loss)
     start, length = document_pieces(lengths, seq_len, overflow)
     has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
     useful = has_loss[start + length] - has_loss[start] > 0
     start, length = start[useful], length[useful]
     rows = fit_rows(length, seq_len) if mode == "documents" else [[i] for i in range(len(length))]
-    out = _gather_rows(ids, targets, start, length, rows, seq_len)
+    return _with_counts(_gather_rows(ids, targets, start, length, rows, seq_len), rows)
+
+
+def _targets(ids: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """``[T]``: the token each position predicts (``ids[t + 1]``), -100 where it carries no loss."""
+    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
+    return np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+
+
+def _with_counts(out: dict[str, np.ndarray], rows: list[list[int]]) -> dict[str, np.ndarray]:
+    """Add the per-row counts ``num_loss_tokens``, ``num_tokens`` (not padding), ``num_documents``."""
     out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
     out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
     out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
@@ -123,8 +132,7 @@ def pack_pairs(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: 
     columns of ``pack_documents`` and ``num_pairs`` per row."""
     if len(lengths) % 2:
         raise ValueError(f"pack_pairs takes documents in pairs; got {len(lengths)}")
-    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
-    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    targets = _targets(ids, loss)
     start = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64)
     length = np.maximum(lengths.astype(np.int64) - 1, 0)
     has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
@@ -134,10 +142,7 @@ def pack_pairs(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: 
     groups = fit_rows(pair_len[kept], seq_len) if mode == "documents" else [[i] for i in range(len(kept))]
     docs = np.stack([2 * kept, 2 * kept + 1], axis=1).reshape(-1)  # kept pair i -> documents 2i, 2i + 1
     rows = [[2 * i + side for i in group for side in (0, 1)] for group in groups]
-    out = _gather_rows(ids, targets, start[docs], length[docs], rows, seq_len)
-    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
-    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
-    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
+    out = _with_counts(_gather_rows(ids, targets, start[docs], length[docs], rows, seq_len), rows)
     out["num_pairs"] = np.array([len(g) for g in groups], dtype=np.int32)
     return out
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.config import RunConfig
 from toolkit.data.base import CHAT_HEADERS, INSTRUCTION_TEMPLATE, DataError, Segment
-from toolkit.data.sources import non_text_error
+from toolkit.data.sources import non_text_error, shown_value
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,7 +137,7 @@ def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTok
     if isinstance(prompt, str):
         for (field, column), value in zip(list(fields.items())[1:], (chosen, rejected)):
             if not isinstance(value, str):
-                raise DataError(f"{field}={column!r}: row {index} holds {_shown(value)}, but the prompt "
+                raise DataError(f"{field}={column!r}: row {index} holds {shown_value(value)}, but the prompt "
                                 f"({d.prompt_column!r}) is text, so the answers must be text too; fix or "
                                 "drop that row (TRL's conversational form: message lists in all three columns)")
             if not value:
@@ -147,7 +147,7 @@ def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTok
         chosen, rejected = (a if a.endswith(eos) else a + eos for a in (chosen, rejected))
         return prompt, prompt + chosen, prompt + rejected, True
     if not isinstance(prompt, (list, dict)):
-        raise DataError(f"data.prompt_column={d.prompt_column!r}: row {index} holds {_shown(prompt)}, not "
+        raise DataError(f"data.prompt_column={d.prompt_column!r}: row {index} holds {shown_value(prompt)}, not "
                         "text or a list of {'role', 'content'} messages; fix or drop that row, or point "
                         "data.prompt_column at the prompt column")
     turns = [_messages(v, c, index, f) for (f, c), v in zip(fields.items(), (prompt, chosen, rejected))]
@@ -163,11 +163,6 @@ def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTok
                 _render(tok, prompt + rejected, False, index, field), False)
     fixed = lambda messages: "".join(tok.eos_token if t is None else t for t, _ in _fixed_chat(messages))  # noqa: E731
     return fixed(prompt) + CHAT_HEADERS["assistant"], fixed(prompt + chosen), fixed(prompt + rejected), False
-
-
-def _shown(value: Any) -> str:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return f"{type(value).__name__} {shown}"
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
