@@ -36,6 +36,7 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
               embedding_init_method=_filled_by_loader)
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
               virtual_pipeline_model_parallel_size=lay.vpp, sequence_parallel=lay.sequence_parallel,
+              context_parallel_size=lay.cp,
               num_layers_in_first_pipeline_stage=lay.first_stage_layers,
               num_layers_in_last_pipeline_stage=lay.last_stage_layers,
               params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,

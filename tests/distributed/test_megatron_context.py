@@ -1,0 +1,172 @@
+"""Context parallelism (megatron.cp) against the same run without it, on gloo at fp32.
+
+Reference: the megatron engine at cp = 1 (itself held to HF's forward and gradients by
+test_megatron_parity / test_attention), in the same ranks, on the same global batch of packed rows
+(several documents per row, a padded tail, uneven valid tokens per row, some labels ignored). At
+cp = 2 each rank holds 2 of the 4 chunks of every row and the attention exchanges heads for
+sequence (``toolkit/adapters/megatron/context.py``). Compared: logits of every token, per-parameter
+gradients (each relative to its own largest entry), and the loss and grad norm of two optimizer
+steps (the second after Adam's update, whose state the distributed optimizer shards over dp x cp).
+Families: llama (GQA), qwen2 (QKV biases, tied embeddings), gemma2 (softcaps, sliding windows:
+the masks follow each token's real position), qwen2_moe (experts, routers' padding mask); and
+cp = 2 with tp = 2 and sequence parallelism (4 ranks: KV heads per TP rank 1 < cp, replicated).
+A cp = 2 checkpoint resumes at cp = 1.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.packing import micro_batch, packed, random_documents
+from tests.helpers.parity import grad_gap, grad_mismatches, worst_ratio
+from tests.helpers.ranks import run_ranks
+from toolkit.config import validate
+from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
+
+SEQ = 32
+LOGIT_TOL = 2e-6
+GRAD_RTOL = 2e-5  # per parameter, as the megatron parity tests
+STEP_RTOL = 1e-5  # losses and grad norms of two steps
+CASES = {  # name: (world, family, megatron.* fields of both runs)
+    "llama": (2, "llama", {}),
+    "qwen2": (2, "qwen2", {}),
+    "gemma2": (2, "gemma2", {}),
+    "qwen2_moe": (2, "qwen2_moe", {}),
+    "llama_tp2_sp": (4, "llama", {"tp": 2, "sequence_parallel": True}),
+}
+
+
+def run_config(cp: int, **megatron):
+    return validate({"backend": "megatron", "megatron": {"cp": cp, **megatron}, "data": {"seq_len": SEQ},
+                     "train": {"global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1}})
+
+
+def packed_batches(vocab: int, seed: int, n: int = 4) -> list[dict]:
+    """``n`` micro-batches of one packed row each: documents of 3-19 tokens, a padded tail where
+    the next one does not fit, some targets without a loss (uneven valid tokens per row)."""
+    docs = random_documents(24, seed, vocab=vocab)
+    rows = packed(docs, SEQ, "documents")
+    out = [micro_batch({k: v[i:i + 1] for k, v in rows.items()}) for i in range(n)]
+    for i, mb in enumerate(out):
+        mb["labels"][0, 2 * i:2 * i + 5] = IGNORE_INDEX
+    return out
+
+
+def _tokens(micro) -> int:
+    return sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+
+
+def _rank_cases(rank, world, names):
+    from megatron.core import parallel_state
+    results = {}
+    for name in names:
+        _, family, extra = CASES[name]
+        for cp in (1, 2):
+            results[(name, cp)] = _one_run(family, cp, extra)
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+def _one_run(family, cp, extra) -> dict:
+    import torch.distributed as dist
+
+    from tests.helpers.ranks import megatron_engine
+    model = tiny_model(family)
+    vocab = model.config.vocab_size
+    engine = megatron_engine(run_config(cp, **extra), model)
+    micro = packed_batches(vocab, seed=0)
+    index = list(range(len(micro)))[engine.dp_rank::engine.dp_size]
+    got = engine.logits([micro[i] for i in index])
+    logits = dict(zip(index, got)) if got is not None else {}
+    totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
+    dist.all_reduce(totals)
+    grads = engine.hf_state(attr="main_grad")
+    steps = []
+    for step in range(2):
+        batch = packed_batches(vocab, seed=10 + step)
+        s = engine.train_step(batch[engine.dp_rank::engine.dp_size], _tokens(batch), lr=1e-2)
+        steps.append((s.loss, s.grad_norm))
+    return {"logits": logits, "loss": totals[0].item(), "count": totals[1].item(), "grads": grads, "steps": steps,
+            "record": engine.layout_record()}
+
+
+def _merge(ranks: list[dict]) -> dict:
+    merged = {}
+    for r in ranks:
+        for key, d in r.items():
+            m = merged.setdefault(key, {**d, "logits": {}})
+            m["logits"].update(d["logits"])
+            if m["grads"] is None:
+                m["grads"] = d["grads"]
+    return merged
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params}
+    out = {}
+    for world in sorted({CASES[n][0] for n in wanted}):
+        names = sorted(n for n in wanted if CASES[n][0] == world)
+        out.update(_merge(run_ranks(_rank_cases, world, tmp_path_factory.mktemp(f"cp{world}"), names, timeout=900)))
+    print("\ncp=2 vs cp=1: max |logit diff|, worst gradient relative to its own max |grad|, steps:")
+    for name in sorted(wanted):
+        a, b = out[(name, 1)], out[(name, 2)]
+        gaps = {n: grad_gap(b["grads"][n], g) for n, g in a["grads"].items()}
+        print(f"  {name}: logits {max((a['logits'][i] - b['logits'][i]).abs().max().item() for i in a['logits']):.2e} "
+              f"grads {worst_ratio(gaps)} steps {a['steps']} vs {b['steps']}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cp2_equals_cp1(runs, name):
+    one, two = runs[(name, 1)], runs[(name, 2)]
+    assert two["record"]["cp"] == 2 and "cp" not in one["record"]
+    assert sorted(one["logits"]) == sorted(two["logits"]) == [0, 1, 2, 3]
+    for i, ref in one["logits"].items():
+        assert (two["logits"][i] - ref).abs().max().item() < LOGIT_TOL, i
+    assert two["count"] == one["count"]  # every valid token counted once
+    assert two["loss"] == pytest.approx(one["loss"], rel=STEP_RTOL)
+    assert sorted(two["grads"]) == sorted(one["grads"])
+    bad = grad_mismatches({n: grad_gap(two["grads"][n], g) for n, g in one["grads"].items()}, GRAD_RTOL)
+    assert not bad, bad
+    for (loss1, norm1), (loss2, norm2) in zip(one["steps"], two["steps"]):
+        assert loss2 == pytest.approx(loss1, rel=STEP_RTOL)
+        assert norm2 == pytest.approx(norm1, rel=STEP_RTOL)
+
+
+# --- a cp = 2 checkpoint resumes at cp = 1 -------------------------------------------------------------
+
+def _train_save(rank, world, cp, path):
+    from tests.helpers.ranks import megatron_engine
+    engine = megatron_engine(run_config(cp), tiny_model("qwen2"))
+    _steps(engine, 0)
+    engine.save(path, 1)
+    return {"weights": engine.hf_state(), "after": _steps(engine, 1)}
+
+
+def _load_continue(rank, world, cp, path):
+    from tests.helpers.ranks import megatron_engine
+    engine = megatron_engine(run_config(cp), tiny_model("qwen2", seed=99))  # all from the checkpoint
+    engine.load(path)
+    return {"weights": engine.hf_state(), "after": _steps(engine, 1)}
+
+
+def _steps(engine, first: int) -> list[float]:
+    losses = []
+    for step in (first,):
+        batch = packed_batches(250, seed=20 + step)
+        losses.append(engine.train_step(batch[engine.dp_rank::engine.dp_size], _tokens(batch), lr=1e-2).loss)
+    return losses
+
+
+def test_cp2_checkpoint_resumes_at_cp1(tmp_path):
+    path = tmp_path / "engine"
+    saved = run_ranks(_train_save, 2, tmp_path, 2, path)[0]
+    got = run_ranks(_load_continue, 1, tmp_path, 1, path)[0]
+    for name, t in saved["weights"].items():
+        assert torch.equal(got["weights"][name], t), name
+    assert got["after"] == pytest.approx(saved["after"], rel=1e-5)  # Adam's moments came along

@@ -1,0 +1,100 @@
+"""Context parallelism (``megatron.cp``) for the toolkit's core attention: each sequence split over
+the cp ranks of megatron's context-parallel group, attention computed per head group over the whole
+sequence after an all-to-all (DeepSpeed Ulysses' exchange), then exchanged back.
+
+Where each rank's tokens come from: megatron-core's own layout (``megatron.core.utils.
+get_batch_on_this_cp_rank``): a row of ``s`` tokens is cut into ``2 x cp`` equal chunks and CP rank
+r holds chunks r and 2cp-1-r, so every rank has as many early (cheap under a causal mask) as late
+tokens. Everything outside attention (embedding, norms, MLP, output layer, loss) runs on those
+``s / cp`` tokens; megatron's DDP sums the weights' gradients over dp x cp.
+
+Inside attention (``to_heads`` / ``to_sequence``), ``[s / cp, b, heads, d]`` ->
+``[s, b, heads / cp, d]`` (sequence gathered in the natural token order, heads scattered) and
+back: the attention then sees whole rows, so RoPE at each token's position, document masks and
+sliding windows are the ones of ``TokenLayout`` for the whole rows (``ContextLayout``: the engine
+passes the layout of the whole micro-batch), and plain causal rows keep sdpa's ``is_causal`` kernel.
+KV heads (``groups`` per TP rank) fewer than, or not a multiple of, cp are repeated to
+``lcm(groups, cp)`` first: query head i still reads its own group's keys (each copy sits next to
+the original), and the copies' gradients add up in the repeat's backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.adapters.attention import TokenLayout
+
+
+@dataclass(eq=False)
+class ContextLayout(TokenLayout):
+    """``TokenLayout`` of the whole rows ``[b, s]`` for ranks that each hold ``s / cp`` of every row:
+    the attention's masks and RoPE read it after the all-to-all; ``group`` is the CP process group."""
+    group: object = None
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Chunks (of ``2 x cp``) in the order the CP ranks hold them: rank r holds r and 2cp-1-r."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def rank_slice(batch: dict[str, torch.Tensor | None], group) -> dict[str, torch.Tensor | None]:
+    """This CP rank's tokens of each ``[b, s]`` tensor in ``batch`` (megatron-core's own slicer)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
+
+
+def _reorder(x: torch.Tensor, cp: int, order: list[int]) -> torch.Tensor:
+    """``x`` ``[s, ...]``: its ``2 x cp`` chunks along dim 0 put in ``order`` (chunk i of the
+    result is chunk ``order[i]`` of ``x``)."""
+    index = torch.tensor(order, device=x.device)
+    chunks = x.reshape(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    return chunks.index_select(0, index).reshape(x.shape)
+
+
+def _natural(cp: int) -> list[int]:
+    """Where each natural chunk sits in the ranks' order (the inverse of ``chunk_order``)."""
+    order = chunk_order(cp)
+    return [order.index(c) for c in range(2 * cp)]
+
+
+def repeat_groups(kv: torch.Tensor, cp: int) -> torch.Tensor:
+    """``[s, b, groups, d]`` -> ``[s, b, lcm(groups, cp), d]``, each group repeated in place, so
+    the groups divide over cp and head i of ``heads`` still reads group ``i // (heads / groups')``."""
+    groups = kv.shape[2]
+    if groups % cp == 0:
+        return kv
+    return kv.repeat_interleave(cp // math.gcd(groups, cp), dim=2)
+
+
+def to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s / cp, b, n, d]`` (this rank's chunks, all ``n`` heads) -> ``[s, b, n / cp, d]`` (the
+    whole rows in token order, this rank's ``n / cp`` heads); autograd through megatron's all-to-all."""
+    from megatron.core.tensor_parallel.mappings import all_to_all
+    cp = group.size()
+    s_local, b, n, d = x.shape
+    parts = x.reshape(s_local, b, cp, n // cp, d).permute(2, 0, 1, 3, 4)  # [cp (to rank), s/cp, b, n/cp, d]
+    gathered = all_to_all(group, parts.contiguous())  # [cp (from rank), s/cp, b, n/cp, d]
+    return _reorder(gathered.reshape(cp * s_local, b, n // cp, d), cp, _natural(cp))
+
+
+def to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``to_heads``' inverse: ``[s, b, n / cp, d]`` -> ``[s / cp, b, n, d]``."""
+    from megatron.core.tensor_parallel.mappings import all_to_all
+    cp = group.size()
+    s, b, n_local, d = x.shape
+    parts = _reorder(x, cp, chunk_order(cp)).reshape(cp, s // cp, b, n_local, d)  # [cp (to rank), ...]
+    back = all_to_all(group, parts.contiguous())  # [cp (head group of rank), s/cp, b, n/cp, d]
+    return back.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * n_local, d)
+
+
+def gather_rows(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """The whole rows of ``x`` (this rank's tokens along ``dim``) in token order, on every CP rank;
+    no gradient (logits for parity checks)."""
+    import torch.distributed as dist
+    cp = group.size()
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    whole = torch.cat(parts, dim=dim).movedim(dim, 0)
+    return _reorder(whole.contiguous(), cp, _natural(cp)).movedim(0, dim)
