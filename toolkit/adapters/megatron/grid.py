@@ -75,6 +75,25 @@ def ep_rank() -> int:
     return ps.get_expert_model_parallel_rank()
 
 
+def cp_rank() -> int:
+    """This rank's context-parallel rank (0 without context parallelism)."""
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_rank()
+
+
+def sequence_group(sequence_parallel: bool):
+    """The ranks that each hold a share of a micro-batch's tokens (the TP group under sequence
+    parallelism, the CP group under context parallelism, megatron's TP x CP group with both), or
+    None where every rank holds them all."""
+    from megatron.core import parallel_state as ps
+    cp = ps.get_context_parallel_world_size() > 1
+    if sequence_parallel and cp:
+        return ps.get_tensor_and_context_parallel_group()
+    if sequence_parallel:
+        return ps.get_tensor_model_parallel_group()
+    return ps.get_context_parallel_group() if cp else None
+
+
 def tp_group(expert: bool = False):
     """The tensor-parallel process group (of the routed experts' weights when ``expert``)."""
     from megatron.core import parallel_state as ps
