@@ -163,10 +163,22 @@ def _steps(engine, first: int) -> list[float]:
     return losses
 
 
-def test_cp2_checkpoint_resumes_at_cp1(tmp_path):
+def test_cp2_checkpoint_resumes_at_cp1_and_converts(tmp_path):
+    from safetensors.torch import load_file
+
+    from toolkit.convert import convert
     path = tmp_path / "engine"
     saved = run_ranks(_train_save, 2, tmp_path, 2, path)[0]
     got = run_ranks(_load_continue, 1, tmp_path, 1, path)[0]
     for name, t in saved["weights"].items():
         assert torch.equal(got["weights"][name], t), name
     assert got["after"] == pytest.approx(saved["after"], rel=1e-5)  # Adam's moments came along
+    # the converter reads it as any torch_dist checkpoint (its tensors are global: cp is in no shape)
+    tiny_model("qwen2").config.save_pretrained(tmp_path / "model")
+    convert(path, tmp_path / "hf", to="hf", hf_config=str(tmp_path / "model"))
+    hf = {}
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        hf.update(load_file(f))
+    assert sorted(hf) == sorted(n for n in saved["weights"] if n != "lm_head.weight")  # tied: not written
+    for name, t in hf.items():
+        assert torch.equal(t, saved["weights"][name]), name
