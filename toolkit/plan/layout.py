@@ -192,6 +192,12 @@ def valid_cp(heads: int, tp: int, seq_len: int, sequence_parallel: bool = False)
     return [c for c in divisors(heads // tp) if seq_len % (rows * c) == 0] if heads % tp == 0 else []
 
 
+def kv_copies(kv_heads_per_tp: int, cp: int) -> int:
+    """How many times the context-parallel all-to-all repeats each KV head of a TP rank: enough
+    that they divide over cp (``lcm(kv, cp) / kv``); 1 where they already do."""
+    return cp // math.gcd(kv_heads_per_tp, cp)
+
+
 def _check_context_parallel(m, spec, seq_len: int) -> None:
     """megatron.cp > 1: the toolkit's attention does the exchange (megatron's local one has none),
     heads per TP rank divide over cp, rows split into 2 x cp equal chunks (x tp under sequence

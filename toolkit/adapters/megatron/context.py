@@ -19,12 +19,12 @@ the original), and the copies' gradients add up in the repeat's backward.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from toolkit.adapters.attention import TokenLayout
+from toolkit.plan.layout import kv_copies
 
 
 @dataclass(eq=False)
@@ -62,10 +62,8 @@ def _natural(cp: int) -> list[int]:
 def repeat_groups(kv: torch.Tensor, cp: int) -> torch.Tensor:
     """``[s, b, groups, d]`` -> ``[s, b, lcm(groups, cp), d]``, each group repeated in place, so
     the groups divide over cp and head i of ``heads`` still reads group ``i // (heads / groups')``."""
-    groups = kv.shape[2]
-    if groups % cp == 0:
-        return kv
-    return kv.repeat_interleave(cp // math.gcd(groups, cp), dim=2)
+    copies = kv_copies(kv.shape[2], cp)
+    return kv if copies == 1 else kv.repeat_interleave(copies, dim=2)
 
 
 def to_heads(x: torch.Tensor, group) -> torch.Tensor:
