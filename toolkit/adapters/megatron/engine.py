@@ -348,10 +348,14 @@ class MegatronEngine:
 
     def attention_kernels(self) -> str:
         """Which attention kernel runs for this run's device and precision (logged once per run)."""
-        return describe_kernels(self.cfg.megatron.attention, device.rank_device().type, self.cfg.model.dtype,
+        line = describe_kernels(self.cfg.megatron.attention, device.rank_device().type, self.cfg.model.dtype,
                                 rope=self.family.position_embedding == "rope",
                                 softcap=bool(self.attention and self.attention.softcap),
                                 dropout=self.tconfig.attention_dropout > 0)
+        if self.lay.cp > 1:
+            line += (f"; megatron.cp={self.lay.cp}: each rank holds 2 of the {2 * self.lay.cp} chunks of every row, "
+                     "heads exchanged for the whole rows by an all-to-all")
+        return line
 
 
 def check_machine(plan: Plan) -> None:
