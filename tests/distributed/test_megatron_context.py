@@ -9,7 +9,8 @@ gradients (each relative to its own largest entry), and the loss and grad norm o
 steps (the second after Adam's update, whose state the distributed optimizer shards over dp x cp).
 Families: llama (GQA), qwen2 (QKV biases, tied embeddings), gemma2 (softcaps, sliding windows:
 the masks follow each token's real position), qwen2_moe (experts, routers' padding mask); and
-cp = 2 with tp = 2 and sequence parallelism (4 ranks: KV heads per TP rank 1 < cp, replicated).
+gpt2 (learned positions), LoRA adapters; cp = 2 with tp = 2 and sequence parallelism (4 ranks:
+KV heads per TP rank 1 < cp, repeated), with pp = 2, and with pp = 2 x vpp = 2 and full recompute.
 A cp = 2 checkpoint resumes at cp = 1.
 """
 from __future__ import annotations
@@ -30,18 +31,23 @@ SEQ = 32
 LOGIT_TOL = 2e-6
 GRAD_RTOL = 2e-5  # per parameter, as the megatron parity tests
 STEP_RTOL = 1e-5  # losses and grad norms of two steps
-CASES = {  # name: (world, family, megatron.* fields of both runs)
-    "llama": (2, "llama", {}),
-    "qwen2": (2, "qwen2", {}),
-    "gemma2": (2, "gemma2", {}),
-    "qwen2_moe": (2, "qwen2_moe", {}),
-    "llama_tp2_sp": (4, "llama", {"tp": 2, "sequence_parallel": True}),
+CASES = {  # name: (world, family, megatron.* fields of both runs, other sections)
+    "llama": (2, "llama", {}, {}),
+    "qwen2": (2, "qwen2", {}, {}),
+    "gemma2": (2, "gemma2", {}, {}),
+    "gpt2": (2, "gpt2", {}, {}),  # learned positions: megatron's embedding reads each rank's position_ids
+    "qwen2_moe": (2, "qwen2_moe", {}, {}),
+    "qwen2_lora": (2, "qwen2", {}, {"lora": {"rank": 4, "alpha": 8}}),  # adapters' grads over dp x cp
+    "llama_tp2_sp": (4, "llama", {"tp": 2, "sequence_parallel": True}, {}),
+    "llama_pp2": (4, "llama", {"pp": 2}, {}),
+    "llama_pp2_vpp2_full_recompute": (4, "llama", {"pp": 2, "vpp": 2, "recompute": "full"}, {}),
 }
 
 
-def run_config(cp: int, **megatron):
-    return validate({"backend": "megatron", "megatron": {"cp": cp, **megatron}, "data": {"seq_len": SEQ},
-                     "train": {"global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1}})
+def run_config(cp: int, megatron: dict | None = None, sections: dict | None = None):
+    return validate({"backend": "megatron", "megatron": {"cp": cp, **(megatron or {})}, "data": {"seq_len": SEQ},
+                     "train": {"global_batch_size": 4, "micro_batch_size": 1, "lr": 1e-2, "weight_decay": 0.1},
+                     **(sections or {})})
 
 
 def packed_batches(vocab: int, seed: int, n: int = 4) -> list[dict]:
@@ -63,27 +69,27 @@ def _rank_cases(rank, world, names):
     from megatron.core import parallel_state
     results = {}
     for name in names:
-        _, family, extra = CASES[name]
+        _, family, megatron, sections = CASES[name]
         for cp in (1, 2):
-            results[(name, cp)] = _one_run(family, cp, extra)
+            results[(name, cp)] = _one_run(family, run_config(cp, megatron, sections))
             parallel_state.destroy_model_parallel()
     return results
 
 
-def _one_run(family, cp, extra) -> dict:
+def _one_run(family, cfg) -> dict:
     import torch.distributed as dist
 
     from tests.helpers.ranks import megatron_engine
     model = tiny_model(family)
     vocab = model.config.vocab_size
-    engine = megatron_engine(run_config(cp, **extra), model)
+    engine = megatron_engine(cfg, model)
     micro = packed_batches(vocab, seed=0)
     index = list(range(len(micro)))[engine.dp_rank::engine.dp_size]
     got = engine.logits([micro[i] for i in index])
     logits = dict(zip(index, got)) if got is not None else {}
     totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
     dist.all_reduce(totals)
-    grads = engine.hf_state(attr="main_grad")
+    grads = engine.adapter_state("main_grad") if cfg.lora.enabled else engine.hf_state(attr="main_grad")
     steps = []
     for step in range(2):
         batch = packed_batches(vocab, seed=10 + step)
