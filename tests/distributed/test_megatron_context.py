@@ -10,7 +10,7 @@ steps (the second after Adam's update, whose state the distributed optimizer sha
 Families: llama (GQA), qwen2 (QKV biases, tied embeddings), gemma2 (softcaps, sliding windows:
 the masks follow each token's real position), qwen2_moe (experts, routers' padding mask); and
 gpt2 (learned positions), LoRA adapters; cp = 2 with tp = 2 and sequence parallelism (4 ranks:
-KV heads per TP rank 1 < cp, repeated), with pp = 2, and with pp = 2 x vpp = 2 and full recompute.
+KV heads per TP rank 1 < cp, repeated), with pp = 2, and with pp = 2 x vpp = 2 and full recompute; qwen2_moe with ep = 2 and with tp = 2 + SP.
 A cp = 2 checkpoint resumes at cp = 1.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ CASES = {  # name: (world, family, megatron.* fields of both runs, other section
     "qwen2_moe": (2, "qwen2_moe", {}, {}),
     "qwen2_lora": (2, "qwen2", {}, {"lora": {"rank": 4, "alpha": 8}}),  # adapters' grads over dp x cp
     "llama_tp2_sp": (4, "llama", {"tp": 2, "sequence_parallel": True}, {}),
+    "qwen2_moe_ep2": (4, "qwen2_moe", {"ep": 2}, {}),
+    "qwen2_moe_tp2_sp": (4, "qwen2_moe", {"tp": 2, "sequence_parallel": True}, {}),  # routers count over TP x CP
     "llama_pp2": (4, "llama", {"pp": 2}, {}),
     "llama_pp2_vpp2_full_recompute": (4, "llama", {"pp": 2, "vpp": 2, "recompute": "full"}, {}),
 }
