@@ -8,10 +8,11 @@ sequence (``toolkit/adapters/megatron/context.py``). Compared: logits of every t
 gradients (each relative to its own largest entry), and the loss and grad norm of two optimizer
 steps (the second after Adam's update, whose state the distributed optimizer shards over dp x cp).
 Families: llama (GQA), qwen2 (QKV biases, tied embeddings), gemma2 (softcaps, sliding windows:
-the masks follow each token's real position), qwen2_moe (experts, routers' padding mask); and
-gpt2 (learned positions), LoRA adapters; cp = 2 with tp = 2 and sequence parallelism (4 ranks:
-KV heads per TP rank 1 < cp, repeated), with pp = 2, and with pp = 2 x vpp = 2 and full recompute; qwen2_moe with ep = 2 and with tp = 2 + SP.
-A cp = 2 checkpoint resumes at cp = 1.
+the masks follow each token's real position), qwen2_moe (experts, routers' padding mask), gpt2
+(learned positions), LoRA adapters. On 4 ranks: cp = 2 with tp = 2 and sequence parallelism (KV
+heads per TP rank 1 < cp, repeated), with pp = 2, with pp = 2 x vpp = 2 and full recompute, and
+qwen2_moe with ep = 2 and with tp = 2 + SP (routers count over TP x CP). A cp = 2 checkpoint
+resumes at cp = 1 and converts to HF.
 """
 from __future__ import annotations
 
