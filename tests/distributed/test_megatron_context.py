@@ -9,8 +9,9 @@ gradients (each relative to its own largest entry), and the loss and grad norm o
 steps (the second after Adam's update, whose state the distributed optimizer shards over dp x cp).
 Families: llama (GQA), qwen2 (QKV biases, tied embeddings), gemma2 (softcaps, sliding windows:
 the masks follow each token's real position), qwen2_moe (experts, routers' padding mask), gpt2
-(learned positions), LoRA adapters. On 4 ranks: cp = 2 with tp = 2 and sequence parallelism (KV
-heads per TP rank 1 < cp, repeated), with pp = 2, with pp = 2 x vpp = 2 and full recompute, and
+(learned positions), LoRA adapters; also logits of plain rows against HF's own forward, and the
+eval loss. On 4 ranks: cp = 2 with tp = 2 and sequence parallelism (KV
+heads per TP rank 1 < cp, repeated), with pp = 2 x vpp = 2 and full recompute, and
 qwen2_moe with ep = 2 and with tp = 2 + SP (routers count over TP x CP). A cp = 2 checkpoint
 resumes at cp = 1 and converts to HF.
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers.packing import micro_batch, packed, random_documents
-from tests.helpers.parity import grad_gap, grad_mismatches, worst_ratio
+from tests.helpers.parity import batches, grad_gap, grad_mismatches, worst_ratio
 from tests.helpers.ranks import run_ranks
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
@@ -42,7 +43,6 @@ CASES = {  # name: (world, family, megatron.* fields of both runs, other section
     "llama_tp2_sp": (4, "llama", {"tp": 2, "sequence_parallel": True}, {}),
     "qwen2_moe_ep2": (4, "qwen2_moe", {"ep": 2}, {}),
     "qwen2_moe_tp2_sp": (4, "qwen2_moe", {"tp": 2, "sequence_parallel": True}, {}),  # routers count over TP x CP
-    "llama_pp2": (4, "llama", {"pp": 2}, {}),
     "llama_pp2_vpp2_full_recompute": (4, "llama", {"pp": 2, "vpp": 2, "recompute": "full"}, {}),
 }
 
@@ -90,6 +90,12 @@ def _one_run(family, cfg) -> dict:
     index = list(range(len(micro)))[engine.dp_rank::engine.dp_size]
     got = engine.logits([micro[i] for i in index])
     logits = dict(zip(index, got)) if got is not None else {}
+    plain = batches(vocab, seq=SEQ)  # rows of one document each: HF's own forward is the reference
+    got = engine.logits([plain[i] for i in index])
+    with torch.no_grad():
+        hf_gap = max((g - model(input_ids=plain[i]["input_ids"]).logits).abs().max().item()
+                     for i, g in zip(index, got)) if got is not None else None
+    evaluated = engine.eval_loss_sum([micro[i] for i in index])
     totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
     dist.all_reduce(totals)
     grads = engine.adapter_state("main_grad") if cfg.lora.enabled else engine.hf_state(attr="main_grad")
@@ -99,7 +105,7 @@ def _one_run(family, cfg) -> dict:
         s = engine.train_step(batch[engine.dp_rank::engine.dp_size], _tokens(batch), lr=1e-2)
         steps.append((s.loss, s.grad_norm))
     return {"logits": logits, "loss": totals[0].item(), "count": totals[1].item(), "grads": grads, "steps": steps,
-            "record": engine.layout_record()}
+            "record": engine.layout_record(), "hf_gap": hf_gap, "eval": evaluated}
 
 
 def _merge(ranks: list[dict]) -> dict:
@@ -108,8 +114,9 @@ def _merge(ranks: list[dict]) -> dict:
         for key, d in r.items():
             m = merged.setdefault(key, {**d, "logits": {}})
             m["logits"].update(d["logits"])
-            if m["grads"] is None:
-                m["grads"] = d["grads"]
+            for key in ("grads", "hf_gap"):
+                if m[key] is None:
+                    m[key] = d[key]
     return merged
 
 
@@ -126,7 +133,7 @@ def runs(request, tmp_path_factory):
         a, b = out[(name, 1)], out[(name, 2)]
         gaps = {n: grad_gap(b["grads"][n], g) for n, g in a["grads"].items()}
         print(f"  {name}: logits {max((a['logits'][i] - b['logits'][i]).abs().max().item() for i in a['logits']):.2e} "
-              f"grads {worst_ratio(gaps)} steps {a['steps']} vs {b['steps']}")
+              f"(vs HF {b['hf_gap']:.2e}) grads {worst_ratio(gaps)} steps {a['steps']} vs {b['steps']}")
     return out
 
 
@@ -137,7 +144,9 @@ def test_cp2_equals_cp1(runs, name):
     assert sorted(one["logits"]) == sorted(two["logits"]) == [0, 1, 2, 3]
     for i, ref in one["logits"].items():
         assert (two["logits"][i] - ref).abs().max().item() < LOGIT_TOL, i
+    assert two["hf_gap"] < LOGIT_TOL  # plain rows: HF's own logits
     assert two["count"] == one["count"]  # every valid token counted once
+    assert two["eval"][1] == one["eval"][1] and two["eval"][0] == pytest.approx(one["eval"][0], rel=STEP_RTOL)
     assert two["loss"] == pytest.approx(one["loss"], rel=STEP_RTOL)
     assert sorted(two["grads"]) == sorted(one["grads"])
     bad = grad_mismatches({n: grad_gap(two["grads"][n], g) for n, g in one["grads"].items()}, GRAD_RTOL)
