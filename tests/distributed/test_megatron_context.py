@@ -23,6 +23,7 @@ import torch
 from tests.helpers.packing import micro_batch, packed, random_documents
 from tests.helpers.parity import batches, grad_gap, grad_mismatches, worst_ratio
 from tests.helpers.ranks import run_ranks
+from toolkit import device
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 from toolkit.loss import IGNORE_INDEX
@@ -33,6 +34,9 @@ SEQ = 32
 LOGIT_TOL = 2e-6
 GRAD_RTOL = 2e-5  # per parameter, as the megatron parity tests
 STEP_RTOL = 1e-5  # losses and grad norms of two steps
+MEGATRON_MOE_DISPATCH = "megatron/core/transformer/moe/"
+"""megatron's allgather dispatcher syncs per MoE layer and micro-batch (test_host_syncs.py), and
+cp = 2 runs twice as many micro-batches per rank as cp = 1 (dp 1, not 2): not compared."""
 CASES = {  # name: (world, family, megatron.* fields of both runs, other sections)
     "llama": (2, "llama", {}, {}),
     "qwen2": (2, "qwen2", {}, {}),
@@ -96,7 +100,8 @@ def _one_run(family, cfg) -> dict:
         hf_gap = max((g - model(input_ids=plain[i]["input_ids"]).logits).abs().max().item()
                      for i, g in zip(index, got)) if got is not None else None
     evaluated = engine.eval_loss_sum([micro[i] for i in index])
-    totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
+    with device.count_syncs() as syncs:  # what would make a GPU's host wait (tests/distributed/test_host_syncs.py)
+        totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
     dist.all_reduce(totals)
     grads = engine.adapter_state("main_grad") if cfg.lora.enabled else engine.hf_state(attr="main_grad")
     steps = []
@@ -105,7 +110,8 @@ def _one_run(family, cfg) -> dict:
         s = engine.train_step(batch[engine.dp_rank::engine.dp_size], _tokens(batch), lr=1e-2)
         steps.append((s.loss, s.grad_norm))
     return {"logits": logits, "loss": totals[0].item(), "count": totals[1].item(), "grads": grads, "steps": steps,
-            "record": engine.layout_record(), "hf_gap": hf_gap, "eval": evaluated}
+            "record": engine.layout_record(), "hf_gap": hf_gap, "eval": evaluated,
+            "syncs": sum(n for site, n in syncs.sites.items() if not site.startswith(MEGATRON_MOE_DISPATCH))}
 
 
 def _merge(ranks: list[dict]) -> dict:
@@ -145,6 +151,7 @@ def test_cp2_equals_cp1(runs, name):
     for i, ref in one["logits"].items():
         assert (two["logits"][i] - ref).abs().max().item() < LOGIT_TOL, i
     assert two["hf_gap"] < LOGIT_TOL  # plain rows: HF's own logits
+    assert two["syncs"] == one["syncs"]  # the exchange adds no host sync
     assert two["count"] == one["count"]  # every valid token counted once
     assert two["eval"][1] == one["eval"][1] and two["eval"][0] == pytest.approx(one["eval"][0], rel=STEP_RTOL)
     assert two["loss"] == pytest.approx(one["loss"], rel=STEP_RTOL)

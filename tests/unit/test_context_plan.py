@@ -83,3 +83,14 @@ def test_step_time_counts_the_all_to_alls():
     assert groups["cp"].kind == "all-to-all" and groups["cp"].ranks == 2
     assert groups["dp"].ranks == 4  # gradients reduced over dp x cp
     assert "cp" not in {c.group for c in step_time(*_at(p, 1), Cluster()).collectives}
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_chunk_index_is_megatrons_layout_and_its_inverse(cp):
+    """Rank r holds chunks r and 2cp-1-r (megatron.core.utils.get_batch_on_this_cp_rank)."""
+
+    from toolkit.adapters.megatron.context import chunk_index, chunk_order
+    assert chunk_order(cp) == [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+    order = chunk_index(cp, "cpu")
+    assert order.tolist() == chunk_order(cp)
+    assert order[chunk_index(cp, "cpu", natural=True)].tolist() == list(range(2 * cp))

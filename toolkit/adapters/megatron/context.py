@@ -45,18 +45,21 @@ def rank_slice(batch: dict[str, torch.Tensor | None], group) -> dict[str, torch.
     return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
 
 
-def _reorder(x: torch.Tensor, cp: int, order: list[int]) -> torch.Tensor:
-    """``x`` ``[s, ...]``: its ``2 x cp`` chunks along dim 0 put in ``order`` (chunk i of the
-    result is chunk ``order[i]`` of ``x``)."""
-    index = torch.tensor(order, device=x.device)
+def chunk_index(cp: int, device, natural: bool = False) -> torch.Tensor:
+    """``chunk_order(cp)`` as a tensor on ``device`` (``natural``: its inverse, where each chunk in
+    token order sits in the ranks' order), computed there: a tensor from a Python list would be a
+    blocking host-to-device copy per layer."""
+    i = torch.arange(2 * cp, device=device)
+    if natural:  # chunk c < cp is rank c's first; chunk 2cp-1-r is rank r's second
+        return torch.where(i < cp, 2 * i, 2 * (2 * cp - 1 - i) + 1)
+    return torch.where(i % 2 == 0, i // 2, 2 * cp - 1 - i // 2)
+
+
+def _reorder(x: torch.Tensor, cp: int, natural: bool) -> torch.Tensor:
+    """``x`` ``[s, ...]`` with its ``2 x cp`` chunks along dim 0 in the ranks' order -> token order
+    (``natural``), or back."""
     chunks = x.reshape(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
-    return chunks.index_select(0, index).reshape(x.shape)
-
-
-def _natural(cp: int) -> list[int]:
-    """Where each natural chunk sits in the ranks' order (the inverse of ``chunk_order``)."""
-    order = chunk_order(cp)
-    return [order.index(c) for c in range(2 * cp)]
+    return chunks.index_select(0, chunk_index(cp, x.device, natural)).reshape(x.shape)
 
 
 def repeat_groups(kv: torch.Tensor, cp: int) -> torch.Tensor:
@@ -74,7 +77,7 @@ def to_heads(x: torch.Tensor, group) -> torch.Tensor:
     s_local, b, n, d = x.shape
     parts = x.reshape(s_local, b, cp, n // cp, d).permute(2, 0, 1, 3, 4)  # [cp (to rank), s/cp, b, n/cp, d]
     gathered = all_to_all(group, parts.contiguous())  # [cp (from rank), s/cp, b, n/cp, d]
-    return _reorder(gathered.reshape(cp * s_local, b, n // cp, d), cp, _natural(cp))
+    return _reorder(gathered.reshape(cp * s_local, b, n // cp, d), cp, natural=True)
 
 
 def to_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -82,7 +85,7 @@ def to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import all_to_all
     cp = group.size()
     s, b, n_local, d = x.shape
-    parts = _reorder(x, cp, chunk_order(cp)).reshape(cp, s // cp, b, n_local, d)  # [cp (to rank), ...]
+    parts = _reorder(x, cp, natural=False).reshape(cp, s // cp, b, n_local, d)  # [cp (to rank), ...]
     back = all_to_all(group, parts.contiguous())  # [cp (head group of rank), s/cp, b, n/cp, d]
     return back.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * n_local, d)
 
@@ -95,4 +98,4 @@ def gather_rows(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(cp)]
     dist.all_gather(parts, x.contiguous(), group=group)
     whole = torch.cat(parts, dim=dim).movedim(dim, 0)
-    return _reorder(whole.contiguous(), cp, _natural(cp)).movedim(0, dim)
+    return _reorder(whole.contiguous(), cp, natural=True).movedim(0, dim)
