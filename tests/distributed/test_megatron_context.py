@@ -12,7 +12,7 @@ the masks follow each token's real position), qwen2_moe (experts, routers' paddi
 (learned positions), LoRA adapters; also logits of plain rows against HF's own forward, and the
 eval loss. On 4 ranks: cp = 2 with tp = 2 and sequence parallelism (KV
 heads per TP rank 1 < cp, repeated), with pp = 2 x vpp = 2 and full recompute, and
-qwen2_moe with ep = 2 and with tp = 2 + SP (routers count over TP x CP). A cp = 2 checkpoint
+qwen2_moe with ep = 2 and with tp = 2 + SP (routers count over TP x CP), and llama at cp = 4. A cp = 2 checkpoint
 resumes at cp = 1 and converts to HF.
 """
 from __future__ import annotations
@@ -48,7 +48,13 @@ CASES = {  # name: (world, family, megatron.* fields of both runs, other section
     "qwen2_moe_ep2": (4, "qwen2_moe", {"ep": 2}, {}),
     "qwen2_moe_tp2_sp": (4, "qwen2_moe", {"tp": 2, "sequence_parallel": True}, {}),  # routers count over TP x CP
     "llama_pp2_vpp2_full_recompute": (4, "llama", {"pp": 2, "vpp": 2, "recompute": "full"}, {}),
+    "llama_cp4": (4, "llama", {}, {}),  # cp = 4 > 2 KV heads: each repeated twice; 8 chunks of 4 tokens
 }
+
+
+def split(name: str) -> int:
+    """The case's cp (compared with cp = 1)."""
+    return 4 if name.endswith("_cp4") else 2
 
 
 def run_config(cp: int, megatron: dict | None = None, sections: dict | None = None):
@@ -77,7 +83,7 @@ def _rank_cases(rank, world, names):
     results = {}
     for name in names:
         _, family, megatron, sections = CASES[name]
-        for cp in (1, 2):
+        for cp in (1, split(name)):
             results[(name, cp)] = _one_run(family, run_config(cp, megatron, sections))
             parallel_state.destroy_model_parallel()
     return results
@@ -134,9 +140,9 @@ def runs(request, tmp_path_factory):
     for world in sorted({CASES[n][0] for n in wanted}):
         names = sorted(n for n in wanted if CASES[n][0] == world)
         out.update(_merge(run_ranks(_rank_cases, world, tmp_path_factory.mktemp(f"cp{world}"), names, timeout=900)))
-    print("\ncp=2 vs cp=1: max |logit diff|, worst gradient relative to its own max |grad|, steps:")
+    print("\ncp=2 (or 4) vs cp=1: max |logit diff|, worst gradient relative to its own max |grad|, steps:")
     for name in sorted(wanted):
-        a, b = out[(name, 1)], out[(name, 2)]
+        a, b = out[(name, 1)], out[(name, split(name))]
         gaps = {n: grad_gap(b["grads"][n], g) for n, g in a["grads"].items()}
         print(f"  {name}: logits {max((a['logits'][i] - b['logits'][i]).abs().max().item() for i in a['logits']):.2e} "
               f"(vs HF {b['hf_gap']:.2e}) grads {worst_ratio(gaps)} steps {a['steps']} vs {b['steps']}")
@@ -144,9 +150,9 @@ def runs(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_cp2_equals_cp1(runs, name):
-    one, two = runs[(name, 1)], runs[(name, 2)]
-    assert two["record"]["cp"] == 2 and "cp" not in one["record"]
+def test_cp_equals_cp1(runs, name):
+    one, two = runs[(name, 1)], runs[(name, split(name))]
+    assert two["record"]["cp"] == split(name) and "cp" not in one["record"]
     assert sorted(one["logits"]) == sorted(two["logits"]) == [0, 1, 2, 3]
     for i, ref in one["logits"].items():
         assert (two["logits"][i] - ref).abs().max().item() < LOGIT_TOL, i
