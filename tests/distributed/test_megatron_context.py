@@ -169,7 +169,7 @@ def test_cp_equals_cp1(runs, name):
         assert norm2 == pytest.approx(norm1, rel=STEP_RTOL)
 
 
-# --- a cp = 2 checkpoint resumes at cp = 1 -------------------------------------------------------------
+# --- a cp = 2 checkpoint resumes at cp = 1 and at tp = 2 ------------------------------------------------
 
 def _train_save(rank, world, cp, path):
     from tests.helpers.ranks import megatron_engine
@@ -179,9 +179,9 @@ def _train_save(rank, world, cp, path):
     return {"weights": engine.hf_state(), "after": _steps(engine, 1)}
 
 
-def _load_continue(rank, world, cp, path):
+def _load_continue(rank, world, cp, path, tp=1):
     from tests.helpers.ranks import megatron_engine
-    engine = megatron_engine(run_config(cp), tiny_model("qwen2", seed=99))  # all from the checkpoint
+    engine = megatron_engine(run_config(cp, {"tp": tp}), tiny_model("qwen2", seed=99))  # all from the checkpoint
     engine.load(path)
     return {"weights": engine.hf_state(), "after": _steps(engine, 1)}
 
@@ -194,16 +194,17 @@ def _steps(engine, first: int) -> list[float]:
     return losses
 
 
-def test_cp2_checkpoint_resumes_at_cp1_and_converts(tmp_path):
+def test_cp2_checkpoint_resumes_at_cp1_and_at_tp2_and_converts(tmp_path):
     from safetensors.torch import load_file
 
     from toolkit.convert import convert
     path = tmp_path / "engine"
     saved = run_ranks(_train_save, 2, tmp_path, 2, path)[0]
-    got = run_ranks(_load_continue, 1, tmp_path, 1, path)[0]
-    for name, t in saved["weights"].items():
-        assert torch.equal(got["weights"][name], t), name
-    assert got["after"] == pytest.approx(saved["after"], rel=1e-5)  # Adam's moments came along
+    for world, tp in ((1, 1), (2, 2)):  # cp = 1 on one rank; tp = 2, cp = 1 on two
+        got = run_ranks(_load_continue, world, tmp_path, 1, path, tp)[0]
+        for name, t in saved["weights"].items():
+            assert torch.equal(got["weights"][name], t), (tp, name)
+        assert got["after"] == pytest.approx(saved["after"], rel=1e-5)  # Adam's moments came along
     # the converter reads it as any torch_dist checkpoint (its tensors are global: cp is in no shape)
     tiny_model("qwen2").config.save_pretrained(tmp_path / "model")
     convert(path, tmp_path / "hf", to="hf", hf_config=str(tmp_path / "model"))
