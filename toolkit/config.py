@@ -174,6 +174,11 @@ class MegatronConfig(_Section):
     sequence_parallel: bool = False
     """Split norm and dropout activations along the sequence over the TP ranks (needs tp >= 2 and
     seq_len divisible by tp); all-reduces become reduce-scatter + all-gather."""
+    cp: int = 1
+    """Context parallel degree: each sequence split over cp ranks (2 x cp chunks, rank r holding
+    chunks r and 2cp-1-r, megatron's load-balanced causal layout); the toolkit's core attention
+    exchanges heads for sequence with an all-to-all (Ulysses-style), so heads / tp and KV heads / tp
+    are divided over cp (KV heads replicated when fewer) and seq_len must divide by 2 x cp."""
     ep: int = 1
     """Expert parallel degree (mixture-of-experts models): each of ep ranks of a DP group holds
     num_experts / ep experts; tokens are exchanged with the MoE token dispatcher."""
@@ -201,7 +206,7 @@ class MegatronConfig(_Section):
 
     @model_validator(mode="after")
     def _positive(self) -> "MegatronConfig":
-        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
+        for name in ("tp", "pp", "cp", "ep", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"megatron.{name}={getattr(self, name)} must be >= 1")
         if not self.initial_loss_scale >= 1:

@@ -219,7 +219,7 @@ def test_local_attention_refuses_packed_documents():
     mb = {"input_ids": torch.zeros(B, S, dtype=torch.long), "document_ids": DOCS}
     with pytest.raises(ConfigError, match="megatron.attention=local applies neither per-token positions nor "
                                           "document masks"):
-        MegatronEngine._model_inputs(SimpleNamespace(attention=None, router_stats=None), mb)
+        MegatronEngine._model_inputs(SimpleNamespace(attention=None, router_stats=None, cp_group=None), mb)
 
 
 def test_megatron_submodule_drops_out_in_training_only():

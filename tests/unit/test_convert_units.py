@@ -139,6 +139,7 @@ def test_inspect_says_where_an_hf_model_can_train(tmp_path):
     assert info["family"] == "qwen3_moe" and info["deepspeed"] == "ZeRO 0-3"
     assert info["megatron"].startswith("tp in [1, 2], pp in [1, 2] (or uneven") and info["megatron"].endswith(
         "ep in [1, 2, 4]")
+    assert "cp in [1, 2, 4] at tp=1" in info["megatron"]  # 4 heads: context parallelism splits them
     tiny_model("qwen3_moe", mlp_only_layers=[1]).save_pretrained(tmp_path / "dense1", safe_serialization=True)
     info = json.loads(run_in_process(["inspect", str(tmp_path / "dense1"), "--json"]).stdout)
     assert "mlp_only_layers=[1] is not supported by the megatron path" in info["megatron"]

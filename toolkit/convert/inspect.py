@@ -34,7 +34,7 @@ def inspect(path, hf_config: str | None = None) -> dict:
 
 def runs_on(config: dict) -> dict:
     """Where the model can train: DeepSpeed takes any transformers causal LM; megatron needs a family
-    table and a config it honours exactly, then the TP/PP/EP sizes that split it evenly."""
+    table and a config it honours exactly, then the TP/PP/CP/EP sizes that split it evenly."""
     from toolkit.families import FamilyError, find_family, supported
     from toolkit.formats.canonical import hf_config_object
     from toolkit.plan.layout import divisors, valid_tp
@@ -52,7 +52,8 @@ def runs_on(config: dict) -> dict:
     heads, kv_heads, layers = split_dims(config)
     experts = family.num_experts(hf_config_object(config))
     layout = (f"tp in {valid_tp(heads, kv_heads)}, pp in {divisors(layers)} "
-              "(or uneven with first/last_stage_layers)")
+              f"(or uneven with first/last_stage_layers), cp in {divisors(heads)} at tp=1 (a divisor of heads / tp; "
+              "data.seq_len a multiple of 2 x cp)")
     return {"deepspeed": "ZeRO 0-3", "megatron": layout + (f", ep in {divisors(experts)}" if experts else "")}
 
 

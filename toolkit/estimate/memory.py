@@ -34,7 +34,11 @@ width, a heads and t the TP degree::
     a·s / t                attention probabilities, only when they are materialized
                            (megatron.attention=local, HF eager); sdpa/flash/flex kernels keep none
 
-times the activation dtype's bytes. With activation checkpointing only each layer's input (h per
+times the activation dtype's bytes. Context parallelism (``megatron.cp``) gives each rank s / c of
+every row's tokens, so every term is per token of s / c (the attention's all-to-all trades heads
+for sequence: ``[s, heads / (t·c)]`` holds as many elements as ``[s / c, heads / t]``), with kv
+times ``kv_copies`` where a TP rank's K/V heads are fewer than c; the loss's N is b·s / c, and the
+distributed optimizer shards over dp·c. With activation checkpointing only each layer's input (h per
 token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is
 recomputed. DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
 in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
@@ -75,7 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.config import ConfigError, RunConfig
-from toolkit.plan.layout import Layout, check_layout, divisors, stage_layers
+from toolkit.plan.layout import Layout, check_layout, divisors, kv_copies, stage_layers
 from toolkit.plan.model import ModelSpec
 
 GiB = 2**30
@@ -171,12 +175,13 @@ def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int,
     phi += vocab * spec.hidden / t * (first + (last and (not spec.tied or lay.pp > 1)))
     phi += spec.other if last else 0
     expert_phi = sum(experts) / (t * lay.ep)  # expert tensor parallelism = tp
-    # the distributed optimizer shards dense state over dp, experts' over the dp / ep expert replicas
-    optim = (8 + (4 if w != 4 else 0)) * (phi / lay.dp + expert_phi / (lay.dp // lay.ep))
+    # the distributed optimizer shards dense state over dp x cp, experts' over the dp x cp / ep expert replicas
+    shards = lay.dp * lay.cp
+    optim = (8 + (4 if w != 4 else 0)) * (phi / shards + expert_phi / (shards // lay.ep))
     phi += expert_phi
     if lora_trainable is not None:  # only the adapters train: the stage's share of them, counted whole
         tau = lora_trainable * len(layers) / spec.layers  # on each TP rank (an upper bound: about half
-        adam = (8 + (4 if w != 4 else 0)) * tau / lay.dp  # of each adapter is TP-split)
+        adam = (8 + (4 if w != 4 else 0)) * tau / shards  # of each adapter is TP-split)
         return _megatron_memory(cfg, spec, lay, w, stage, layers, phi + tau, tau, adam)
     return _megatron_memory(cfg, spec, lay, w, stage, layers, phi, phi, optim)
 
@@ -189,8 +194,9 @@ def _megatron_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage
     in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
     sp = lay.sequence_parallel and t > 1
     local = cfg.megatron.attention == "local"  # megatron's DotProductAttention: scores kept, K/V repeated
-    loss = _vocab_parallel_loss_bytes(cfg, spec, t) if last else 0.0
-    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, sp=sp, kv_repeated=local) + loss
+    loss = _vocab_parallel_loss_bytes(cfg, spec, t) / lay.cp if last else 0.0
+    acts = {r: _activations(cfg, spec, layers, t, in_flight, r, w, materialized=local, sp=sp, kv_repeated=local,
+                            cp=lay.cp) + loss
             for r in ("none", "selective", "full")}
     largest = largest_tensor(spec)
     return Memory(phi * w, trained * 4, optim, 0.0, acts[lay.recompute], acts["none"], acts["full"], 0.0, int(phi),
@@ -204,18 +210,21 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True) -> float:
+                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True, cp: int = 1) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
     ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
-    ``kv_repeated``: K and V are kept at every query head's width (GQA expanded)."""
+    ``kv_repeated``: K and V are kept at every query head's width (GQA expanded); ``cp``: context
+    parallelism, each rank holding s / cp of every row."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     h, mlp = spec.hidden, spec.mlp_width
     split = t if sp else 1
+    tokens = b * s / cp
     scores = spec.heads * s / t if materialized and recompute != "selective" else 0
-    attention = (3 * h + 2 * (h if kv_repeated else spec.kv_width)) / t
+    kv = h if kv_repeated else spec.kv_width * (kv_copies(spec.kv_heads // t, cp) if spec.kv_heads % t == 0 else 1)
+    attention = (3 * h + 2 * kv) / t
     per_token = 4 * h / split + attention + (4 if spec.glu else 2) * mlp / t + scores
-    layer = per_token * b * s * w
-    kept = len(layers) * (b * s * h / split * w if recompute == "full" else layer) * in_flight
+    layer = per_token * tokens * w
+    kept = len(layers) * (tokens * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
     return kept + recomputing
 

@@ -3,7 +3,7 @@ collective over p ranks moving n bytes costs, with latency α and bandwidth β o
 the group crosses (intra-node when all its ranks share a node, else inter-node)::
 
     all-reduce       2(p-1)·α + 2(p-1)/p · n/β
-    reduce-scatter   (p-1)·α + (p-1)/p · n/β        all-gather: the same
+    reduce-scatter   (p-1)·α + (p-1)/p · n/β        all-gather, all-to-all: the same
     p2p              α + n/β
 
 Per optimizer step: ZeRO-0/1 all-reduce the gradients (ZeRO-1 then all-gathers the updated
@@ -11,9 +11,11 @@ weights); ZeRO-2 reduce-scatters gradients and all-gathers weights; ZeRO-3 all-g
 (forward, backward) and reduce-scatters gradients every micro-batch. Megatron: 4 all-reduces of
 b·s·h activations per layer per micro-batch over TP (2 forward, 2 backward); pipeline p2p of b·s·h
 per micro-batch each way; the DP reduce-scatter of fp32 gradients and all-gather of weights; the
-pipeline bubble (pp-1)/m of the compute (m micro-batches). Compute: 6·N·tokens + 12·L·h·s·tokens
+pipeline bubble (pp-1)/m of the compute (m micro-batches). Context parallelism (c = megatron.cp):
+activations of b·s/c tokens per rank, an all-to-all of q, k, v and the attention output per layer
+forward and backward (again when recomputed) over the c ranks, the DP collectives over dp·c. Compute: 6·N·tokens + 12·L·h·s·tokens
 FLOPs (8·N with full recompute), at ``mfu`` of the device's dense peak. Ranks are placed TP-first
-then DP then PP (Megatron's order), TP innermost on a node.
+then CP then DP then PP (Megatron's order), TP innermost on a node.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from toolkit.config import RunConfig
 from toolkit.estimate.flops import PEAK_TFLOPS
 from toolkit.estimate.memory import DTYPE_BYTES, memory, micro_batches
-from toolkit.plan.layout import Layout, stage_layers
+from toolkit.plan.layout import Layout, kv_copies, stage_layers
 from toolkit.plan.model import ModelSpec
 
 DEFAULT_GPU = "H100"
@@ -52,7 +54,7 @@ class Cluster(BaseModel):
 @dataclass
 class Collective:
     kind: str  # all-reduce | reduce-scatter | all-gather | p2p
-    group: str  # dp | tp | pp | embedding
+    group: str  # dp | tp | pp | cp | embedding
     ranks: int
     nbytes: float
     count: int
@@ -87,6 +89,8 @@ def collective_seconds(kind: str, p: int, nbytes: float, alpha: float, beta: flo
         return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
     if kind in ("reduce-scatter", "all-gather"):
         return (p - 1) * alpha + (p - 1) / p * nbytes / beta
+    if kind == "all-to-all":  # each rank keeps 1 / p of its buffer and sends the rest
+        return (p - 1) * alpha + (p - 1) / p * nbytes / beta
     return alpha + nbytes / beta  # p2p
 
 
@@ -118,14 +122,21 @@ def _deepspeed_collectives(spec: ModelSpec, lay: Layout, w: int, m: int, g: int)
 
 
 def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
-    act = cfg.train.micro_batch_size * cfg.data.seq_len * spec.hidden * w
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len / lay.cp  # this rank's share of each row
+    act = tokens * spec.hidden * w
     layers = max(len(s) for s in stage_layers(spec.layers, lay))
     tp_per_layer = 6 if lay.recompute == "full" else 4  # recompute repeats the 2 forward all-reduces
     phi = memory(cfg, spec, lay).params
+    shards, mp = lay.dp * lay.cp, lay.tp * lay.cp  # megatron's rank order: tp, cp, (ep), dp, pp
     out = [Collective("all-reduce", "tp", lay.tp, act, m * layers * tp_per_layer, lay.tp > g),
-           Collective("p2p", "pp", lay.pp, act, 2 * m if lay.pp > 1 else 0, lay.tp * lay.dp >= g),
-           Collective("reduce-scatter", "dp", lay.dp, phi * 4, 1, lay.tp * lay.dp > g),
-           Collective("all-gather", "dp", lay.dp, phi * w, 1, lay.tp * lay.dp > g)]
+           Collective("p2p", "pp", lay.pp, act, 2 * m if lay.pp > 1 else 0, mp * lay.dp >= g),
+           Collective("reduce-scatter", "dp", shards, phi * 4, 1, lay.tp * shards > g),
+           Collective("all-gather", "dp", shards, phi * w, 1, lay.tp * shards > g)]
+    if lay.cp > 1:  # q, k, v to heads and the output back, per layer forward and backward (again when recomputed)
+        kv = spec.kv_width * kv_copies(spec.kv_heads // lay.tp, lay.cp)
+        qkvo = tokens * (2 * spec.hidden + 2 * kv) / lay.tp * w
+        out.append(Collective("all-to-all", "cp", lay.cp, qkvo, m * layers * (3 if lay.recompute == "full" else 2),
+                              mp > g))
     if spec.tied and lay.pp > 1:
         out.append(Collective("all-reduce", "embedding", 2, spec.embedding / lay.tp * 4, 1, lay.tp * lay.dp >= g))
     return [c for c in out if c.ranks > 1 and c.count > 0]

@@ -235,7 +235,8 @@ def summary(run: Run, run_dir: Path, images: list[str]) -> str:
     if cfg:
         m = cfg.get("megatron", {})
         layout = (f"ZeRO-{cfg['zero']['stage']}" if cfg.get("backend") == "deepspeed" else
-                  f"tp={m['tp']} pp={m['pp']}" + (f" ep={m['ep']}" if m.get("ep", 1) > 1 else ""))
+                  f"tp={m['tp']} pp={m['pp']}" + (f" ep={m['ep']}" if m.get("ep", 1) > 1 else "")
+                  + (f" cp={m['cp']}" if m.get("cp", 1) > 1 else ""))
         lines.append(f"- backend {cfg.get('backend')} ({layout}), {cfg.get('nproc')} rank(s) per node, "
                      f"model `{Path(cfg['model']['name_or_path']).name}` ({cfg['model']['dtype']})")
     lines += [f"- steps logged: {len(steps)} (last {steps[-1]}" + (f" of {planned})" if planned else ")"),

@@ -17,8 +17,8 @@ DEFAULT_VOCAB_DIVISOR = MegatronConfig.model_fields["make_vocab_size_divisible_b
 
 
 class Layout(BaseModel):
-    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` = ``world``; megatron carves the
-    ``ep`` expert-parallel ranks out of each DP group."""
+    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` x ``cp`` = ``world``; megatron carves
+    the ``ep`` expert-parallel ranks out of each DP group (with its CP ranks)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["deepspeed", "megatron"]
@@ -28,6 +28,8 @@ class Layout(BaseModel):
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
+    cp: int = 1
+    """megatron.cp: ranks that split each sequence (the same samples, 1 / cp of every row each)."""
     sequence_parallel: bool = False
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
@@ -50,13 +52,15 @@ class Layout(BaseModel):
             off += "+offload_params" if self.offload_params else ""
             return f"ZeRO-{self.zero_stage}{off} dp={self.dp} ckpt={self.recompute}"
         return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
-            f" recompute={self.recompute}"
+            (f" cp={self.cp}" if self.cp > 1 else "") + f" recompute={self.recompute}"
 
     def record(self) -> dict:
         """What a checkpoint's meta.json records of the layout that wrote it (and resume compares)."""
         if self.backend == "deepspeed":
             return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage}
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist"}
+        # cp only where > 1: records of cp = 1 runs stay as they were (an equal record resumes "as saved")
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist",
+                **({"cp": self.cp} if self.cp > 1 else {})}
 
 
 def divisors(n: int) -> list[int]:
@@ -100,9 +104,11 @@ def _micro_batches(cfg: RunConfig, dp: int) -> int:
 
 def _megatron_layout(cfg: RunConfig, spec, world: int) -> Layout:
     m = cfg.megatron
-    if world % (m.tp * m.pp):
-        raise ConfigError(f"world size {world} is not divisible by megatron.tp={m.tp} x megatron.pp={m.pp}; "
-                          f"choose tp x pp in {divisors(world)} or nproc a multiple of {m.tp * m.pp}")
+    if world % (m.tp * m.pp * m.cp):
+        cp = f" x megatron.cp={m.cp}" if m.cp > 1 else ""
+        raise ConfigError(f"world size {world} is not divisible by megatron.tp={m.tp} x megatron.pp={m.pp}{cp}; "
+                          f"choose tp x pp{' x cp' if cp else ''} in {divisors(world)} or nproc a multiple of "
+                          f"{m.tp * m.pp * m.cp}")
     problems = megatron_split_problems(spec.heads, spec.kv_heads, spec.layers, spec.experts, m.tp, m.pp, m.ep,
                                        uneven=m.first_stage_layers is not None or m.last_stage_layers is not None,
                                        vpp=m.vpp, world=world, model=spec.model_type)
@@ -110,13 +116,15 @@ def _megatron_layout(cfg: RunConfig, spec, world: int) -> Layout:
         raise ConfigError(problems[0])
     if m.first_stage_layers is not None or m.last_stage_layers is not None:
         _check_uneven_split(m, spec.layers)
-    dp = world // (m.tp * m.pp)
+    dp = world // (m.tp * m.pp * m.cp)
+    if m.cp > 1:
+        _check_context_parallel(m, spec, cfg.data.seq_len)
     if m.vpp:
         _check_interleaving(cfg, dp)
     if m.sequence_parallel:
         _check_sequence_parallel(m, cfg.data.seq_len)
     _check_experts(m, spec, world)
-    return Layout(backend="megatron", world=world, dp=dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep,
+    return Layout(backend="megatron", world=world, dp=dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp,
                   sequence_parallel=m.sequence_parallel, first_stage_layers=m.first_stage_layers,
                   last_stage_layers=m.last_stage_layers, recompute=m.recompute,
                   padded_vocab=padded_vocab_size(spec.vocab, m.make_vocab_size_divisible_by, m.tp),
@@ -174,6 +182,41 @@ def _check_experts(m, spec, world: int) -> None:
     if m.tp > 1 and not m.sequence_parallel:
         raise ConfigError(f"megatron.tp={m.tp} with a mixture-of-experts model needs megatron.sequence_parallel=true "
                           "(megatron-core's MoE layer requires it under tensor parallelism)")
+
+
+def valid_cp(heads: int, tp: int, seq_len: int, sequence_parallel: bool = False) -> list[int]:
+    """Context-parallel sizes for ``heads`` query heads at ``tp``: the all-to-all splits each TP
+    rank's heads over cp (its KV heads too, replicated where fewer), and every row into 2 x cp
+    chunks (of whole TP slices under sequence parallelism)."""
+    rows = 2 * (tp if sequence_parallel else 1)
+    return [c for c in divisors(heads // tp) if seq_len % (rows * c) == 0] if heads % tp == 0 else []
+
+
+def kv_copies(kv_heads_per_tp: int, cp: int) -> int:
+    """How many times the context-parallel all-to-all repeats each KV head of a TP rank: enough
+    that they divide over cp (``lcm(kv, cp) / kv``); 1 where they already do."""
+    return cp // math.gcd(kv_heads_per_tp, cp)
+
+
+def _check_context_parallel(m, spec, seq_len: int) -> None:
+    """megatron.cp > 1: the toolkit's attention does the exchange (megatron's local one has none),
+    heads per TP rank divide over cp, rows split into 2 x cp equal chunks (x tp under sequence
+    parallelism: each chunk then splits over the TP ranks)."""
+    if m.attention == "local":
+        raise ConfigError(f"megatron.cp={m.cp} needs the toolkit's core attention (megatron's local "
+                          "DotProductAttention has no context parallelism without Transformer Engine); "
+                          "set megatron.attention=auto")
+    heads_per_tp = spec.heads // m.tp
+    valid = valid_cp(spec.heads, m.tp, seq_len, m.sequence_parallel)
+    if heads_per_tp % m.cp:
+        raise ConfigError(f"num_attention_heads={spec.heads} / megatron.tp={m.tp} = {heads_per_tp} heads per TP rank "
+                          f"do not divide over megatron.cp={m.cp} (the all-to-all gives each CP rank whole heads); "
+                          f"choose cp in {valid}")
+    rows = 2 * m.cp * (m.tp if m.sequence_parallel else 1)
+    if seq_len % rows:
+        what = f"2 x megatron.cp={m.cp}" + (f" x megatron.tp={m.tp} (sequence parallelism)" if m.sequence_parallel else "")
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by {what} = {rows}: each row splits into 2 x cp "
+                          f"load-balanced chunks; choose seq_len a multiple of {rows}, or cp in {valid}")
 
 
 def _check_sequence_parallel(m, seq_len: int) -> None:

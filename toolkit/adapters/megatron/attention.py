@@ -17,6 +17,10 @@ per document. Learned positions (gpt2) need nothing here: megatron's embedding r
 Kernels: ``toolkit/adapters/attention.py`` (shared with the DeepSpeed path's HF models), which
 holds ``TokenLayout``, ``attend`` and ``choose_kernel``; ``describe_kernels`` is the line the engine logs.
 
+Context parallelism (``megatron.cp``, ``context.py``): each rank holds ``s / cp`` tokens of every
+row; q, k, v go through an all-to-all to ``[s, b, heads / cp, d]`` in token order before RoPE and
+``attend``, and the output back; the layout is then the whole rows' (``ContextLayout``).
+
 GQA: K/V keep their ``groups`` heads (sdpa/flex ``enable_gqa``; the math path groups the queries),
 never repeated to all heads. With attention dropout sdpa runs torch's math fallback (it still
 repeats nothing itself but keeps the probabilities); flex has no dropout and is refused with it.
@@ -39,6 +43,7 @@ from toolkit.adapters.attention import (  # noqa: F401 - TokenLayout, positions_
     positions_in_documents,
     softcap_score_mod,
 )
+from toolkit.adapters.megatron import context
 from toolkit.config import ConfigError
 
 
@@ -99,9 +104,8 @@ def core_attention_class() -> type:
                      attention_dropout: float | None = None, softmax_scale: float | None = None,
                      cp_comm_type=None, pg_collection=None, options: AttentionOptions = AttentionOptions()):
             super().__init__(config=config)
-            if config.context_parallel_size != 1 or attn_mask_type != AttnMaskType.causal:
-                raise ConfigError(f"the toolkit's attention is causal with context parallelism 1; got "
-                                  f"{attn_mask_type}, context_parallel_size={config.context_parallel_size}")
+            if attn_mask_type != AttnMaskType.causal:
+                raise ConfigError(f"the toolkit's attention is causal; got {attn_mask_type}")
             self.options, self.layer_number = options, layer_number
             self.window = options.window(layer_number)
             self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
@@ -114,6 +118,10 @@ def core_attention_class() -> type:
                     packed_seq_params=None):
             layout = _layout_of(packed_seq_params, attention_mask, attention_bias)
             s, b = query.shape[:2]
+            group = self._context_group(layout)
+            if group is not None:  # [s / cp, b, n, d] -> [s, b, n / cp, d], the whole rows in token order
+                key, value = (context.repeat_groups(x, group.size()) for x in (key, value))
+                query, key, value = (context.to_heads(x, group) for x in (query, key, value))
             if self.options.inv_freq is not None:
                 cos, sin = layout.rotary(self.options.inv_freq, query.dtype)
                 query, key = rotate_half(query, cos, sin), rotate_half(key, cos, sin)
@@ -122,7 +130,19 @@ def core_attention_class() -> type:
                 out = attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), layout, self.options.mode,
                              window=self.window, scale=self.scale, softcap=self.options.softcap, dropout=p,
                              score_mod=self.score_mod)
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            out = out.permute(2, 0, 1, 3)
+            if group is not None:
+                out = context.to_sequence(out, group)
+            return out.reshape(s, b, -1)
+
+        def _context_group(self, layout: TokenLayout):
+            """The CP group (None without context parallelism); the layout must be the whole rows'."""
+            if self.config.context_parallel_size == 1:
+                return None
+            if not isinstance(layout, context.ContextLayout) or layout.group is None:
+                raise TypeError(f"context_parallel_size={self.config.context_parallel_size}: the toolkit's core "
+                                "attention needs the whole rows' ContextLayout (with the CP group) as packed_seq_params")
+            return layout.group
 
     return CoreAttention
 

@@ -6,7 +6,10 @@ batch) / loss_tokens``. Megatron is run with ``calculate_per_token_loss=True`` s
 schedule (which would divide by the number of micro-batches) nor DDP (which would divide by dp)
 rescales; each micro-batch's backward starts from its loss sum / loss_tokens (as the HF path's
 does; a plain sum would make every token's logit gradient loss-scale sized and overflow fp16 at
-the usual 2^16 scale), and the DP all-reduce sums the ranks' parts. Padded vocabulary columns get
+the usual 2^16 scale), and the DP all-reduce sums the ranks' parts. Under context parallelism
+(``megatron.cp``) each CP rank takes its chunks of every row (``context.py``) and the loss of its
+tokens; DDP sums the gradients over dp x cp, and the reported loss sums over every rank, each
+token counted on the one rank that holds it. Padded vocabulary columns get
 -inf logits before the vocab-parallel cross entropy, so they never reach the loss.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron import export, grid, lora, state
+from toolkit.adapters.megatron import context, export, grid, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (
     attention_options,
@@ -89,10 +92,11 @@ class MegatronEngine:
         place = grid.initialize(self.lay)
         model_parallel_cuda_manual_seed(self.cfg.train.seed)
         self.tp_rank, self.pp_rank, self.dp_rank = place.tp_rank, place.pp_rank, place.dp_rank
-        self.dp_size = self.lay.dp
+        self.cp_rank, self.cp_group = place.cp_rank, grid.cp_group() if self.lay.cp > 1 else None
+        self.dp_size = self.lay.dp  # CP ranks of a DP replica take the same samples
         self.is_last_stage = self.pp_rank == self.lay.pp - 1  # the last stage, virtual stages aside
         # whether this rank's copy of dense / expert parameters is the one an export takes
-        self.owns_dense = self.dp_rank == 0
+        self.owns_dense = self.dp_rank == 0 and self.cp_rank == 0
         self.owns_experts = place.expert_dp_rank == 0
 
     def _attach_lora(self, chunks, adapters) -> None:
@@ -162,23 +166,34 @@ class MegatronEngine:
 
     def _forward_step(self, data_iterator, model):
         mb = device.to_device(next(data_iterator))
-        return model(**self._model_inputs(mb)), partial(self._loss_func, mb["labels"])
+        return model(**self._model_inputs(mb)), partial(self._loss_func, self._rank_tokens(mb["labels"]))
 
     def _model_inputs(self, mb: dict) -> dict:
         """GPTModel's inputs for a micro-batch on the device. The ``TokenLayout`` of its optional
         ``position_ids`` / ``document_ids`` (packed documents) reaches every layer's attention as
-        ``packed_seq_params``; without them, positions are 0..seq-1 and each row one document."""
+        ``packed_seq_params``; without them, positions are 0..seq-1 and each row one document.
+        Under context parallelism the token tensors are this CP rank's chunks and the layout the
+        whole rows' (``context.ContextLayout``)."""
         ids = mb["input_ids"]
-        layout = TokenLayout.of(ids, mb.get("position_ids"), mb.get("document_ids"))
+        kind = context.ContextLayout if self.cp_group is not None else TokenLayout
+        layout = kind.of(ids, mb.get("position_ids"), mb.get("document_ids"))
+        if self.cp_group is not None:
+            layout.group = self.cp_group
         inputs = {"input_ids": ids, "position_ids": layout.position_ids, "attention_mask": None}
         if self.router_stats is not None and mb.get("document_ids") is not None:
             inputs["padding_mask"] = mb["document_ids"] == 0  # the routers leave the padded tail out
+        if self.cp_group is not None:
+            inputs = context.rank_slice(inputs, self.cp_group)
         if self.attention is not None:
             return inputs | {"packed_seq_params": layout}
         if "position_ids" in mb or "document_ids" in mb:
             raise ConfigError("megatron.attention=local applies neither per-token positions nor document "
                               "masks (packed documents); use megatron.attention=auto")
         return inputs
+
+    def _rank_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` -> this CP rank's tokens ``[b, s / cp]`` (itself without context parallelism)."""
+        return t if self.cp_group is None else context.rank_slice({"t": t}, self.cp_group)["t"]
 
     def _loss_func(self, labels, logits):
         loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size, self.tp_rank)
@@ -261,7 +276,7 @@ class MegatronEngine:
     @torch.no_grad()
     def logits(self, micro_batches) -> list[torch.Tensor] | None:
         """Full-vocabulary logits ``[mbs, seq, vocab]`` (padding dropped) per micro-batch, on the last
-        pipeline stage's TP rank 0 of every DP replica (each for its own micro-batches); None on
+        pipeline stage's TP rank 0 (CP rank 0) of every DP replica (each for its own micro-batches); None on
         other ranks. For parity checks."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -269,6 +284,8 @@ class MegatronEngine:
 
         def loss_func(output):
             full = gather_from_tensor_model_parallel_region(output)[..., :vocab].float().clone()
+            if self.cp_group is not None:  # [b, s / cp, vocab] -> the whole rows in token order
+                full = context.gather_rows(full, self.cp_group, dim=1)
             return output.sum() * 0, device.tensor(1, dtype=torch.int), {"logits": full}
 
         def step(data_iterator, model):
@@ -284,7 +301,7 @@ class MegatronEngine:
             forward_only=True)
         for chunk in self.model:
             chunk.train()
-        mine = self.is_last_stage and self.tp_rank == 0
+        mine = self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
         return [d["logits"] for d in out] if mine else None
 
     # --- checkpoints and export (toolkit/adapters/megatron/state.py, export.py) ----------------------
@@ -331,10 +348,14 @@ class MegatronEngine:
 
     def attention_kernels(self) -> str:
         """Which attention kernel runs for this run's device and precision (logged once per run)."""
-        return describe_kernels(self.cfg.megatron.attention, device.rank_device().type, self.cfg.model.dtype,
+        line = describe_kernels(self.cfg.megatron.attention, device.rank_device().type, self.cfg.model.dtype,
                                 rope=self.family.position_embedding == "rope",
                                 softcap=bool(self.attention and self.attention.softcap),
                                 dropout=self.tconfig.attention_dropout > 0)
+        if self.lay.cp > 1:
+            line += (f"; megatron.cp={self.lay.cp}: each rank holds 2 of the {2 * self.lay.cp} chunks of every row, "
+                     "heads exchanged for the whole rows by an all-to-all")
+        return line
 
 
 def check_machine(plan: Plan) -> None:

@@ -1,7 +1,7 @@
 """This rank's place in megatron's process grid: the one module that talks to megatron-core's global
 parallel state (``megatron.core.parallel_state``; ``tests/test_architecture.py`` keeps it so).
 
-Sizes are the run's ``Layout`` (tp, pp, vpp, ep, dp): the engine and the model config carry them.
+Sizes are the run's ``Layout`` (tp, pp, vpp, ep, cp, dp): the engine and the model config carry them.
 What only the running process knows is read here: its ranks (``Place``, read once when the groups
 are made) and its process groups (objects megatron holds; asked for where a collective needs one).
 """
@@ -20,6 +20,8 @@ class Place:
     dp_rank: int
     expert_dp_rank: int
     """Rank among the replicas of this rank's experts (its DP rank without expert parallelism)."""
+    cp_rank: int = 0
+    """Rank in the context-parallel group (which chunks of every sequence this rank holds)."""
 
 
 def initialize(lay: Layout) -> Place:
@@ -29,11 +31,14 @@ def initialize(lay: Layout) -> Place:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                                      virtual_pipeline_model_parallel_size=lay.vpp,
-                                     expert_model_parallel_size=lay.ep)
+                                     expert_model_parallel_size=lay.ep, context_parallel_size=lay.cp)
     _check_sizes(lay)
-    expert_dp = ps.get_expert_data_parallel_rank() if lay.ep > 1 else ps.get_data_parallel_rank()
+    # the replicas of dense weights span dp x cp (CP ranks hold the same weights); megatron's expert
+    # data-parallel group spans them too
+    expert_dp = ps.get_expert_data_parallel_rank() if lay.ep > 1 else ps.get_data_parallel_rank(with_context_parallel=True)
     return Place(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                 dp_rank=ps.get_data_parallel_rank(), expert_dp_rank=expert_dp)
+                 dp_rank=ps.get_data_parallel_rank(), expert_dp_rank=expert_dp,
+                 cp_rank=ps.get_context_parallel_rank())
 
 
 def _check_sizes(lay: Layout) -> None:
@@ -41,8 +46,9 @@ def _check_sizes(lay: Layout) -> None:
     groups left by an earlier engine at another layout in this process would split the work wrongly."""
     from megatron.core import parallel_state as ps
     held = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
-    wanted = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep}
+            "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size()}
+    wanted = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp}
     if held != wanted:
         raise RuntimeError(f"megatron's process groups in this process are {held}, the run's layout is {wanted}: "
                            "an earlier engine left them; call megatron.core.parallel_state.destroy_model_parallel() "
@@ -69,6 +75,25 @@ def ep_rank() -> int:
     return ps.get_expert_model_parallel_rank()
 
 
+def cp_rank() -> int:
+    """This rank's context-parallel rank (0 without context parallelism)."""
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_rank()
+
+
+def sequence_group(sequence_parallel: bool):
+    """The ranks that each hold a share of a micro-batch's tokens (the TP group under sequence
+    parallelism, the CP group under context parallelism, megatron's TP x CP group with both), or
+    None where every rank holds them all."""
+    from megatron.core import parallel_state as ps
+    cp = ps.get_context_parallel_world_size() > 1
+    if sequence_parallel and cp:
+        return ps.get_tensor_and_context_parallel_group()
+    if sequence_parallel:
+        return ps.get_tensor_model_parallel_group()
+    return ps.get_context_parallel_group() if cp else None
+
+
 def tp_group(expert: bool = False):
     """The tensor-parallel process group (of the routed experts' weights when ``expert``)."""
     from megatron.core import parallel_state as ps
@@ -79,3 +104,16 @@ def dp_group():
     """The data-parallel process group of this rank's (dense) replicas."""
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group()
+
+
+def cp_group():
+    """The context-parallel process group: the ranks that split each sequence."""
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_group()
+
+
+def dp_cp_group():
+    """The data-parallel group with the context-parallel ranks: every rank holding this rank's
+    (dense) weights, over which megatron's DDP sums gradients and its distributed optimizer shards."""
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group(with_context_parallel=True)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.adapters.megatron import grid
 from toolkit.lora.geometry import (
     QKV,
     ROW_LINEAR,
@@ -332,7 +333,7 @@ def main_params(engine, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """The distributed optimizer's fp32 main copies of ``params`` (dense: adapters never sit on
     experts), whole on every rank of the DP group: each rank owns a range of each parameter's
     elements, or none, and the ranges are summed over the group. In bf16 the model holds rounded
-    copies; in fp32 these equal the parameters. Collective over the DP group: its ranks call it for
+    copies; in fp32 these equal the parameters. Collective over the DP (x CP) group: its ranks call it for
     the same parameters in the same order."""
     import torch.distributed as dist
     optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
@@ -343,6 +344,6 @@ def main_params(engine, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
             owned = holder._get_model_param_range_map(param)["param"]
             main = holder._get_main_param_and_optimizer_states(param)["param"]
             whole[owned.start:owned.end] = main.detach().reshape(-1).float()
-        dist.all_reduce(whole, group=engine.dp_group)
+        dist.all_reduce(whole, group=grid.dp_cp_group())  # the optimizer shards over dp x cp
         out.append(whole.view(param.shape))
     return out

@@ -36,6 +36,7 @@ def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
               embedding_init_method=_filled_by_loader)
     kw.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
               virtual_pipeline_model_parallel_size=lay.vpp, sequence_parallel=lay.sequence_parallel,
+              context_parallel_size=lay.cp,
               num_layers_in_first_pipeline_stage=lay.first_stage_layers,
               num_layers_in_last_pipeline_stage=lay.last_stage_layers,
               params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -278,8 +279,8 @@ def load_balanced_router_class():
     same definition as the DeepSpeed path) to its routing, and records tokens per expert.
 
     Per training forward of a micro-batch and layer: ``aux`` from this rank's logits and the tokens
-    per expert of the whole sequence (summed over the TP group under sequence parallelism, where
-    each rank routes a slice), attached to the routing probabilities with weight ``aux_scale``
+    per expert of the whole sequence (summed over the ranks that split it: TP under sequence parallelism, CP
+    under context parallelism), attached to the routing probabilities with weight ``aux_scale``
     (None: not attached), which the engine sets each step. Not in eval, and once per micro-batch under recomputation
     (the recomputing forward is the one with gradients)."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -301,28 +302,31 @@ def load_balanced_router_class():
             real = None if padding_mask is None else ~padding_mask
             counts, tokens = self._counts_and_tokens(routing_map, real)
             aux = moe.load_balancing_loss(flat, counts, tokens, real)
-            if self.stats is not None:  # TP ranks hold the same counts and partial aux sums
-                self.stats.add(self.layer_number - 1, counts if grid.tp_rank() == 0 else None,
-                               aux.detach())
+            if self.stats is not None:  # TP and CP ranks hold the same counts and partial aux sums
+                first = grid.tp_rank() == 0 and grid.cp_rank() == 0
+                self.stats.add(self.layer_number - 1, counts if first else None, aux.detach())
             if self.aux_scale is not None:
                 probs = moe.AttachLoss.apply(probs, aux * self.aux_scale)
             return probs, routing_map
 
         def _counts_and_tokens(self, routing_map, real):
             """Tokens per expert ``[E]`` and the token count of the whole sequence (summed over the
-            TP group under sequence parallelism, in one all-reduce), kept on the device: masks, not
-            boolean indexing, which would wait for the device to size its output."""
-            rows, tp = routing_map.shape[0], self.config.tensor_model_parallel_size
+            ranks that split it: TP under sequence parallelism, CP under context parallelism, in one
+            all-reduce), kept on the device: masks, not boolean indexing, which would wait for the
+            device to size its output."""
+            rows, sp = routing_map.shape[0], self.config.sequence_parallel
+            group, shares = grid.sequence_group(sp), (self.config.tensor_model_parallel_size if sp else 1) * \
+                self.config.context_parallel_size
             if real is not None:
                 routing_map = routing_map & real.unsqueeze(-1)
             counts = routing_map.sum(dim=0)
             if real is None:  # every row a token: the count is known on the host
-                if self.config.sequence_parallel:
-                    dist.all_reduce(counts, group=grid.tp_group())
-                return counts, rows * (tp if self.config.sequence_parallel else 1)
+                if group is not None:
+                    dist.all_reduce(counts, group=group)
+                return counts, rows * shares
             both = torch.cat([counts, real.sum().reshape(1)])
-            if self.config.sequence_parallel:
-                dist.all_reduce(both, group=grid.tp_group())
+            if group is not None:
+                dist.all_reduce(both, group=group)
             return both[:-1], both[-1].clamp(min=1)
 
     def _local_rows(padding_mask, rows: int):
