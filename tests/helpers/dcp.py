@@ -56,3 +56,119 @@ def save_megatron_engine(rank: int, world: int, family: str, path: str) -> None:
     config = validate({"backend": "megatron", "megatron": {"tp": world, "pp": 1},
                        "train": {"global_batch_size": 4, "micro_batch_size": 2}})
     megatron_engine(config, tiny_model(family)).save(path, 0)
+
+
+# --- sources trained on past a checkpoint, and a plain FSDP2 loop resuming from their DCP conversion ------
+
+NEXT = 2
+"""Steps the source run takes after its checkpoint, and the resumed FSDP2 loop after loading it."""
+MEGATRON_LR = 1e-3
+
+
+def zero2_run(rank: int, world: int, root: str, steps: int) -> list[float]:
+    """Rank body: DeepSpeed ZeRO-2 on this many DP ranks (``tests.helpers.convert``'s engine: AdamW
+    lr 1e-2, betas (0.9, 0.95), clipping 1.0, matrices decayed 0.1), ``steps`` steps,
+    ``save_checkpoint``, then ``NEXT`` more: this rank's losses of those."""
+    from tests.helpers.convert import _engine, _step
+    engine = _engine("llama", 2, world)
+    vocab = engine.module.config.vocab_size
+    for s in range(steps):
+        _step(engine, rank, vocab, s)
+    engine.save_checkpoint(root, tag=f"global_step{steps}")
+    if rank == 0:
+        engine.module.config.to_json_file(str(Path(root) / "config.json"))
+    losses = [_step(engine, rank, vocab, s) for s in range(steps, steps + NEXT)]
+    engine.destroy()
+    return losses
+
+
+def zero2_batches(world: int, vocab: int, steps: int) -> list[list[dict]]:
+    """The batches ``zero2_run``'s ranks take after its checkpoint, per step (one micro-batch per DP rank)."""
+    from tests.helpers.convert import step_batch
+    return [[{"input_ids": step_batch(r, vocab, s)} for r in range(world)] for s in range(steps, steps + NEXT)]
+
+
+def megatron_config(tp: int):
+    from toolkit.config import validate
+    return validate({"backend": "megatron", "megatron": {"tp": tp, "pp": 1},
+                     "train": {"global_batch_size": 2, "micro_batch_size": 1, "weight_decay": 0.1}})
+
+
+def megatron_batches(vocab: int, steps: int) -> list[list[dict]]:
+    from tests.helpers.parity import batches
+    return [batches(vocab, n_micro=2, seed=s) for s in range(steps, steps + NEXT)]
+
+
+def megatron_run(rank: int, world: int, family: str, path: str, steps: int) -> list[float]:
+    """Rank body: the toolkit's megatron-core engine at TP ``world`` (megatron's distributed Adam),
+    ``steps`` steps, its own ``dist_checkpointing`` save, then ``NEXT`` more: their losses."""
+    from megatron.core import parallel_state
+
+    from tests.helpers.parity import batches
+    from tests.helpers.ranks import megatron_engine
+    from toolkit.families.tiny import tiny_model
+    from toolkit.loss import IGNORE_INDEX
+    model = tiny_model(family)
+    engine = megatron_engine(megatron_config(world), model)
+    vocab = model.config.vocab_size
+
+    def step(s: int) -> float:
+        micro = batches(vocab, n_micro=2, seed=s)
+        return engine.train_step(micro, sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro),
+                                 MEGATRON_LR).loss
+    for s in range(steps):
+        step(s)
+    engine.save(Path(path), steps)
+    losses = [step(s) for s in range(steps, steps + NEXT)]
+    parallel_state.destroy_model_parallel()
+    return losses
+
+
+def fsdp2_resume(rank: int, world: int, family: str, ckpt: str, steps: list[list[dict]], hparams: dict) -> dict:
+    """Rank body: a plain FSDP2 loop (each decoder layer, then the root; ``torch.optim.AdamW`` over
+    the toolkit's decay groups, gradient clipping) from a fresh init of another seed; ``dcp.load`` +
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` of ``ckpt``, then one step per entry of
+    ``steps`` (every rank the same micro-batches: the whole global batch), each at ``hparams["lr"]``.
+    The loss of a step: micro-batches with ``labels`` as the toolkit counts it (sum of token losses /
+    tokens), without as DeepSpeed's DP ranks do (the mean of HF's mean losses). Returns the losses
+    and the optimizer's loaded step and groups."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit.adapters.hf import param_groups
+    from toolkit.families.tiny import tiny_model
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
+    model = tiny_model(family, seed=99).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(param_groups(model, hparams["weight_decay"]), lr=hparams["lr"], betas=hparams["betas"],
+                            eps=hparams["eps"])
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {"step": sorted({float(s["step"]) for s in opt.state.values()}),
+              "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    losses = []
+    for micro in steps:
+        for group in opt.param_groups:
+            group["lr"] = hparams["lr"]
+        if "labels" in micro[0]:
+            tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+            parts = [token_loss_sum(model(input_ids=mb["input_ids"]).logits, mb["labels"])[0] / tokens for mb in micro]
+        else:
+            parts = [model(input_ids=mb["input_ids"], labels=mb["input_ids"]).loss / len(micro) for mb in micro]
+        loss = sum(parts)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, **loaded}

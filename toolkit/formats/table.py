@@ -88,7 +88,8 @@ FORMATS = (  # in the order ``locate`` tries them
     Format("zero-universal", _zero_universal, "toolkit.formats.zero:UniversalSource", "toolkit.formats.zero:write",
            describe_zero_universal, to="zero", backend="deepspeed"),
     # after megatron: a torch_dist directory is a DCP directory too, told apart by its metadata.json
-    Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", None, describe_dcp),
+    Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", "toolkit.formats.dcp_write:write", describe_dcp,
+           to="dcp"),
 )
 TARGETS = tuple(f.to for f in FORMATS if f.to)
 """What ``convert --to`` writes."""

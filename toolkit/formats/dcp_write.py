@@ -1,0 +1,155 @@
+"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF names: write (``convert --to dcp``).
+
+The output is what ``torch.distributed.checkpoint.save`` writes for
+``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}`` of an
+FSDP2 model trained with ``torch.optim.AdamW``, written by DCP's own ``FileSystemWriter`` as one
+writer rank (``no_dist``): ``__0_0.distcp`` and ``.metadata``, plus the model's ``config.json``.
+DCP reshards on load, so ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict``
+read it at any world size. The keys are those of the nested state dict (DCP's planner flattens it):
+  ``model.<HF state-dict name>``     every tensor of ``model.state_dict()`` (a tied ``lm_head.weight`` too)
+  ``optim.state.<param>.{exp_avg,exp_avg_sq,step}``  fp32 moments, ``step`` a 0-dim fp32 tensor
+  ``optim.param_groups.{0,1}.*``     torch AdamW's group keys: group 0 the matrices (decayed),
+                                     group 1 the 1-D biases and norms (weight decay 0), as the
+                                     toolkit's trainer groups them (``adapters/hf.param_groups``)
+
+Streamed: the state dict handed to DCP holds meta tensors only; the planner reads each tensor from
+the source when DCP's writer asks for it (``resolve_data``), so one tensor is in memory at a time.
+Without moments (an HF source, ``--weights-only``) Adam starts fresh: zero moments, step 0.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from toolkit.formats.canonical import Source, WriteRequest, hf_config_object
+from toolkit.formats.errors import ConvertError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def write(source: Source, out: Path, request: WriteRequest, progress=None) -> dict:
+    """The table's writer (``table.Format.write``): ``model`` and ``optim`` in one DCP directory."""
+    model, optim, lazy = dcp_state(source, request)
+    save_lazy({"model": model, "optim": optim}, lazy, out, progress)
+    (Path(out) / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
+    return {"dp": 1}
+
+
+def dcp_state(source: Source, request: WriteRequest) -> tuple[dict, dict, dict[str, Callable]]:
+    """(model state dict, optimizer state dict, loaders): both as ``get_model_state_dict`` /
+    ``get_optimizer_state_dict`` give them, every tensor a meta tensor of the written shape and dtype;
+    ``loaders[flat key]`` reads it (flat keys are ``model.<name>`` and ``optim.state.<name>.<state>``:
+    pass ``prefixes`` other than model/optim to ``save_lazy`` through ``rekey``)."""
+    modules = _module_params(source)
+    names = _state_dict_names(source, modules)
+    weight = request.dtype
+    model, lazy = {}, {}
+    for name in names:
+        module = name if name in modules else "model.embed_tokens.weight"  # a tied lm_head.weight
+        shape, pieces = modules[module]
+        dtype = weight or _dtype(source, shape, pieces)
+        model[name] = torch.empty(shape, dtype=dtype, device="meta")
+        lazy[f"model.{name}"] = _loader(source, shape, pieces, "param", dtype)
+    moments = source.has_optimizer and not request.weights_only
+    step = float(source.step or 0) if moments else 0.0
+    state = {}
+    for module, (shape, pieces) in modules.items():
+        state[module] = {"step": torch.tensor(step, dtype=torch.float32)}
+        for key in MOMENTS:
+            state[module][key] = torch.empty(shape, dtype=torch.float32, device="meta")
+            lazy[f"optim.state.{module}.{key}"] = (_loader(source, shape, pieces, key, torch.float32) if moments
+                                                   else _zeros(shape))
+    return model, {"state": state, "param_groups": _param_groups(source, modules)}, lazy
+
+
+def save_lazy(state_dict: dict, lazy: dict[str, Callable], out: Path, progress=None) -> None:
+    """``dcp.save(state_dict)`` in this process, with DCP's own ``FileSystemWriter``; each meta
+    tensor is read by ``lazy[flat key]()`` when the writer reaches it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    Path(out).mkdir(parents=True, exist_ok=True)
+    writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state_dict, storage_writer=writer, planner=_LazyPlanner(lazy, progress), no_dist=True)
+
+
+def rekey(lazy: dict[str, Callable], old: str, new: str) -> dict[str, Callable]:
+    """The loaders of keys under ``old.`` renamed under ``new.`` (accelerate saves ``{"optimizer": ...}``)."""
+    return {new + k[len(old):]: f for k, f in lazy.items() if k.startswith(old + ".")}
+
+
+class _LazyPlanner:
+    """DCP's ``DefaultSavePlanner`` whose tensors are read from the source on demand."""
+
+    def __new__(cls, lazy, progress):
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        class LazyPlanner(DefaultSavePlanner):
+            def lookup_object(self, index):
+                if index.fqn in lazy:
+                    tensor = lazy[index.fqn]()
+                    if progress:
+                        progress(index.fqn, tensor.nbytes)
+                    return tensor
+                return super().lookup_object(index)
+        return LazyPlanner()
+
+
+def _state_dict_names(source: Source, modules: dict) -> list[str]:
+    """The HF model's ``state_dict`` names (a meta-device model of the config), each held by the source."""
+    from toolkit.families.meta import meta_model
+    model = meta_model(hf_config_object(source.hf_config))
+    names = list(model.state_dict())
+    unknown = [n for n in names if n not in modules and not (source.tied and n == "lm_head.weight")]
+    if unknown:
+        raise ConvertError(f"{source.path}: the HF {source.model_type} model's state dict has {unknown[:6]}, which "
+                           "the source does not hold (wrong --hf-config?)")
+    return names
+
+
+def _module_params(source: Source) -> dict:
+    from toolkit.formats.zero import _module_params as module_params  # the transformers module's parameters
+    return module_params(source)
+
+
+def _dtype(source: Source, shape, pieces) -> torch.dtype:
+    from toolkit.formats.zero import _dtype as dtype
+    return dtype(source, shape, pieces)
+
+
+def _loader(source: Source, shape, pieces, state: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    from toolkit.formats.zero import _assemble
+
+    def load() -> torch.Tensor:
+        return _assemble(source, shape, pieces, state).to(dtype).contiguous()
+    return load
+
+
+def _zeros(shape) -> Callable[[], torch.Tensor]:
+    return lambda: torch.zeros(shape, dtype=torch.float32)
+
+
+def _param_groups(source: Source, modules: dict) -> list[dict]:
+    """torch AdamW's two groups (every key its ``param_groups`` hold, so a ``dcp.load`` into any AdamW
+    finds them), hyperparameters from the source where it recorded them, else AdamW's defaults."""
+    defaults = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).param_groups[0].items() if k != "params"}
+    hp = {**defaults, **{k: (tuple(v) if k == "betas" else v) for k, v in source.optimizer_hparams.items()
+                         if k in defaults}}
+    hp["initial_lr"] = hp["lr"]  # a learning-rate scheduler's key (its own state lies elsewhere)
+    decay = [m for m, (shape, _) in modules.items() if len(shape) >= 2]
+    flat = [m for m, (shape, _) in modules.items() if len(shape) < 2]
+    return [{**hp, "weight_decay": _decay_rate(source, hp["weight_decay"]), "params": decay},
+            {**hp, "weight_decay": 0.0, "params": flat}]
+
+
+def _decay_rate(source: Source, first_group: float) -> float:
+    """The matrices' weight decay: a megatron source's groups each carry theirs (its no-decay group
+    may come first), other sources record their first group's."""
+    groups = getattr(source, "param_groups", None) or []
+    return max([float(g.get("weight_decay", 0.0)) for g in groups] or [first_group])
+
