@@ -83,4 +83,4 @@ def test_fsdp2_dcp_to_zero_and_back_is_bit_for_bit(tmp_path):
     for name in a.names():
         for state in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a.read(name, state), b.read(name, state)), (name, state)
-    assert torch.equal(b._tensor("model.lm_head.weight"), a.read("model.embed_tokens.weight"))
+    assert torch.equal(b._model.tensor("model.lm_head.weight"), a.read("model.embed_tokens.weight"))

@@ -1,4 +1,5 @@
-"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF names: write (``convert --to dcp``).
+"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF names: write (``convert --to dcp``,
+and ``--to accelerate``: the same state dicts in accelerate's / HF Trainer's ``checkpoint-N/`` layout).
 
 The output is what ``torch.distributed.checkpoint.save`` writes for
 ``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}`` of an
@@ -25,6 +26,7 @@ from typing import Callable
 import torch
 
 from toolkit.formats.canonical import Source, WriteRequest, hf_config_object
+from toolkit.formats.describe import ACCELERATE_MODEL, ACCELERATE_OPTIM
 from toolkit.formats.errors import ConvertError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -36,6 +38,39 @@ def write(source: Source, out: Path, request: WriteRequest, progress=None) -> di
     save_lazy({"model": model, "optim": optim}, lazy, out, progress)
     (Path(out) / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
     return {"dp": 1}
+
+
+def write_accelerate(source: Source, out: Path, request: WriteRequest, progress=None) -> dict:
+    """The table's writer for ``--to accelerate``: an HF Trainer ``checkpoint-N/`` as accelerate's
+    ``save_fsdp_model`` / ``save_fsdp_optimizer`` write it (``SHARDED_STATE_DICT``, FSDP2):
+    ``pytorch_model_fsdp_0/`` (DCP of ``{"model": ...}``), ``optimizer_0/`` (DCP of
+    ``{"optimizer": ...}``), plus what ``Trainer.train(resume_from_checkpoint=...)`` reads beside them:
+    ``trainer_state.json`` (``global_step``), ``scheduler.pt`` (without it the Trainer skips loading
+    the optimizer) and ``config.json``."""
+    model, optim, lazy = dcp_state(source, request)
+    out = Path(out)
+    save_lazy({"model": model}, {k: f for k, f in lazy.items() if k.startswith("model.")}, out / ACCELERATE_MODEL,
+              progress)
+    save_lazy({"optimizer": optim}, rekey(lazy, "optim", "optimizer"), out / ACCELERATE_OPTIM, progress)
+    step = int(source.step or 0) if source.has_optimizer and not request.weights_only else 0
+    _trainer_files(out, step, [g["initial_lr"] for g in optim["param_groups"]])
+    (out / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
+    return {"dp": 1}
+
+
+def _trainer_files(out: Path, step: int, lrs: list[float]) -> None:
+    """``trainer_state.json`` (a transformers ``TrainerState`` at ``step``) and ``scheduler.pt``: the
+    state of the ``LambdaLR`` every transformers schedule is, ``step`` steps in (the schedule's own
+    function and base learning rates are the resuming Trainer's; its learning rates follow from the step)."""
+    from transformers.trainer_callback import TrainerState
+    TrainerState(global_step=step).save_to_json(str(out / "trainer_state.json"))
+    groups = [torch.zeros(1) for _ in lrs]
+    opt = torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(groups, lrs)])
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    state = schedule.state_dict()
+    state.update(last_epoch=step, _step_count=step + 1, _last_lr=list(lrs))
+    del state["base_lrs"]  # LambdaLR.load_state_dict keeps the resuming run's own (its peak learning rates)
+    torch.save(state, out / "scheduler.pt")
 
 
 def dcp_state(source: Source, request: WriteRequest) -> tuple[dict, dict, dict[str, Callable]]:
