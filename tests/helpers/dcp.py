@@ -172,3 +172,115 @@ def fsdp2_resume(rank: int, world: int, family: str, ckpt: str, steps: list[list
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, **loaded}
+
+
+# --- accelerate / HF Trainer FSDP2 checkpoints ----------------------------------------------------------
+
+def accelerate_state():
+    """accelerate's ``PartialState`` of this gloo job: what its ``save_fsdp_*`` / ``load_fsdp_*`` use of
+    an ``Accelerator`` for a sharded FSDP2 state dict (rank, world, barrier). A whole ``Accelerator``
+    in FSDP mode (and so HF Trainer's FSDP) does not run on CPU: accelerate 1.16 makes
+    ``DistributedType.FSDP`` only out of the GPU-type distributed types (``accelerate/state.py``:
+    MULTI_CPU never becomes FSDP), and HF Trainer then refuses ``fsdp`` ("Using fsdp only works in
+    distributed training"). Everything the checkpoint is made of is accelerate's own: its FSDP2
+    plugin and its save and load functions, which call torch DCP."""
+    from accelerate import PartialState
+    return PartialState(cpu=True)
+
+
+def fsdp2_plugin():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+
+
+def _fsdp2_model(family: str, seed: int = 0):
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit.families.tiny import tiny_model
+    model = tiny_model(family, seed=seed).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _hf_step(model, opt, ids: torch.Tensor) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _cloned(state):
+    """A copy: on one rank a full state dict's tensors are the live parameters and moments."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_cloned(v) for v in state]
+    return state
+
+
+def accelerate_batch(step: int, vocab: int) -> torch.Tensor:
+    """The global batch of step ``step`` (every rank takes all of it: the gradient is the batch's)."""
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def save_accelerate(rank: int, world: int, family: str, out: str) -> dict:
+    """Rank body: FSDP2 + AdamW (torch's, the toolkit's decay groups) ``STEPS`` steps, then accelerate's
+    own ``save_fsdp_model`` / ``save_fsdp_optimizer`` into ``out`` (an HF Trainer ``checkpoint-N/``),
+    then ``NEXT`` more steps. Rank 0 returns the full state dicts at the save and the next losses."""
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from toolkit.adapters.hf import param_groups
+    model = _fsdp2_model(family)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    vocab = model.config.vocab_size
+    for s in range(STEPS):
+        _hf_step(model, opt, accelerate_batch(s, vocab))
+    plugin, accelerator = fsdp2_plugin(), accelerate_state()
+    save_fsdp_model(plugin, accelerator, model, out)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, out)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    reference = _cloned({"model": get_model_state_dict(model, options=full),
+                         "optim": get_optimizer_state_dict(model, opt, options=full)})
+    losses = [_hf_step(model, opt, accelerate_batch(s, vocab)) for s in range(STEPS, STEPS + NEXT)]
+    return {**reference, "losses": losses} if rank == 0 else None
+
+
+def resume_accelerate(rank: int, world: int, family: str, ckpt: str) -> dict:
+    """Rank body: a fresh FSDP2 model (another seed) and AdamW resumed by accelerate's own
+    ``load_fsdp_model`` / ``load_fsdp_optimizer`` from ``ckpt``, then ``NEXT`` steps: their losses
+    and the loaded full state dicts (rank 0)."""
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from toolkit.adapters.hf import param_groups
+    model = _fsdp2_model(family, seed=99)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    plugin, accelerator = fsdp2_plugin(), accelerate_state()
+    load_fsdp_model(plugin, accelerator, model, ckpt)
+    load_fsdp_optimizer(plugin, accelerator, opt, model, ckpt)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    loaded = _cloned({"model": get_model_state_dict(model, options=full),
+                      "optim": get_optimizer_state_dict(model, opt, options=full)})
+    vocab = model.config.vocab_size
+    losses = [_hf_step(model, opt, accelerate_batch(s, vocab)) for s in range(STEPS, STEPS + NEXT)]
+    return {**loaded, "losses": losses} if rank == 0 else None
+
+
+def build_accelerate_checkpoint(tmp_path: Path, family: str = "llama", world: int = 2) -> tuple[Path, dict]:
+    """(``OUTPUT/checkpoint-STEPS``, rank 0's reference) of a ``world``-rank FSDP2 run saved by
+    accelerate, with ``trainer_state.json`` (a transformers ``TrainerState``) and the model's
+    ``config.json`` in the Trainer's output directory (a sharded FSDP save writes none into the checkpoint)."""
+    from transformers.trainer_callback import TrainerState
+
+    from toolkit.families.tiny import tiny_config
+    ckpt = tmp_path / "output" / f"checkpoint-{STEPS}"
+    reference = run_ranks(save_accelerate, world, tmp_path, family, str(ckpt))[0]
+    TrainerState(global_step=STEPS).save_to_json(str(ckpt / "trainer_state.json"))
+    tiny_config(family).to_json_file(tmp_path / "output" / "config.json")
+    return ckpt, reference
