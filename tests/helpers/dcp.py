@@ -284,3 +284,57 @@ def build_accelerate_checkpoint(tmp_path: Path, family: str = "llama", world: in
     TrainerState(global_step=STEPS).save_to_json(str(ckpt / "trainer_state.json"))
     tiny_config(family).to_json_file(tmp_path / "output" / "config.json")
     return ckpt, reference
+
+
+# --- an FSDP2 run on the toolkit's data, continued by the toolkit after a conversion ---------------------
+
+def toolkit_global_batches(cfg, steps: int) -> list[dict]:
+    """The global batches ``{"input_ids", "labels"}`` ``[G, seq]`` of a toolkit run's first ``steps``
+    steps (``toolkit.data``: rows by (seed, step), whatever the layout)."""
+    from toolkit.data import global_batch_indices, load_tokenizer, prepare_data
+    ds = prepare_data(cfg, load_tokenizer(cfg)).train.with_format("torch", columns=["input_ids", "labels"])
+    t = cfg.train
+    return [dict(ds[global_batch_indices(len(ds), t.global_batch_size, t.seed, s)]) for s in range(steps)]
+
+
+def fsdp2_toolkit_run(rank: int, world: int, config_dir: str, batches: list[dict], lrs: list[float], hparams: dict,
+                      save_at: int, out: str) -> list[float]:
+    """Rank body: a plain FSDP2 run (``fully_shard`` per decoder layer and the root, ``torch.optim.AdamW``
+    over the toolkit's decay groups, gradient clipping 1.0) of the model in ``config_dir`` on the
+    global ``batches``, DP rank r taking the r-th slice, the loss a toolkit run's (sum of token losses /
+    the global batch's loss tokens) at ``lrs[step]``. After ``save_at`` steps it saves
+    ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}`` with ``dcp.save`` and runs
+    on: every step's loss."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.adapters.hf import param_groups
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(param_groups(model, hparams["weight_decay"]), lr=lrs[0], betas=hparams["betas"],
+                            eps=hparams["eps"])
+    losses = []
+    for step, (batch, lr) in enumerate(zip(batches, lrs)):
+        if step == save_at:
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=out)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+        mine = slice(rank * len(batch["labels"]) // world, (rank + 1) * len(batch["labels"]) // world)
+        loss_sum, _ = token_loss_sum(model(input_ids=batch["input_ids"][mine]).logits, batch["labels"][mine])
+        (loss_sum * world / tokens).backward()  # FSDP2 averages the ranks' gradients: their sum is the batch's
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        total = loss_sum.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / tokens)
+    return losses
