@@ -4,7 +4,8 @@ and ``--to accelerate``: the same state dicts in accelerate's / HF Trainer's ``c
 The output is what ``torch.distributed.checkpoint.save`` writes for
 ``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}`` of an
 FSDP2 model trained with ``torch.optim.AdamW``, written by DCP's own ``FileSystemWriter`` as one
-writer rank (``no_dist``): ``__0_0.distcp`` and ``.metadata``, plus the model's ``config.json``.
+writer rank (``no_dist``): ``__0_{i}.distcp`` (a file per tensor) and ``.metadata``, plus the model's
+``config.json``.
 DCP reshards on load, so ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict``
 read it at any world size. The keys are those of the nested state dict (DCP's planner flattens it):
   ``model.<HF state-dict name>``     every tensor of ``model.state_dict()`` (a tied ``lm_head.weight`` too)
@@ -28,6 +29,7 @@ import torch
 from toolkit.formats.canonical import Source, WriteRequest, hf_config_object
 from toolkit.formats.describe import ACCELERATE_MODEL, ACCELERATE_OPTIM
 from toolkit.formats.errors import ConvertError
+from toolkit.formats.pages import SourceMaps, give_back
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -35,7 +37,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def write(source: Source, out: Path, request: WriteRequest, progress=None) -> dict:
     """The table's writer (``table.Format.write``): ``model`` and ``optim`` in one DCP directory."""
     model, optim, lazy = dcp_state(source, request)
-    save_lazy({"model": model, "optim": optim}, lazy, out, progress)
+    save_lazy({"model": model, "optim": optim}, lazy, out, progress, SourceMaps(source.path))
     (Path(out) / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
     return {"dp": 1}
 
@@ -48,10 +50,10 @@ def write_accelerate(source: Source, out: Path, request: WriteRequest, progress=
     ``trainer_state.json`` (``global_step``), ``scheduler.pt`` (without it the Trainer skips loading
     the optimizer) and ``config.json``."""
     model, optim, lazy = dcp_state(source, request)
-    out = Path(out)
+    out, maps = Path(out), SourceMaps(source.path)
     save_lazy({"model": model}, {k: f for k, f in lazy.items() if k.startswith("model.")}, out / ACCELERATE_MODEL,
-              progress)
-    save_lazy({"optimizer": optim}, rekey(lazy, "optim", "optimizer"), out / ACCELERATE_OPTIM, progress)
+              progress, maps)
+    save_lazy({"optimizer": optim}, rekey(lazy, "optim", "optimizer"), out / ACCELERATE_OPTIM, progress, maps)
     step = int(source.step or 0) if source.has_optimizer and not request.weights_only else 0
     _trainer_files(out, step, [g["initial_lr"] for g in optim["param_groups"]])
     (out / "config.json").write_text(json.dumps(source.hf_config, indent=2, sort_keys=True))
@@ -100,17 +102,21 @@ def dcp_state(source: Source, request: WriteRequest) -> tuple[dict, dict, dict[s
     return model, {"state": state, "param_groups": _param_groups(source, modules)}, lazy
 
 
-def save_lazy(state_dict: dict, lazy: dict[str, Callable], out: Path, progress=None) -> None:
+def save_lazy(state_dict: dict, lazy: dict[str, Callable], out: Path, progress=None,
+              maps: SourceMaps | None = None) -> None:
     """``dcp.save(state_dict)`` in this process, with DCP's own ``FileSystemWriter``; each meta
-    tensor is read by ``lazy[flat key]()`` when the writer reaches it."""
+    tensor is read by ``lazy[flat key]()`` when the writer reaches it, after the heap's free pages
+    and the source's mapped pages are given back (``pages.give_back``: the tensors written before)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
     Path(out).mkdir(parents=True, exist_ok=True)
-    writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
+    # a file per tensor: FileSystemWriter keeps every tensor of a file alive until the file is done
+    # (torch 2.13 filesystem.py: ``tensor_dict``), so one file per rank would hold the whole model
+    writer = dcp.FileSystemWriter(str(out), single_file_per_rank=False, thread_count=1)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state_dict, storage_writer=writer, planner=_LazyPlanner(lazy, progress), no_dist=True)
+        dcp.save(state_dict, storage_writer=writer, planner=_LazyPlanner(lazy, progress, maps), no_dist=True)
 
 
 def rekey(lazy: dict[str, Callable], old: str, new: str) -> dict[str, Callable]:
@@ -121,12 +127,13 @@ def rekey(lazy: dict[str, Callable], old: str, new: str) -> dict[str, Callable]:
 class _LazyPlanner:
     """DCP's ``DefaultSavePlanner`` whose tensors are read from the source on demand."""
 
-    def __new__(cls, lazy, progress):
+    def __new__(cls, lazy, progress, maps):
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         class LazyPlanner(DefaultSavePlanner):
             def lookup_object(self, index):
                 if index.fqn in lazy:
+                    give_back(maps)
                     tensor = lazy[index.fqn]()
                     if progress:
                         progress(index.fqn, tensor.nbytes)
