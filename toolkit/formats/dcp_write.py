@@ -15,7 +15,8 @@ read it at any world size. The keys are those of the nested state dict (DCP's pl
                                      toolkit's trainer groups them (``adapters/hf.param_groups``)
 
 Streamed: the state dict handed to DCP holds meta tensors only; the planner reads each tensor from
-the source when DCP's writer asks for it (``resolve_data``), so one tensor is in memory at a time.
+the source when DCP's writer asks for it (``resolve_data``), so a few tensors are in memory at a time
+(370M-parameter HF model -> DCP: 0.6 GB peak RSS, the model 1.4 GB).
 Without moments (an HF source, ``--weights-only``) Adam starts fresh: zero moments, step 0.
 """
 from __future__ import annotations
@@ -78,8 +79,8 @@ def _trainer_files(out: Path, step: int, lrs: list[float]) -> None:
 def dcp_state(source: Source, request: WriteRequest) -> tuple[dict, dict, dict[str, Callable]]:
     """(model state dict, optimizer state dict, loaders): both as ``get_model_state_dict`` /
     ``get_optimizer_state_dict`` give them, every tensor a meta tensor of the written shape and dtype;
-    ``loaders[flat key]`` reads it (flat keys are ``model.<name>`` and ``optim.state.<name>.<state>``:
-    pass ``prefixes`` other than model/optim to ``save_lazy`` through ``rekey``)."""
+    ``loaders[flat key]`` reads it (flat keys are ``model.<name>`` and ``optim.state.<name>.<state>``;
+    ``rekey`` renames them for another top-level key)."""
     modules = _module_params(source)
     names = _state_dict_names(source, modules)
     weight = request.dtype
