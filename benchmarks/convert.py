@@ -53,6 +53,9 @@ PATHS = {  # name: (source: the ZeRO checkpoint or an earlier path's output, con
     "megatron_to_hf": ("zero_to_megatron", ["--to", "hf"]),
     "megatron_to_zero": ("zero_to_megatron", ["--to", "zero", "--dp", "2", "--zero-stage", "3"]),
     "hf_to_megatron": ("zero_to_hf", ["--to", "megatron", "--tp", "2"]),
+    "zero_to_dcp": ("zero", ["--to", "dcp"]),  # PyTorch DCP (FSDP2), written by DCP's own writer
+    "dcp_to_hf": ("zero_to_dcp", ["--to", "hf"]),
+    "dcp_to_megatron": ("zero_to_dcp", ["--to", "megatron", "--tp", "2"]),
 }
 
 

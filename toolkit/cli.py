@@ -98,12 +98,13 @@ def _parser() -> argparse.ArgumentParser:
 def _add_convert_parsers(sub) -> None:
     """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py)."""
     c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
-    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, a toolkit run/checkpoint, "
-                                  "or an HF-PEFT adapter dir")
+    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, PyTorch DCP (FSDP2) dir, "
+                                  "a toolkit run/checkpoint, or an HF-PEFT adapter dir")
     c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
-    c.add_argument("--to", choices=["hf", "zero", "megatron", "peft"],
-                   help="default: hf (zero for an HF source); a LoRA checkpoint or HF-PEFT directory: hf (merged "
-                        "onto its base) or peft (the adapter)")
+    c.add_argument("--to", choices=["hf", "zero", "megatron", "dcp", "accelerate", "peft"],
+                   help="default: hf (zero for an HF source); dcp: a PyTorch distributed checkpoint of an FSDP2 "
+                        "model (HF names, AdamW state); accelerate: an HF Trainer / accelerate FSDP2 checkpoint-N/; "
+                        "a LoRA checkpoint or HF-PEFT directory: hf (merged onto its base) or peft (the adapter)")
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
     c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")

@@ -25,11 +25,13 @@ WRITTEN = {
     "hf": {},
     "megatron": {"dp": 2, "tp": 2, "pp": 1, "vpp": None, "ep": 1, "format": "torch_dist"},
     "zero-universal": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
+    "dcp": {"dp": 1},  # one writer rank: DCP reshards at load
+    "accelerate": {"dp": 1},
 }
 """Layout records the toolkit's writers produce for ``REQUEST``."""
 READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1},
              "dcp": {"dp": 2}}
-"""Formats written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2)."""
+"""Checkpoints written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2)."""
 MEGATRON_DESCRIPTION = {
     "format": "megatron-core torch_dist", "family": "qwen2", "vocab_size": 250, "padded_vocab_size": 256,
     "make_vocab_size_divisible_by": 64, "layer_spec": "gpt_layer_local_spec",
@@ -48,7 +50,7 @@ def test_every_registered_format_is_tested_here():
     """A new format is registered in the table and gets its case here."""
     assert {f.name for f in FORMATS} == set(WRITTEN) | set(READ_ONLY)
     assert {f.name for f in FORMATS if f.writer} == set(WRITTEN)
-    assert TARGETS == ("hf", "megatron", "zero")
+    assert TARGETS == ("hf", "megatron", "zero", "dcp", "accelerate")
 
 
 def _write(fmt, hf_dir: Path, out: Path) -> dict:
@@ -80,8 +82,9 @@ def test_megatron_description_keeps_its_keys_and_values(hf_model, tmp_path):
 
 
 def test_targets_name_their_formats_and_an_unknown_one_is_refused():
-    assert {to: for_target(to).name for to in TARGETS} == {"hf": "hf", "megatron": "megatron", "zero": "zero-universal"}
-    with pytest.raises(ConvertError, match=r"--to 'zarr': choose one of \['hf', 'megatron', 'zero'\]"):
+    assert {to: for_target(to).name for to in TARGETS} == {"hf": "hf", "megatron": "megatron", "zero": "zero-universal",
+                                                           "dcp": "dcp", "accelerate": "accelerate"}
+    with pytest.raises(ConvertError, match=r"--to 'zarr': choose one of \['hf', 'megatron', 'zero', 'dcp', 'accelerate'\]"):
         for_target("zarr")
     with pytest.raises(ConvertError, match="the zero format is read only"):
         by_name("zero").write(None, Path("."), REQUEST)

@@ -44,12 +44,17 @@ def _engine(family: str, stage: int, world: int, universal: bool = False, seed: 
     return engine
 
 
-def _step(engine, rank: int, vocab: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    ids = torch.randint(0, vocab, (1, 12), generator=g)
+def step_batch(rank: int, vocab: int, seed: int) -> torch.Tensor:
+    """DP rank ``rank``'s ``[1, 12]`` token batch at step ``seed`` of ``_step``."""
+    return torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed * 100 + rank))
+
+
+def _step(engine, rank: int, vocab: int, seed: int) -> float:
+    ids = step_batch(rank, vocab, seed)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
+    return loss.item()
 
 
 def save_zero_checkpoints(rank: int, world: int, root: str, combos, steps: int = 2):

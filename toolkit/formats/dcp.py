@@ -1,4 +1,5 @@
-"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF parameter names: read.
+"""PyTorch distributed checkpoints (DCP) of an FSDP2 model with HF parameter names: read (plain
+``dcp.save`` and accelerate's / HF Trainer's ``checkpoint-N/``).
 
 The layout read here is what ``torch.distributed.checkpoint.save`` writes for
 ``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}``
@@ -24,46 +25,48 @@ import torch
 
 from toolkit.formats.canonical import Source, TensorInfo, hf_config_object
 from toolkit.formats.dcp_metadata import load_metadata
-from toolkit.formats.describe import describe_dcp
+from toolkit.formats.describe import ACCELERATE_MODEL, ACCELERATE_OPTIM, describe_dcp
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.megatron import read_region
 
-MODEL, STATE, GROUPS = "model.", "optim.state.", "optim.param_groups."
 ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
 HPARAMS = ("lr", "betas", "eps", "weight_decay")
 class DCPSource(Source):
-    """An FSDP2 model's DCP checkpoint (HF names); weights, AdamW moments and step, tensor by tensor."""
+    """An FSDP2 model's DCP checkpoint (HF names); weights, AdamW moments and step, tensor by tensor.
 
-    def __init__(self, path: Path, hf_config: dict, **kw):
-        super().__init__(path=path, format="dcp", hf_config=hf_config, **kw)
-        from torch.distributed.checkpoint import FileSystemReader
-        self._md = load_metadata(path)
-        self._check_files()
-        self._reader = FileSystemReader(str(path))
-        self._reader.set_up_storage_reader(self._md, True)  # the vetted metadata: DCP never unpickles it
-        tensors = {k: v for k, v in self._md.state_dict_metadata.items() if hasattr(v, "size")}
-        self.infos = self._model_infos(tensors)
+    ``model`` / ``optim``: the directories of the model and the optimizer state dicts (one for a plain
+    save, two for accelerate's) and the top-level keys they were saved under."""
+
+    model_key, optim_key = "model", "optim"
+
+    def __init__(self, path: Path, hf_config: dict, format: str = "dcp", **kw):
+        super().__init__(path=path, format=format, hf_config=hf_config, **kw)
+        model_dir, optim_dir = self.dirs(path)
+        self._model = _Part(model_dir)
+        self._optim = self._model if optim_dir == model_dir else _Part(optim_dir) if optim_dir else None
+        self.model_prefix, self.state_prefix = f"{self.model_key}.", f"{self.optim_key}.state."
+        self.groups_prefix = f"{self.optim_key}.param_groups."
+        self.infos = self._model_infos(self._model.tensors())
         self._check_names()
-        self.has_optimizer = self._check_optimizer(tensors)
-        self.step = self._step(tensors) if self.has_optimizer else None
-        self.optimizer_hparams = self._hparams()
-        self.layout = describe_dcp(path)
+        optim = self._optim.tensors() if self._optim else {}
+        self.has_optimizer = self._check_optimizer(optim)
+        self.step = self._step(optim) if self.has_optimizer else None
+        self.optimizer_hparams = self._hparams() if self._optim else {}
+        self.layout = describe_dcp(model_dir)
+
+    def dirs(self, path: Path) -> tuple[Path, Path | None]:
+        """(model directory, optimizer directory or None)."""
+        return path, path
 
     # --- what the checkpoint holds -----------------------------------------------------------------
 
-    def _check_files(self) -> None:
-        missing = sorted({s.relative_path for s in self._md.storage_data.values()
-                          if not (self.path / s.relative_path).is_file()})
-        if missing:
-            raise ConvertError(f"{self.path}: data files {missing} named in .metadata are missing; the checkpoint "
-                               "is incomplete (copy every writer rank's .distcp file)")
-
     def _model_infos(self, tensors: dict) -> dict[str, TensorInfo]:
-        infos = {k[len(MODEL):]: TensorInfo(tuple(v.size), v.properties.dtype)
-                 for k, v in tensors.items() if k.startswith(MODEL)}
+        infos = {k[len(self.model_prefix):]: TensorInfo(tuple(v.size), v.properties.dtype)
+                 for k, v in tensors.items() if k.startswith(self.model_prefix)}
         if not infos:
-            raise ConvertError(f"{self.path}: no 'model.*' tensors; expected a DCP checkpoint saved as "
-                               "{'model': get_model_state_dict(model), 'optim': get_optimizer_state_dict(model, opt)}")
+            raise ConvertError(f"{self._model.dir}: no '{self.model_prefix}*' tensors; expected a DCP checkpoint saved "
+                               f"as {{'{self.model_key}': get_model_state_dict(model), '{self.optim_key}': "
+                               "get_optimizer_state_dict(model, opt)}")
         if self.tied:
             infos.pop("lm_head.weight", None)  # the input embedding itself (canonical names)
         return infos
@@ -83,7 +86,7 @@ class DCPSource(Source):
 
     def _check_optimizer(self, tensors: dict) -> bool:
         """AdamW state or none; another optimizer's state is refused by its keys."""
-        kinds = {k[len(STATE):].rpartition(".")[2] for k in tensors if k.startswith(STATE)}
+        kinds = {k[len(self.state_prefix):].rpartition(".")[2] for k in tensors if k.startswith(self.state_prefix)}
         if not kinds:
             return False
         if not kinds <= ADAM_STATE or "exp_avg" not in kinds:
@@ -92,41 +95,79 @@ class DCPSource(Source):
         return True
 
     def _step(self, tensors: dict) -> int | None:
-        steps = [k for k in tensors if k.startswith(STATE) and k.endswith(".step")]
-        return int(self._tensor(steps[0]).item()) if steps else None
+        steps = [k for k in tensors if k.startswith(self.state_prefix) and k.endswith(".step")]
+        return int(self._optim.tensor(steps[0]).item()) if steps else None
 
     def _hparams(self) -> dict:
-        keys = {k: f"{GROUPS}0.{k}" for k in HPARAMS}
-        found = {k: key for k, key in keys.items() if key in self._md.state_dict_metadata}
-        return {k: self._bytes(key) for k, key in found.items()}
+        keys = {k: f"{self.groups_prefix}0.{k}" for k in HPARAMS}
+        found = {k: key for k, key in keys.items() if key in self._optim.md.state_dict_metadata}
+        return {k: self._optim.bytes(key) for k, key in found.items()}
 
     # --- data --------------------------------------------------------------------------------------
 
-    def _tensor(self, key: str) -> torch.Tensor:
-        return read_region(self._reader, self._md, key)
+    def read(self, name: str, state: str = "param") -> torch.Tensor:
+        if state == "param":
+            return self._model.tensor(self.model_prefix + name)
+        key = f"{self.state_prefix}{name}.{state}"
+        if key not in self._optim.md.state_dict_metadata:  # a frozen parameter: no optimizer state
+            return torch.zeros(self.infos[name].shape, dtype=torch.float32)
+        return self._optim.tensor(key)
 
-    def _bytes(self, key: str):
+
+class AccelerateSource(DCPSource):
+    """accelerate's / HF Trainer's FSDP checkpoint (``SHARDED_STATE_DICT``): ``checkpoint-N/`` with
+    ``pytorch_model_fsdp_0/`` (DCP of ``{"model": get_model_state_dict(model)}``) and ``optimizer_0/``
+    (DCP of ``{"optimizer": get_optimizer_state_dict(model, opt)}``), as ``save_fsdp_model`` /
+    ``save_fsdp_optimizer`` write them; without ``optimizer_0/`` (``save_only_model``) weights only."""
+
+    model_key, optim_key = "model", "optimizer"
+
+    def __init__(self, path: Path, hf_config: dict, **kw):
+        super().__init__(path, hf_config, format="accelerate", **kw)
+
+    def dirs(self, path: Path) -> tuple[Path, Path | None]:
+        optim = path / ACCELERATE_OPTIM
+        return path / ACCELERATE_MODEL, optim if (optim / ".metadata").is_file() else None
+
+
+class _Part:
+    """One DCP directory: its vetted metadata and DCP's own reader over it."""
+
+    def __init__(self, folder: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+        self.dir = Path(folder)
+        self.md = load_metadata(folder)
+        self._check_files()
+        self.reader = FileSystemReader(str(folder))
+        self.reader.set_up_storage_reader(self.md, True)  # the vetted metadata: DCP never unpickles it
+
+    def _check_files(self) -> None:
+        missing = sorted({s.relative_path for s in self.md.storage_data.values()
+                          if not (self.dir / s.relative_path).is_file()})
+        if missing:
+            raise ConvertError(f"{self.dir}: data files {missing} named in .metadata are missing; the checkpoint "
+                               "is incomplete (copy every writer rank's .distcp file)")
+
+    def tensors(self) -> dict:
+        return {k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "size")}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return read_region(self.reader, self.md, key)
+
+    def bytes(self, key: str):
         """A pickled non-tensor item, loaded as data only (DCP's own planner would trust it)."""
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import _create_read_items
         planner = _BytesPlanner()
-        self._reader.read_data(LoadPlan(_create_read_items(key, self._md.state_dict_metadata[key], None)),
-                               planner).wait()
+        self.reader.read_data(LoadPlan(_create_read_items(key, self.md.state_dict_metadata[key], None)),
+                              planner).wait()
         try:
             return torch.load(io.BytesIO(planner.value), weights_only=True)
         except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-            raise ConvertError(f"{self.path}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: "
+            raise ConvertError(f"{self.dir}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: "
                                "an optimizer's hyperparameters are plain numbers, and unpickling anything else "
                                "could run code (do not trust this checkpoint)") from None
-
-    def read(self, name: str, state: str = "param") -> torch.Tensor:
-        if state == "param":
-            return self._tensor(MODEL + name)
-        key = f"{STATE}{name}.{state}"
-        if key not in self._md.state_dict_metadata:  # a frozen parameter: no optimizer state
-            return torch.zeros(self.infos[name].shape, dtype=torch.float32)
-        return self._tensor(key)
 
 
 class _BytesPlanner:

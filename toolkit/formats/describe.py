@@ -6,8 +6,8 @@
   ``megatron_description`` ``toolkit_megatron.json`` beside a torch_dist checkpoint (true vocab,
                            padded vocab and its divisor, layer spec, layout), written and read by
                            ``write_megatron_description`` / ``read_megatron_description``
-  ``find_dist_dir`` / ``find_legacy_dir`` / ``find_dcp_dir``  where a megatron or PyTorch DCP checkpoint
-                           lies (its own markers)
+  ``find_dist_dir`` / ``find_legacy_dir`` / ``find_dcp_dir`` / ``find_accelerate_dir``  where a megatron,
+                           PyTorch DCP or accelerate checkpoint lies (its own markers)
   ``describe_*``           each format's layout record, read back from a checkpoint (the table's
                            ``describe``)
 """
@@ -24,6 +24,9 @@ LEGACY_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 """Megatron-LM's legacy rank folders: ``mp_rank_{tp:02d}[_{pp:03d}]``."""
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 """``FileSystemWriter``'s data files: ``__{rank}_{file index}.distcp``."""
+ACCELERATE_MODEL, ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"
+"""The DCP directories accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write in an HF Trainer
+``checkpoint-N/`` (model index 0, optimizer index 0)."""
 
 
 def layout_record(backend: str, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, zero_stage: int = 0) -> dict:
@@ -85,6 +88,12 @@ def find_dcp_dir(path: Path) -> Path | None:
     return None
 
 
+def find_accelerate_dir(path: Path) -> Path | None:
+    """An accelerate / HF Trainer FSDP checkpoint (sharded state dict): ``checkpoint-N/`` holding a
+    DCP ``pytorch_model_fsdp_0/`` (and ``optimizer_0/``)."""
+    return path if path.is_dir() and find_dcp_dir(path / ACCELERATE_MODEL) else None
+
+
 # --- each format's layout record, read back -----------------------------------------------------------
 
 def describe_hf(path: Path) -> dict:
@@ -128,3 +137,8 @@ def describe_megatron_legacy(path: Path) -> dict:
 def describe_dcp(path: Path) -> dict:
     """The number of ranks that wrote it (the FSDP data-parallel size), from the data files' names."""
     return {"dp": len({DATA_FILE.match(p.name).group(1) for p in path.iterdir() if DATA_FILE.match(p.name)})}
+
+
+def describe_accelerate(path: Path) -> dict:
+    """The number of ranks that wrote its model directory."""
+    return describe_dcp(path / ACCELERATE_MODEL)

@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from toolkit.formats.describe import (
+    describe_accelerate,
     describe_dcp,
     describe_hf,
     describe_megatron,
     describe_megatron_legacy,
     describe_zero,
     describe_zero_universal,
+    find_accelerate_dir,
     find_dcp_dir,
     find_dist_dir,
     find_legacy_dir,
@@ -88,7 +90,10 @@ FORMATS = (  # in the order ``locate`` tries them
     Format("zero-universal", _zero_universal, "toolkit.formats.zero:UniversalSource", "toolkit.formats.zero:write",
            describe_zero_universal, to="zero", backend="deepspeed"),
     # after megatron: a torch_dist directory is a DCP directory too, told apart by its metadata.json
-    Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", None, describe_dcp),
+    Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", "toolkit.formats.dcp_write:write", describe_dcp,
+           to="dcp"),
+    Format("accelerate", find_accelerate_dir, "toolkit.formats.dcp:AccelerateSource",
+           "toolkit.formats.dcp_write:write_accelerate", describe_accelerate, to="accelerate"),
 )
 TARGETS = tuple(f.to for f in FORMATS if f.to)
 """What ``convert --to`` writes."""
