@@ -41,6 +41,8 @@ class Engine(Protocol):
     dp_rank: int
     dp_size: int
     dp_group: object
+    eval_metrics: dict
+    """The objective's metrics of the last ``eval_loss_sum`` ({} for the token cross-entropy)."""
     """The process group of this rank's data-parallel replicas (None: the whole world)."""
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_tokens: int, lr: float) -> StepStats:
@@ -51,8 +53,16 @@ class Engine(Protocol):
         """
 
     def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]], beat=None) -> tuple[float, int]:
-        """Summed token loss and valid-token count over the whole DP group (already reduced).
+        """Summed token loss and valid-token count over the whole DP group (already reduced); with
+        ``train.objective: dpo``, summed pair losses and the pair count (``eval_metrics`` then holds
+        TRL's reward metrics of the eval pairs, ``eval_`` prefixed).
         ``beat()``, if given, after each micro-batch: the heartbeat's progress (here and below)."""
+
+    def document_logps(self, micro_batches: list[dict[str, torch.Tensor]], width: int) -> list[torch.Tensor] | None:
+        """Forward only, the model as built (a LoRA run's base): ``[mbs, width]`` fp64 sums of each
+        document's answer log-probabilities per micro-batch (``toolkit/objectives.py``), on the ranks
+        that hold them (one per DP replica; the others: None). The reference scores of preference
+        objectives (``toolkit/train/reference.py``); collective."""
 
     def save(self, path: Path, step: int, beat=None) -> None:
         """Write this engine's state (model, optimizer) of ``step`` under ``path``; collective;

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolkit.loss import IGNORE_INDEX
+from toolkit.loss import IGNORE_INDEX, token_logps, token_loss_sum
 
 REF_COLUMN = "ref_logps"
 """The micro-batch column of the reference model's per-document log-probability sums."""
@@ -120,3 +120,24 @@ class DPO:
         stats = [float(x) for x in stats]
         pairs = max(stats[-1], 1.0)
         return {prefix + name: value / pairs for name, value in zip(DPO_METRICS, stats)}
+
+
+def hf_loss_sum(objective: DPO | None, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a micro-batch's loss sum, fp64 stats whose last entry counts what the loss is a mean over: valid
+    tokens, or pairs) from HF logits ``[batch, seq, vocab]`` (chunked fp32: ``toolkit/loss.py``);
+    ``objective`` None: the token cross-entropy (stats ``[tokens]``)."""
+    labels = mb["labels"]
+    if objective is None:
+        total, count = token_loss_sum(logits, labels)
+        return total, count.double().view(1)
+    return objective.loss_sum(token_logps(logits, labels), labels, mb["document_ids"], mb[REF_COLUMN])
+
+
+def metrics(objective: DPO | None, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """The objective's metrics from ``stats`` summed over the global batch ({} for the token cross-entropy)."""
+    return {} if objective is None else objective.metrics(stats, prefix)
+
+
+def hf_document_logps(logits: torch.Tensor, mb: dict, width: int) -> torch.Tensor:
+    """``[batch, width]`` fp64 sums of the answers' log-probabilities per document (the reference scores)."""
+    return document_sums(token_logps(logits, mb["labels"]), mb["document_ids"], width)
