@@ -53,11 +53,17 @@ class DataConfig(_Section):
     format: Literal["auto", "text", "json", "csv", "parquet", "disk", "hub"] = "auto"
     split: str = "train"
     text_column: str = "text"
-    template: Literal["none", "instruction", "chat"] = "none"
-    """``instruction``: prompt/response columns; ``chat``: a messages column. Prompt tokens get no loss."""
+    template: Literal["none", "instruction", "chat", "preference"] = "none"
+    """``instruction``: prompt/response columns; ``chat``: a messages column; ``preference``: prompt,
+    chosen and rejected columns (text, or TRL's conversational message lists), each pair packed as two
+    documents of one row (``toolkit/data/templates.py``). Prompt tokens get no loss."""
     prompt_column: str = "prompt"
     response_column: str = "response"
     messages_column: str = "messages"
+    chosen_column: str = "chosen"
+    """``preference``: the preferred answer (text, or a list of assistant messages)."""
+    rejected_column: str = "rejected"
+    """``preference``: the dispreferred answer, in the same form as ``chosen_column``."""
     seq_len: int = 128
     packing: Literal["concat", "documents", "pad"] | None = None
     """How documents become rows of ``seq_len`` tokens (``toolkit/data/pack.py``). ``concat``: one token
@@ -68,7 +74,8 @@ class DataConfig(_Section):
     ``template`` instruction/chat, ``concat`` for ``none``; read it as ``packing_mode``."""
     overflow: Literal["split", "drop"] = "split"
     """``documents``/``pad``: a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each
-    its own document) or dropped; the count is logged and kept in the run's data summary."""
+    its own document) or dropped; the count is logged and kept in the run's data summary. Template
+    ``preference``: ``drop`` (its default and only choice: a pair longer than ``seq_len`` is dropped)."""
     eval_fraction: float = 0.05
     num_proc: int = 1
     cache_dir: str | None = None
@@ -81,6 +88,23 @@ class DataConfig(_Section):
         if v < 2:
             raise ValueError(f"data.seq_len={v} must be at least 2")
         return v
+
+    @model_validator(mode="after")
+    def _preference_layout(self) -> "DataConfig":
+        if self.template != "preference":
+            return self
+        if self.packing == "concat":
+            raise ValueError("data.packing='concat' cannot hold preference pairs (it cuts one token stream "
+                             "across documents, so a pair's answers would be split and see each other); use "
+                             "data.packing=documents (several whole pairs per row, the default) or pad (one pair per row)")
+        if self.overflow == "split":
+            if "overflow" in self.model_fields_set:
+                raise ValueError("data.overflow='split' cannot cut a preference pair (a piece would lose its "
+                                 "prompt or its answer); use data.overflow=drop (the default for "
+                                 "data.template=preference: pairs longer than data.seq_len are dropped and "
+                                 "counted) or raise data.seq_len")
+            self.overflow = "drop"  # the default for pairs; the guard above keeps re-validation from looping
+        return self
 
     @property
     def packing_mode(self) -> str:

@@ -23,8 +23,10 @@ CHAT_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assist
 [user, assistant] conversation then reads exactly like template ``instruction``."""
 DEMO_CORPUS = DEMO_DIR / "corpus.txt"
 PACK_BATCH_DOCS = 1000
-"""Documents per packing batch; each batch drops at most ``seq_len`` tokens of its tail."""
+"""Documents per packing batch; each batch drops at most ``seq_len`` tokens of its tail. Even, so a
+batch of preference documents (two per pair) holds whole pairs."""
 _PIPELINE_VERSION = "1"  # bump when tokenized/packed output changes for the same inputs
+_PREFERENCE_RECIPE = "trl-prefix-v1"  # bump when preference rows tokenize differently
 _DEMO_TOKENIZER_RECIPE = "bytelevel-bpe-v1"  # bump when _train_demo_tokenizer changes
 _FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
                  ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -43,7 +45,9 @@ class PackedData:
     """Packed samples. Columns of both sets: ``input_ids`` [seq_len] int, ``labels`` [seq_len]
     int (-100 = no loss), ``num_loss_tokens`` int (labels != -100 in the row); packing ``documents``
     and ``pad`` add ``document_ids`` [seq_len] int (1, 2, ... per document in the row, 0 = padding),
-    ``num_tokens`` (not padding) and ``num_documents`` per row."""
+    ``num_tokens`` (not padding) and ``num_documents`` per row. Template ``preference`` rows hold
+    whole pairs: pair ``j`` of a row (1-based) is document ``2j - 1`` (prompt + chosen) and ``2j``
+    (prompt + rejected), and ``num_pairs`` counts them."""
 
     train: datasets.Dataset
     eval: datasets.Dataset | None
@@ -53,7 +57,10 @@ class PackedData:
     packing: str = "concat"
     """``data.packing_mode`` the rows were made with."""
     num_overflow: int = 0
-    """Documents longer than ``data.seq_len`` (split or dropped as ``data.overflow`` says)."""
+    """Documents longer than ``data.seq_len`` (split or dropped as ``data.overflow`` says); for
+    template ``preference``, pairs longer than ``data.seq_len`` in all (dropped)."""
+    num_pairs: int | None = None
+    """Template ``preference``: pairs in the source (before dropping); else None."""
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:

@@ -76,18 +76,21 @@ def count_loss_tokens(ds: datasets.Dataset, indices: list[int]) -> int:
 
 
 def batch_counts(ds: datasets.Dataset, indices: list[int]) -> dict[str, int]:
-    """``loss_tokens``, ``tokens`` (not padding) and ``documents`` (pieces; None for ``concat``
-    rows, which do not record where documents start) over these samples, from the per-row count
-    columns (no token reads)."""
-    if not len(indices):
-        return {"loss_tokens": 0, "tokens": 0, "documents": 0}
+    """``loss_tokens``, ``tokens`` (not padding), ``documents`` (pieces; None for ``concat``
+    rows, which do not record where documents start) and ``pairs`` (preference pairs, whole in their
+    rows; None for other data) over these samples, from the per-row count columns (no token reads)."""
     has_docs = "num_documents" in ds.column_names
-    columns = ["num_loss_tokens"] + (["num_tokens", "num_documents"] if has_docs else [])
+    has_pairs = "num_pairs" in ds.column_names
+    if not len(indices):
+        return {"loss_tokens": 0, "tokens": 0, "documents": 0, "pairs": 0 if has_pairs else None}
+    columns = ["num_loss_tokens"] + (["num_tokens", "num_documents"] if has_docs else []) + \
+        (["num_pairs"] if has_pairs else [])
     rows = ds.with_format("numpy", columns=columns)[[int(i) for i in indices]]
     seq_len = ds.features["input_ids"].length
     return {"loss_tokens": int(rows["num_loss_tokens"].sum()),
             "tokens": int(rows["num_tokens"].sum()) if has_docs else len(indices) * seq_len,
-            "documents": int(rows["num_documents"].sum()) if has_docs else None}
+            "documents": int(rows["num_documents"].sum()) if has_docs else None,
+            "pairs": int(rows["num_pairs"].sum()) if has_pairs else None}
 
 
 def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, micro_batch_size: int,

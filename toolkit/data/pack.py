@@ -16,6 +16,7 @@ import torch
 from toolkit.config import RunConfig
 from toolkit.data.base import (
     _PIPELINE_VERSION,
+    _PREFERENCE_RECIPE,
     CHAT_HEADERS,
     INSTRUCTION_TEMPLATE,
     PACK_BATCH_DOCS,
@@ -24,7 +25,7 @@ from toolkit.data.base import (
     data_cache_dir,
 )
 from toolkit.data.sources import check_rows, load_source, required_columns
-from toolkit.data.templates import tokenize_fn
+from toolkit.data.templates import preference_tokenize_fn, tokenize_fn
 from toolkit.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -109,11 +110,45 @@ def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_l
     return out
 
 
+def pack_pairs(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: int,
+               mode: str) -> dict[str, np.ndarray]:
+    """Whole preference pairs into rows (``documents``: several per row, best fit by the pair's
+    length, ``fit_rows``; ``pad``: one pair per row); a pair is never split across rows.
+
+    ``lengths`` [2P]: documents ``2p`` (prompt + chosen) and ``2p + 1`` (prompt + rejected) of pair
+    ``p``, their tokens back to back in ``ids``/``loss`` [T]. Each document gives inputs ``doc[:-1]``
+    and targets ``doc[1:]`` as ``pack_documents`` makes them; pair ``j`` of a row (1-based) holds
+    document ``2j - 1`` (chosen) then ``2j`` (rejected) in ``document_ids``. A pair with more than
+    ``seq_len`` inputs in all, or with a document without a loss token, is left out. Returns the
+    columns of ``pack_documents`` and ``num_pairs`` per row."""
+    if len(lengths) % 2:
+        raise ValueError(f"pack_pairs takes documents in pairs; got {len(lengths)}")
+    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
+    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    start = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64)
+    length = np.maximum(lengths.astype(np.int64) - 1, 0)
+    has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
+    useful = (has_loss[start + length] - has_loss[start] > 0).reshape(-1, 2).all(axis=1)
+    pair_len = length.reshape(-1, 2).sum(axis=1)
+    kept = np.flatnonzero(useful & (pair_len <= seq_len))
+    groups = fit_rows(pair_len[kept], seq_len) if mode == "documents" else [[i] for i in range(len(kept))]
+    docs = np.stack([2 * kept, 2 * kept + 1], axis=1).reshape(-1)  # kept pair i -> documents 2i, 2i + 1
+    rows = [[2 * i + side for i in group for side in (0, 1)] for group in groups]
+    out = _gather_rows(ids, targets, start[docs], length[docs], rows, seq_len)
+    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
+    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
+    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
+    out["num_pairs"] = np.array([len(g) for g in groups], dtype=np.int32)
+    return out
+
+
 def _gather_rows(ids: np.ndarray, targets: np.ndarray, start: np.ndarray, length: np.ndarray,
                  rows: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
     """``input_ids``, ``labels``, ``document_ids`` ``[len(rows), seq_len]``: piece ``p`` (tokens
     ``start[p] : start[p] + length[p]`` of ``ids``/``targets``) placed after its row's earlier
     pieces, in one vectorized gather (no per-token Python)."""
+    if not rows:
+        return {k: np.zeros((0, seq_len), np.int32) for k in ("input_ids", "labels", "document_ids")}
     order = np.array([p for row in rows for p in row], dtype=np.int64)  # pieces row after row
     per_row = np.array([len(r) for r in rows], dtype=np.int64)
     row_of = np.repeat(np.arange(len(rows)), per_row)
@@ -134,8 +169,9 @@ def _gather_rows(ids: np.ndarray, targets: np.ndarray, start: np.ndarray, length
     return {k: v.reshape(len(rows), seq_len) for k, v in out.items()}
 
 
-def _pack_fn(seq_len: int, mode: str, overflow: str) -> Callable[[pa.Table], dict]:
-    """Batched map function over Arrow batches of tokenized documents (flattened without copies)."""
+def _pack_fn(seq_len: int, mode: str, overflow: str, pairs: bool = False) -> Callable[[pa.Table], dict]:
+    """Batched map function over Arrow batches of tokenized documents (flattened without copies);
+    ``pairs``: the documents come two per preference pair (batches hold whole pairs: even sizes)."""
     def pack(batch: pa.Table) -> dict:
         column = batch.column("ids").combine_chunks()
         ids = column.flatten().to_numpy(zero_copy_only=False)
@@ -143,16 +179,20 @@ def _pack_fn(seq_len: int, mode: str, overflow: str) -> Callable[[pa.Table], dic
         if mode == "concat":
             return pack_tokens(ids, loss, seq_len)
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        if pairs:
+            return pack_pairs(ids, loss, lengths, seq_len, mode)
         return pack_documents(ids, loss, lengths, seq_len, mode, overflow)
     return pack
 
 
-def _packed_features(seq_len: int, mode: str) -> datasets.Features:
+def _packed_features(seq_len: int, mode: str, pairs: bool = False) -> datasets.Features:
     row = datasets.List(datasets.Value("int32"), length=seq_len)
     features = {"input_ids": row, "labels": row, "num_loss_tokens": datasets.Value("int32")}
     if mode != "concat":
         features |= {"document_ids": row, "num_tokens": datasets.Value("int32"),
                      "num_documents": datasets.Value("int32")}
+    if pairs:
+        features["num_pairs"] = datasets.Value("int32")
     return datasets.Features(features)
 
 
@@ -172,10 +212,15 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     num_tokens = int(pc.sum(lengths).as_py() or 0)
     train, evals = _split_eval(packed, cfg)
     _check_enough(train, evals, num_tokens, len(docs), cfg)
-    overflow = 0 if cfg.data.packing_mode == "concat" else \
-        int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
+    if cfg.data.template == "preference":  # pairs with more than seq_len input/target positions
+        inputs = np.maximum(lengths.to_numpy(zero_copy_only=False).astype(np.int64) - 1, 0)
+        overflow = int((inputs.reshape(-1, 2).sum(axis=1) > cfg.data.seq_len).sum())
+    else:
+        overflow = 0 if cfg.data.packing_mode == "concat" else \
+            int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
+    pairs = len(docs) // 2 if cfg.data.template == "preference" else None
     return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs),
-                      packing=cfg.data.packing_mode, num_overflow=overflow)
+                      packing=cfg.data.packing_mode, num_overflow=overflow, num_pairs=pairs)
 
 
 def _key(*parts: Any) -> str:
@@ -191,11 +236,14 @@ def _tokenizer_key(tok: "PreTrainedTokenizerBase") -> str:
 def _tokenize(source: datasets.Dataset, cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> datasets.Dataset:
     d = cfg.data
     recipe = (d.template, required_columns(cfg), INSTRUCTION_TEMPLATE, CHAT_HEADERS)
+    if d.template == "preference":  # only there, so other templates keep their cached data
+        recipe += (_PREFERENCE_RECIPE,)
     key = _key("tokenize", source._fingerprint, _tokenizer_key(tok), recipe)
+    fn = preference_tokenize_fn(cfg, tok) if d.template == "preference" else tokenize_fn(cfg, tok)
     features = datasets.Features({"ids": datasets.List(datasets.Value("int32")),
                                   "loss": datasets.List(datasets.Value("int8"))})
     return source.map(
-        tokenize_fn(cfg, tok), batched=True, with_indices=True, remove_columns=source.column_names,
+        fn, batched=True, with_indices=True, remove_columns=source.column_names,
         features=features, num_proc=d.num_proc if d.num_proc > 1 else None, desc="tokenize",
         cache_file_name=str(data_cache_dir(cfg) / "tokenized" / f"{key}.arrow"), new_fingerprint=key)
 
@@ -203,10 +251,13 @@ def _tokenize(source: datasets.Dataset, cfg: RunConfig, tok: "PreTrainedTokenize
 def _pack(docs: datasets.Dataset, cfg: RunConfig) -> datasets.Dataset:
     d = cfg.data
     mode = d.packing_mode
-    key = _key("pack", docs._fingerprint, d.seq_len, PACK_BATCH_DOCS, mode, d.overflow if mode != "concat" else None)
+    pairs = d.template == "preference"
+    parts = [docs._fingerprint, d.seq_len, PACK_BATCH_DOCS, mode, d.overflow if mode != "concat" else None]
+    key = _key("pack", *parts, *(["pairs"] if pairs else []))  # the extra part only for pairs: caches stay
     return docs.with_format("arrow").map(
-        _pack_fn(d.seq_len, mode, d.overflow), batched=True, batch_size=PACK_BATCH_DOCS,
-        remove_columns=docs.column_names, features=_packed_features(d.seq_len, mode), desc=f"pack ({mode})",
+        _pack_fn(d.seq_len, mode, d.overflow, pairs), batched=True, batch_size=PACK_BATCH_DOCS,
+        remove_columns=docs.column_names, features=_packed_features(d.seq_len, mode, pairs),
+        desc=f"pack ({mode}{', pairs' if pairs else ''})",
         cache_file_name=str(data_cache_dir(cfg) / "packed" / f"{key}.arrow"),
         new_fingerprint=key).with_format(None)
 
@@ -239,7 +290,10 @@ def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_t
     fit = (num_tokens - 1) // (need + math.ceil(num_docs / PACK_BATCH_DOCS))
     hint = (f"lower data.seq_len (about {fit} or less would fit) or add data" if fit >= 2 else
             "add data (even data.seq_len=2 would not be enough)")
-    if d.packing_mode != "concat":  # rows of whole documents: seq_len helps only by splitting them
+    if d.template == "preference":
+        hint = ("add pairs (data.packing=" + d.packing_mode + " keeps each pair whole in one row"
+                + (", several to a row)" if d.packing_mode == "documents" else ")"))
+    elif d.packing_mode != "concat":  # rows of whole documents: seq_len helps only by splitting them
         hint = (f"add data (data.packing={d.packing_mode} makes at most one row per document"
                 + (", fewer when several share a row)" if d.packing_mode == "documents" else ")"))
     raise DataError(

@@ -145,11 +145,15 @@ def required_columns(cfg: RunConfig) -> dict[str, str]:
         return {"data.prompt_column": d.prompt_column, "data.response_column": d.response_column}
     if d.template == "chat":
         return {"data.messages_column": d.messages_column}
+    if d.template == "preference":
+        return {"data.prompt_column": d.prompt_column, "data.chosen_column": d.chosen_column,
+                "data.rejected_column": d.rejected_column}
     return {"data.text_column": d.text_column}
 
 
 def check_rows(ds: datasets.Dataset, cfg: RunConfig) -> None:
-    """Raise DataError for an empty source, a missing column, or a text column holding non-text."""
+    """Raise DataError for an empty source, a missing column, or a text column holding non-text.
+    Preference columns hold text or message lists; their rows are checked as they are tokenized."""
     where = f"data.path={cfg.data.path!r}"
     if len(ds) == 0:
         raise DataError(f"{where} has no rows (data.split={cfg.data.split!r}); it needs at least one document")
@@ -157,7 +161,7 @@ def check_rows(ds: datasets.Dataset, cfg: RunConfig) -> None:
         if column not in ds.column_names:
             raise DataError(f"{field}={column!r} is not a column of {where}; columns present: "
                             f"{ds.column_names}. Set {field} to one of them (data.template={cfg.data.template!r})")
-        if field != "data.messages_column":
+        if field != "data.messages_column" and cfg.data.template != "preference":
             _check_text_column(ds, field, column)
 
 

@@ -1,4 +1,5 @@
-"""Documents from rows (plain text, instruction, chat) as token ids with a per-token loss mask."""
+"""Documents from rows (plain text, instruction, chat, preference pairs) as token ids with a per-token
+loss mask."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
@@ -35,7 +36,7 @@ def _text(row: dict, column: str, field: str, index: int) -> str:
     return value
 
 
-def _messages(value: Any, column: str, index: int) -> list[dict]:
+def _messages(value: Any, column: str, index: int, field: str = "data.messages_column") -> list[dict]:
     if isinstance(value, dict) and isinstance(value.get("role"), list):  # legacy Sequence({...}) layout
         value = [dict(zip(value, turn)) for turn in zip(*value.values())]
     ok = isinstance(value, list) and all(
@@ -43,7 +44,7 @@ def _messages(value: Any, column: str, index: int) -> list[dict]:
         for m in value)
     if not ok:
         shown = repr(value)[:80]
-        raise DataError(f"data.messages_column={column!r}: row {index} holds {type(value).__name__} "
+        raise DataError(f"{field}={column!r}: row {index} holds {type(value).__name__} "
                         f"{shown}, not a list of {{'role': str, 'content': str}} messages")
     return value
 
@@ -77,14 +78,14 @@ def _template_chat(messages: list[dict], tok: "PreTrainedTokenizerBase", index: 
     return [s for s in segments if s[0]]
 
 
-def _render(tok: "PreTrainedTokenizerBase", messages: list[dict], generation_prompt: bool, index: int) -> str:
+def _render(tok: "PreTrainedTokenizerBase", messages: list[dict], generation_prompt: bool, index: int,
+            field: str = "data.messages_column") -> str:
     if not messages:
         return ""
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # noqa: BLE001 - jinja errors name the template, not the row
-        raise DataError(f"data.messages_column: the tokenizer's chat template failed on row {index}: "
-                        f"{exc}") from exc
+        raise DataError(f"{field}: the tokenizer's chat template failed on row {index}: {exc}") from exc
 
 
 def _suffix(text: str, prefix: str, index: int) -> str:
@@ -116,6 +117,97 @@ def tokenize_fn(cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> Callable[[dic
                 loss += [int(carries_loss)] * len(piece)
             out["ids"].append(ids)
             out["loss"].append(loss)
+        return out
+
+    return tokenize
+
+
+# --- preference pairs ----------------------------------------------------------------------------
+
+def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> tuple[str, str, str, bool]:
+    """(prompt, prompt + chosen, prompt + rejected) as text, and whether the tokenizer adds its
+    special tokens, the way TRL's ``DPOTrainer`` prepares a row: plain text gets EOS appended to each
+    answer (unless it ends with it) and is tokenized as ``tok(text)`` is; TRL's conversational form
+    (message lists) is rendered by the chat template (prompt with the generation prompt), or by the
+    fixed ``CHAT_HEADERS`` format (answers end with EOS) when the tokenizer has none."""
+    d = cfg.data
+    fields = {"data.prompt_column": d.prompt_column, "data.chosen_column": d.chosen_column,
+              "data.rejected_column": d.rejected_column}
+    prompt, chosen, rejected = (row.get(c) for c in fields.values())
+    if isinstance(prompt, str):
+        for (field, column), value in zip(list(fields.items())[1:], (chosen, rejected)):
+            if not isinstance(value, str):
+                raise DataError(f"{field}={column!r}: row {index} holds {_shown(value)}, but the prompt "
+                                f"({d.prompt_column!r}) is text, so the answers must be text too; fix or "
+                                "drop that row (TRL's conversational form: message lists in all three columns)")
+            if not value:
+                raise DataError(f"{field}={column!r}: row {index} is an empty answer; a pair needs two "
+                                "non-empty answers to compare: fix or drop that row")
+        eos = tok.eos_token
+        chosen, rejected = (a if a.endswith(eos) else a + eos for a in (chosen, rejected))
+        return prompt, prompt + chosen, prompt + rejected, True
+    if not isinstance(prompt, (list, dict)):
+        raise DataError(f"data.prompt_column={d.prompt_column!r}: row {index} holds {_shown(prompt)}, not "
+                        "text or a list of {'role', 'content'} messages; fix or drop that row, or point "
+                        "data.prompt_column at the prompt column")
+    turns = [_messages(v, c, index, f) for (f, c), v in zip(fields.items(), (prompt, chosen, rejected))]
+    for (field, column), messages in zip(fields.items(), turns):
+        if not messages:
+            what = "prompt" if field == "data.prompt_column" else "answer"
+            raise DataError(f"{field}={column!r}: row {index} is an empty message list (an empty {what}); "
+                            "fix or drop that row")
+    prompt, chosen, rejected = turns
+    if tok.chat_template:
+        field = "data.template='preference'"
+        return (_render(tok, prompt, True, index, field), _render(tok, prompt + chosen, False, index, field),
+                _render(tok, prompt + rejected, False, index, field), False)
+    fixed = lambda messages: "".join(tok.eos_token if t is None else t for t, _ in _fixed_chat(messages))  # noqa: E731
+    return fixed(prompt) + CHAT_HEADERS["assistant"], fixed(prompt + chosen), fixed(prompt + rejected), False
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return f"{type(value).__name__} {shown}"
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def preference_tokenize_fn(cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> Callable[[dict, list[int]], dict]:
+    """Batched map function: each pair row -> two documents, ``prompt + chosen`` then ``prompt +
+    rejected`` (``ids`` and ``loss``, 1 on the answer tokens only), always two per row in that order.
+
+    As TRL's ``DPOTrainer`` does: the prompt and each prompt + answer are tokenized whole, and the
+    answers start where the tokenized prompt and both tokenized prompt + answer texts stop agreeing
+    (tokens can merge across the boundary, or a chat template can render the prompt alone
+    differently); the prompt tokens are that common prefix, shared by both documents."""
+    def tokenize(batch: dict, indices: list[int]) -> dict:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        texts = [_preference_texts(row, i, cfg, tok) for row, i in zip(rows, indices)]
+        encoded: list[list[list[int]]] = [[] for _ in texts]
+        for special in (True, False):
+            picked = [k for k, t in enumerate(texts) if t[3] is special]
+            if picked:
+                flat = [s for k in picked for s in texts[k][:3]]
+                ids = tok(flat, add_special_tokens=special, verbose=False)["input_ids"]
+                for j, k in enumerate(picked):
+                    encoded[k] = ids[3 * j:3 * j + 3]
+        out: dict[str, list] = {"ids": [], "loss": []}
+        for (prompt, chosen, rejected), index in zip(encoded, indices):
+            n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+            for full, field in ((chosen, "data.chosen_column"), (rejected, "data.rejected_column")):
+                if len(full) - max(n, 1) < 1:  # targets are full[1:]; those at n.. carry loss
+                    raise DataError(f"{field}={getattr(cfg.data, field[5:])!r}: row {index}: the answer gives "
+                                    "no token to learn after its prompt (empty, or one token without a "
+                                    "prompt); fix or drop that row")
+                out["ids"].append(full)  # full[:n] is the prompt, the same in both documents
+                out["loss"].append([0] * n + [1] * (len(full) - n))
         return out
 
     return tokenize
