@@ -62,3 +62,18 @@ def rows_of_trl_batch(batch: dict, pairs_per_row: int, seq_len: int) -> dict[str
         rows["labels"].append(torch.cat([lab, lab.new_full((pad,), IGNORE_INDEX)]))
         rows["document_ids"].append(torch.cat([doc, doc.new_zeros(pad)]))
     return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def write_preference_data(path, n: int = 160, seed: int = 0):
+    """JSONL of ``preference_texts``: pairs whose answers range from one word to twenty."""
+    import json
+    path.write_text("".join(json.dumps(r) + "\n" for r in preference_texts(n, seed)))
+    return path
+
+
+def reference_dir(data_cache) -> "Path":
+    """The one reference-score cache under a test's data cache (``toolkit/train/reference.py``)."""
+    from pathlib import Path
+    found = sorted((Path(data_cache) / "reference").glob("*/meta.json"))
+    assert len(found) == 1, found
+    return found[0].parent

@@ -114,3 +114,48 @@ def test_label_smoothing_is_conservative_dpo():
     want = -0.8 * torch.log(torch.sigmoid(m)) - 0.2 * torch.log(torch.sigmoid(-m))
     assert torch.allclose(got, want)
     assert torch.allclose(DPO(0.1, "sigmoid").pair_losses(c, r, n, n), -torch.log(torch.sigmoid(m)))
+
+
+def test_two_pairs_per_row_equal_one_pair_per_row(setup, tmp_path):
+    """documents-packed equals pad: the same pairs two per row (documents confined) and one per row give
+    the same loss, metrics and gradients."""
+    policy, reference, tokenizer, texts = setup
+    trainer = trl_trainer(copy.deepcopy(policy), tokenizer, texts, tmp_path, "sigmoid", BETA, batch=4,
+                          ref_model=copy.deepcopy(reference))
+    batch = next(iter(trainer.get_train_dataloader()))
+    out = {}
+    for per_row, seq_len in ((1, 80), (2, 160)):
+        model, ref = use_document_attention(copy.deepcopy(policy)), use_document_attention(copy.deepcopy(reference))
+        rows = rows_of_trl_batch(batch, pairs_per_row=per_row, seq_len=seq_len)
+        ref_logps = _document_logps(ref, rows, 2 * per_row)
+        logits = model(**forward_inputs(rows)).logits
+        loss_sum, stats = DPO(BETA).loss_sum(token_logps(logits, rows["labels"]), rows["labels"],
+                                             rows["document_ids"], ref_logps)
+        (loss_sum / stats[-1]).backward()
+        out[per_row] = (loss_sum.item(), stats, {n: p.grad for n, p in model.named_parameters()})
+    assert out[1][0] == pytest.approx(out[2][0], rel=1e-7)
+    assert torch.allclose(out[1][1], out[2][1], rtol=1e-7, atol=1e-9)
+    for name, grad in out[1][2].items():
+        assert ((grad - out[2][2][name]).abs().max() / grad.abs().max()).item() < GRAD_RTOL, name
+
+
+def test_config_pairs_dpo_with_preference_data():
+    from toolkit.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="train.objective=dpo needs preference pairs.*data.template=preference"):
+        load_config(None, ["train.objective=dpo"])
+    with pytest.raises(ConfigError, match="data.template=preference holds pairs.*set train.objective=dpo"):
+        load_config(None, ["data.template=preference"])
+    with pytest.raises(ConfigError, match="dpo.label_smoothing=0.1 applies to dpo.loss=sigmoid only"):
+        load_config(None, ["data.template=preference", "train.objective=dpo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match="dpo.beta"):
+        load_config(None, ["data.template=preference", "train.objective=dpo", "dpo.beta=0"])
+    cfg = load_config(None, ["data.template=preference", "train.objective=dpo"])
+    assert (cfg.dpo.beta, cfg.dpo.loss, cfg.dpo.label_smoothing) == (0.1, "sigmoid", 0.0)
+
+
+def test_resume_refuses_other_reference_scores():
+    from toolkit.train.reference import check_resumed
+    check_resumed(None, "abc")  # a checkpoint from before DPO recorded keys: nothing to compare
+    check_resumed("abc", "abc")
+    with pytest.raises(RuntimeError, match="trained against reference log-probabilities abc, this run's are xyz"):
+        check_resumed("abc", "xyz")
