@@ -70,10 +70,3 @@ def write_preference_data(path, n: int = 160, seed: int = 0):
     path.write_text("".join(json.dumps(r) + "\n" for r in preference_texts(n, seed)))
     return path
 
-
-def reference_dir(data_cache) -> "Path":
-    """The one reference-score cache under a test's data cache (``toolkit/train/reference.py``)."""
-    from pathlib import Path
-    found = sorted((Path(data_cache) / "reference").glob("*/meta.json"))
-    assert len(found) == 1, found
-    return found[0].parent
