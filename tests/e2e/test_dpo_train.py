@@ -1,10 +1,11 @@
 """DPO through ``toolkit train`` on both backends: the loss contract for pairs (the mean pair loss over the
 global batch whatever the DP size, micro-batches or backend layout) on pairs of very different lengths,
-packed several to a row; TRL's reward metrics reduced over the global batch alike; kill and resume bit
+packed several to a row (megatron's runs score their own reference, so its document scoring is compared too); TRL's reward metrics reduced over the global batch alike; kill and resume bit
 for bit, the cached reference scores checked on the way."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ def dpo_runs(tmp_path_factory, data_cache):
     def get(mode: str):
         if mode not in done:
             overrides, nproc = MODES[mode]
+            if "backend=megatron" in overrides:  # scores its own reference (megatron's document_logps)
+                overrides = (*overrides, f"data.cache_dir={root / ('cache_' + mode)}")
             train(root / mode, data_cache, *BASE, f"data.path={data}", *overrides, nproc=nproc, base=[])
             done[mode] = root / mode
         return done[mode]
@@ -69,6 +72,7 @@ def test_loss_grad_norm_and_rewards_match_one_micro_batch_in_one_process(mode, d
         assert [g[name] for g in got] == pytest.approx([w[name] for w in want], abs=METRIC_ATOL, rel=1e-6), name
     assert [g["pairs"] for g in got] == [w["pairs"] for w in want]
     assert want[-1]["loss"] < want[0]["loss"]  # it learns: the policy moves away from the reference
+    assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # step 1: the policy is the reference
 
 
 def test_kill_and_resume_is_bitwise_exact(dpo_runs, tmp_path, data_cache):

@@ -23,7 +23,7 @@ def preference_texts(n: int, seed: int = 0) -> list[dict]:
 
 
 def trl_trainer(model, tokenizer, texts: list[dict], out_dir, loss: str, beta: float, batch: int, lr: float = 0.0,
-                steps: int = 1, ref_model=None):
+                steps: int = 1, ref_model=None, peft_config=None):
     """TRL's DPOTrainer on ``texts`` (CPU, fp32, no shuffling surprises: read its batches back)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -32,7 +32,7 @@ def trl_trainer(model, tokenizer, texts: list[dict], out_dir, loss: str, beta: f
                      save_strategy="no", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      max_length=None, dataloader_drop_last=True, seed=0, max_grad_norm=None, bf16=False, fp16=False)
     return DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(texts),
-                      processing_class=tokenizer)
+                      processing_class=tokenizer, peft_config=peft_config)
 
 
 def rows_of_trl_batch(batch: dict, pairs_per_row: int, seq_len: int) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ TRL's own pieces are used as they run in training: ``DPOTrainer.compute_loss`` o
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -159,3 +160,43 @@ def test_resume_refuses_other_reference_scores():
     check_resumed("abc", "abc")
     with pytest.raises(RuntimeError, match="trained against reference log-probabilities abc, this run's are xyz"):
         check_resumed("abc", "xyz")
+
+
+def test_lora_first_step_equals_trl_with_peft(setup, tmp_path):
+    """LoRA: TRL + peft (``peft_config`` given: TRL wraps the model and scores the reference with the
+    adapters disabled, the base) against the toolkit's objective with its reference scored the same way
+    (``disable_adapter``, as the DeepSpeed engine's ``document_logps`` does): loss, the adapters'
+    gradients, the reward metrics. The adapters start random (``init_lora_weights=False``) so the policy
+    differs from its base."""
+    from peft import LoraConfig, get_peft_model
+    policy, _, tokenizer, texts = setup
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(2)
+    trainer = trl_trainer(copy.deepcopy(policy), tokenizer, texts, tmp_path, "sigmoid", BETA, batch=4,
+                          peft_config=config)
+    batch = next(iter(trainer.get_train_dataloader()))
+    ours = get_peft_model(copy.deepcopy(policy), config)
+    ours.load_state_dict(trainer.model.state_dict())  # the same adapters (not a copy of TRL's patched forward)
+    trl_loss = trainer.compute_loss(trainer.model, batch)
+    trl_loss.backward()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    use_document_attention(ours.base_model.model)
+    rows = rows_of_trl_batch(batch, pairs_per_row=2, seq_len=160)
+    with ours.disable_adapter():
+        ref_logps = _document_logps(ours, rows, 4)
+    logits = ours(**forward_inputs(rows)).logits
+    loss_sum, stats = DPO(BETA).loss_sum(token_logps(logits, rows["labels"]), rows["labels"], rows["document_ids"],
+                                         ref_logps)
+    (loss_sum / stats[-1]).backward()
+    assert abs(trl_loss.item() - math.log(2)) > 1e-3  # the adapters moved the policy off its base
+    assert (loss_sum / stats[-1]).item() == pytest.approx(trl_loss.item(), rel=LOSS_RTOL)
+    theirs = dict(trainer.model.named_parameters())
+    trained = [(n, p) for n, p in ours.named_parameters() if p.requires_grad]
+    assert len(trained) == 4 * 4 and all("lora_" in n for n, _ in trained)  # A and B of q and v, 4 layers
+    for name, p in trained:
+        q = theirs[name]
+        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() < GRAD_RTOL, name
+    mine = DPO.metrics(stats)
+    for name in DPO_METRICS:
+        assert mine[name] == pytest.approx(trl_metrics[name], abs=METRIC_ATOL, rel=1e-6), name
