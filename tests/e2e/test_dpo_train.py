@@ -1,7 +1,8 @@
 """DPO through ``toolkit train`` on both backends: the loss contract for pairs (the mean pair loss over the
 global batch whatever the DP size, micro-batches or backend layout) on pairs of very different lengths,
-packed several to a row (megatron's runs score their own reference, so its document scoring is compared too); TRL's reward metrics reduced over the global batch alike; kill and resume bit
-for bit, the cached reference scores checked on the way."""
+packed several to a row (megatron's runs score their own reference, so its document scoring is compared
+too); TRL's reward metrics reduced over the global batch alike; kill and resume bit for bit, the cached
+reference scores checked on the way."""
 from __future__ import annotations
 
 import json
