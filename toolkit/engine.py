@@ -20,7 +20,8 @@ DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.i
 @dataclass
 class StepStats:
     loss: float
-    """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks)."""
+    """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks); DPO: the
+    mean pair loss over its pairs."""
     grad_norm: float | None
     """Global L2 norm of the gradient before clipping; None when the step was skipped."""
     compute_s: float = 0.0
@@ -50,6 +51,9 @@ class Engine(Protocol):
 
         ``loss_tokens`` is the number of valid tokens in the whole global batch (all ranks), so the
         gradient is that of ``sum(token losses) / loss_tokens`` whatever the DP size or accumulation.
+        With ``train.objective: dpo`` it counts the global batch's preference pairs and the gradient is
+        that of ``sum(pair losses) / pairs`` (``toolkit/objectives.py``); ``StepStats.extra`` then holds
+        TRL's reward metrics of the global batch.
         """
 
     def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]], beat=None) -> tuple[float, int]:
