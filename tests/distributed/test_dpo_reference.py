@@ -27,42 +27,45 @@ def _config(base, data, cache, lora_rank: int):
                      "lora": {"rank": lora_rank}})
 
 
-def _online(base, ds, indices, width: int) -> np.ndarray:
-    """The online reference: the HF model on the rows' micro-batches, per-document sums of the
-    answers' log-probabilities (whole-tensor log-softmax)."""
+def _online(base, micro_batches, width: int) -> np.ndarray:
+    """The online reference: the HF model on the micro-batches, per-document sums of the answers'
+    log-probabilities (whole-tensor log-softmax)."""
     from transformers import AutoModelForCausalLM
 
+    from toolkit import device
     from toolkit.adapters.hf_attention import forward_inputs, use_document_attention
-    from toolkit.data import rank_micro_batches
     from toolkit.objectives import document_sums
     model = use_document_attention(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)).eval()
     out = []
     with torch.no_grad():
-        for mb in rank_micro_batches(ds, indices, 0, 1, MICRO):
+        for mb in map(device.to_device, micro_batches):
             logits = model(**forward_inputs(mb)).logits
             valid = mb["labels"] != IGNORE_INDEX
             logps = torch.log_softmax(logits.float(), -1).gather(-1, mb["labels"].clamp(min=0).unsqueeze(-1))
             out.append(document_sums(logps.squeeze(-1) * valid, mb["document_ids"], width))
-    return torch.cat(out).numpy()
+    return torch.cat(out).cpu().numpy()
 
 
 def _scores(rank, world, base, data, cache, run_dir, lora_rank):
     import torch.distributed as dist
 
     from toolkit.adapters.deepspeed import build_engine
-    from toolkit.data import load_tokenizer, prepare_data
+    from toolkit.data import load_tokenizer, prepare_data, rank_micro_batches
     from toolkit.plan import build_plan
     from toolkit.train.reference import prepare_reference
     cfg = _config(base, data, cache, lora_rank)
-    tokenizer = load_tokenizer(cfg)
-    packed = prepare_data(cfg, tokenizer)
+    packed = prepare_data(cfg, load_tokenizer(cfg))
     engine = build_engine(build_plan(cfg, [world]), run_dir, rank)
     ref = prepare_reference(cfg, engine, packed, log=lambda line: None)
     dist.barrier()
     again = prepare_reference(cfg, engine, packed, log=lambda line: None)  # the cache, read back
-    mine = list(range(len(packed.train)))[rank::world][:8]  # a few rows each, any order
-    return {"width": ref.width, "offline": ref.scores["train"][mine], "cached": again.scores["train"][mine],
-            "online": _online(base, packed.train, mine, ref.width), "key": ref.key}
+    rows = len(packed.train) // (world * MICRO) * MICRO  # this rank's whole micro-batches, as scoring cut them
+    padded = -(-len(packed.train) // (world * MICRO)) * world * MICRO
+    mine = rank_micro_batches(packed.train, list(range(len(packed.train))) + [0] * (padded - len(packed.train)),
+                              rank, world, MICRO)
+    first = rank * padded // world
+    return {"width": ref.width, "key": ref.key, "offline": ref.scores["train"][first:first + rows],
+            "cached": again.scores["train"][first:first + rows], "online": _online(base, mine, ref.width)[:rows]}
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
