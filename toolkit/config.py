@@ -71,7 +71,8 @@ class DataConfig(_Section):
     ``documents``: whole documents packed into rows, each attending only to itself with positions
     restarting at 0 (every document's result equals running it alone). ``pad``: one document per
     row, padded (the reference ``documents`` must match). Default (None): ``documents`` for
-    ``template`` instruction/chat, ``concat`` for ``none``; read it as ``packing_mode``."""
+    ``template`` instruction/chat/preference, ``concat`` for ``none``; read it as ``packing_mode``.
+    ``preference`` rows hold whole pairs (``pad``: one pair per row); ``concat`` is refused there."""
     overflow: Literal["split", "drop"] = "split"
     """``documents``/``pad``: a document longer than ``seq_len`` is cut into ``seq_len`` pieces (each
     its own document) or dropped; the count is logged and kept in the run's data summary. Template

@@ -16,6 +16,10 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] 
                      "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}")
 """Renders the prompt alone (generation prompt: an empty thought block) differently from the full
 conversation, as Gemma's templates do: the answer starts where the two stop agreeing."""
+CHATML_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+                   "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML as Qwen2's template writes it (a default system turn; a newline after each turn's end)."""
 
 
 def documents_of(rows: dict) -> list[list[tuple[list[int], list[int]]]]:

@@ -13,7 +13,14 @@ import pytest
 
 from tests.helpers.packing import packed as packed_documents
 from tests.helpers.packing import random_documents
-from tests.helpers.preference import CHAT_TEMPLATE, THINKING_TEMPLATE, documents_of, pairs_of, trl_prepared
+from tests.helpers.preference import (
+    CHAT_TEMPLATE,
+    CHATML_TEMPLATE,
+    THINKING_TEMPLATE,
+    documents_of,
+    pairs_of,
+    trl_prepared,
+)
 from toolkit import data
 from toolkit.config import ConfigError, validate
 from toolkit.data import DataError
@@ -63,7 +70,10 @@ def prepared_pairs(tmp_path, examples, tokenizer, **kw) -> tuple:
 
 # --- against TRL -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("form", ["plain", "plain+bos", "chat template", "thinking template"])
+TEMPLATES = {"chat template": CHAT_TEMPLATE, "thinking template": THINKING_TEMPLATE, "chatml": CHATML_TEMPLATE}
+
+
+@pytest.mark.parametrize("form", ["plain", "plain+bos", *TEMPLATES])
 def test_pairs_tokenize_as_trl_dpo_trainer_prepares_them(tmp_path, tok, form):
     """Prompt, chosen and rejected ids of every pad row equal TRL 1.16's ``_prepare_dataset``
     (prompt_ids, chosen_ids, rejected_ids) row by row, including a prompt ending inside a merged
@@ -77,7 +87,7 @@ def test_pairs_tokenize_as_trl_dpo_trainer_prepares_them(tmp_path, tok, form):
         tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
             single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.eos_token_id)])
     elif form != "plain":
-        tokenizer.chat_template = CHAT_TEMPLATE if form == "chat template" else THINKING_TEMPLATE
+        tokenizer.chat_template = TEMPLATES[form]
         examples = CONVERSATIONS
     packed = data.prepare_data(make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", examples), packing="pad"),
                                tokenizer)
@@ -161,6 +171,8 @@ def test_rows_ranks_and_micro_batches_hold_whole_pairs(mode):
                 seen += top // 2
     assert counts["pairs"] == seen == int(out["num_pairs"][:n].sum())
     assert counts["documents"] == 2 * counts["pairs"]
+    none_fit = pack_pairs(ids, loss, lengths, 3, mode)  # every pair overflows: no rows, right shapes
+    assert none_fit["input_ids"].shape == (0, 3) and none_fit["num_pairs"].shape == (0,)
 
 
 def test_documents_packed_rows_hold_what_pad_rows_hold(tmp_path, tok):
@@ -243,6 +255,9 @@ def test_too_few_rows_names_the_pairs(tmp_path, tok):
     cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN), packing="pad",
                    train={"global_batch_size": 8})
     with pytest.raises(DataError, match=r"fewer than train.global_batch_size=8; add pairs \(data.packing=pad keeps"):
+        data.prepare_data(cfg, tok)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN * 2), seq_len=16, train={"global_batch_size": 2})
+    with pytest.raises(DataError, match=r"; 8 of 8 pairs are longer than data.seq_len=16 .* dropped: raise data.seq_len"):
         data.prepare_data(cfg, tok)
 
 

@@ -9,9 +9,15 @@ Documents. Template ``none``: ``text_column``; every token carries loss. Templat
 ``INSTRUCTION_TEMPLATE`` around ``prompt_column``, then ``response_column``; only the response and
 its EOS carry loss. Template ``chat``: a list of ``{"role", "content"}`` messages in
 ``messages_column``, rendered with the tokenizer's chat template when it has one (else
-``CHAT_HEADERS``); only assistant turns carry loss. Every document ends with EOS.
+``CHAT_HEADERS``); only assistant turns carry loss. Every document ends with EOS. Template
+``preference``: each row of ``prompt_column``, ``chosen_column``, ``rejected_column`` (all text, or
+TRL's conversational form: message lists) gives two documents, prompt + chosen and prompt +
+rejected, tokenized as TRL's ``DPOTrainer`` does (prompt and prompt + answer tokenized whole, the
+answer starting where they stop agreeing; text answers get EOS, conversations are rendered by the
+chat template, or ``CHAT_HEADERS`` with EOS after each answer); only the answers carry loss.
 
-Packing (``data.packing``; default ``documents`` for templates instruction/chat, ``concat`` for none):
+Packing (``data.packing``; default ``documents`` for templates instruction/chat/preference, ``concat``
+for none):
 
 - ``concat`` (Megatron / HF ``group_texts`` style). Within one ``datasets.map`` batch of documents
   (``PACK_BATCH_DOCS``), the token stream is concatenated and cut into windows of ``seq_len + 1``
@@ -27,6 +33,13 @@ Packing (``data.packing``; default ``documents`` for templates instruction/chat,
   logits equal those of the document run alone. A document longer than ``seq_len`` is cut into
   ``seq_len`` pieces or dropped (``data.overflow``; the count is ``PackedData.num_overflow``).
 - ``pad``: the same rows with one document each (the reference ``documents`` must equal).
+
+Preference pairs (``pack_pairs``) are packed whole: a row holds ``num_pairs`` pairs, pair ``j``
+(1-based) as documents ``2j - 1`` (prompt + chosen) and ``2j`` (prompt + rejected), each attending
+only to itself like any document; ``documents`` fits several pairs to a row by their total length,
+``pad`` puts one pair in a row. A pair longer than ``seq_len`` in all is dropped (``data.overflow``
+must be ``drop``; ``concat`` is refused), so no pair is ever split across rows, micro-batches or
+ranks; ``batch_counts`` gives a global batch's ``pairs``.
 
 Rows with no loss token at all (inside a long prompt) are dropped in every mode, so a global batch
 never has zero loss tokens. The cache key holds the mode and the overflow rule.

@@ -96,14 +96,23 @@ def pack_documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_l
     ``labels``, ``document_ids`` (1, 2, ... per piece in the row, 0 on the padded tail; input 0
     there) ``[n, seq_len]`` and per row ``num_loss_tokens``, ``num_tokens`` (not padding) and
     ``num_documents``. Pieces and rows without a loss token are left out."""
-    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
-    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    targets = _targets(ids, loss)
     start, length = document_pieces(lengths, seq_len, overflow)
     has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
     useful = has_loss[start + length] - has_loss[start] > 0
     start, length = start[useful], length[useful]
     rows = fit_rows(length, seq_len) if mode == "documents" else [[i] for i in range(len(length))]
-    out = _gather_rows(ids, targets, start, length, rows, seq_len)
+    return _with_counts(_gather_rows(ids, targets, start, length, rows, seq_len), rows)
+
+
+def _targets(ids: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """``[T]``: the token each position predicts (``ids[t + 1]``), -100 where it carries no loss."""
+    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
+    return np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+
+
+def _with_counts(out: dict[str, np.ndarray], rows: list[list[int]]) -> dict[str, np.ndarray]:
+    """Add the per-row counts ``num_loss_tokens``, ``num_tokens`` (not padding), ``num_documents``."""
     out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
     out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
     out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
@@ -123,8 +132,7 @@ def pack_pairs(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: 
     columns of ``pack_documents`` and ``num_pairs`` per row."""
     if len(lengths) % 2:
         raise ValueError(f"pack_pairs takes documents in pairs; got {len(lengths)}")
-    targets = np.where(loss[1:].astype(bool), ids[1:], IGNORE_INDEX)
-    targets = np.append(targets, IGNORE_INDEX).astype(np.int32)  # position T-1 is never an input
+    targets = _targets(ids, loss)
     start = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]]).astype(np.int64)
     length = np.maximum(lengths.astype(np.int64) - 1, 0)
     has_loss = np.cumsum(np.append(0, targets != IGNORE_INDEX))
@@ -134,10 +142,7 @@ def pack_pairs(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: 
     groups = fit_rows(pair_len[kept], seq_len) if mode == "documents" else [[i] for i in range(len(kept))]
     docs = np.stack([2 * kept, 2 * kept + 1], axis=1).reshape(-1)  # kept pair i -> documents 2i, 2i + 1
     rows = [[2 * i + side for i in group for side in (0, 1)] for group in groups]
-    out = _gather_rows(ids, targets, start[docs], length[docs], rows, seq_len)
-    out["num_loss_tokens"] = (out["labels"] != IGNORE_INDEX).sum(axis=1).astype(np.int32)
-    out["num_tokens"] = (out["document_ids"] > 0).sum(axis=1).astype(np.int32)
-    out["num_documents"] = np.array([len(r) for r in rows], dtype=np.int32)
+    out = _with_counts(_gather_rows(ids, targets, start[docs], length[docs], rows, seq_len), rows)
     out["num_pairs"] = np.array([len(g) for g in groups], dtype=np.int32)
     return out
 
@@ -210,8 +215,6 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     packed = _pack(docs, cfg)
     lengths = pc.list_value_length(docs.data.column("ids"))
     num_tokens = int(pc.sum(lengths).as_py() or 0)
-    train, evals = _split_eval(packed, cfg)
-    _check_enough(train, evals, num_tokens, len(docs), cfg)
     if cfg.data.template == "preference":  # pairs with more than seq_len input/target positions
         inputs = np.maximum(lengths.to_numpy(zero_copy_only=False).astype(np.int64) - 1, 0)
         overflow = int((inputs.reshape(-1, 2).sum(axis=1) > cfg.data.seq_len).sum())
@@ -219,6 +222,8 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
         overflow = 0 if cfg.data.packing_mode == "concat" else \
             int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
     pairs = len(docs) // 2 if cfg.data.template == "preference" else None
+    train, evals = _split_eval(packed, cfg)
+    _check_enough(train, evals, num_tokens, len(docs), cfg, dropped_pairs=overflow if pairs else 0)
     return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs),
                       packing=cfg.data.packing_mode, num_overflow=overflow, num_pairs=pairs)
 
@@ -277,7 +282,7 @@ def _split_eval(packed: datasets.Dataset, cfg: RunConfig) -> tuple[datasets.Data
 
 
 def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_tokens: int,
-                  num_docs: int, cfg: RunConfig) -> None:
+                  num_docs: int, cfg: RunConfig, dropped_pairs: int = 0) -> None:
     d, g = cfg.data, cfg.train.global_batch_size
     if num_docs == 0:
         raise DataError(f"data.path={d.path!r}: every document is empty ({required_columns(cfg)} hold "
@@ -293,6 +298,9 @@ def _check_enough(train: datasets.Dataset, evals: datasets.Dataset | None, num_t
     if d.template == "preference":
         hint = ("add pairs (data.packing=" + d.packing_mode + " keeps each pair whole in one row"
                 + (", several to a row)" if d.packing_mode == "documents" else ")"))
+        if dropped_pairs:
+            hint = (f"{dropped_pairs} of {num_docs // 2} pairs are longer than data.seq_len={d.seq_len} "
+                    f"in all (prompt twice and both answers) and were dropped: raise data.seq_len, or {hint}")
     elif d.packing_mode != "concat":  # rows of whole documents: seq_len helps only by splitting them
         hint = (f"add data (data.packing={d.packing_mode} makes at most one row per document"
                 + (", fewer when several share a row)" if d.packing_mode == "documents" else ")"))

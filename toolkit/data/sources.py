@@ -182,6 +182,11 @@ def _check_text_column(ds: datasets.Dataset, field: str, column: str) -> None:
 
 
 def non_text_error(field: str, column: str, row: int, value: Any) -> DataError:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return DataError(f"{field}={column!r}: row {row} holds {type(value).__name__} {shown}, not text; "
+    return DataError(f"{field}={column!r}: row {row} holds {shown_value(value)}, not text; "
                      "fix or drop that row, or point the field at a text column")
+
+
+def shown_value(value: Any) -> str:
+    """A row's value for an error message: its type and its repr, cut at 60 characters."""
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return f"{type(value).__name__} {shown}"

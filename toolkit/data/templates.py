@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.config import RunConfig
 from toolkit.data.base import CHAT_HEADERS, INSTRUCTION_TEMPLATE, DataError, Segment
-from toolkit.data.sources import non_text_error
+from toolkit.data.sources import non_text_error, shown_value
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -133,24 +133,33 @@ def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTok
     d = cfg.data
     fields = {"data.prompt_column": d.prompt_column, "data.chosen_column": d.chosen_column,
               "data.rejected_column": d.rejected_column}
-    prompt, chosen, rejected = (row.get(c) for c in fields.values())
-    if isinstance(prompt, str):
-        for (field, column), value in zip(list(fields.items())[1:], (chosen, rejected)):
-            if not isinstance(value, str):
-                raise DataError(f"{field}={column!r}: row {index} holds {_shown(value)}, but the prompt "
-                                f"({d.prompt_column!r}) is text, so the answers must be text too; fix or "
-                                "drop that row (TRL's conversational form: message lists in all three columns)")
-            if not value:
-                raise DataError(f"{field}={column!r}: row {index} is an empty answer; a pair needs two "
-                                "non-empty answers to compare: fix or drop that row")
-        eos = tok.eos_token
-        chosen, rejected = (a if a.endswith(eos) else a + eos for a in (chosen, rejected))
-        return prompt, prompt + chosen, prompt + rejected, True
-    if not isinstance(prompt, (list, dict)):
-        raise DataError(f"data.prompt_column={d.prompt_column!r}: row {index} holds {_shown(prompt)}, not "
-                        "text or a list of {'role', 'content'} messages; fix or drop that row, or point "
+    values = [row.get(c) for c in fields.values()]
+    if isinstance(values[0], str):
+        return (*_plain_pair(values, fields, index, tok.eos_token), True)
+    if not isinstance(values[0], (list, dict)):
+        raise DataError(f"data.prompt_column={d.prompt_column!r}: row {index} holds {shown_value(values[0])}, "
+                        "not text or a list of {'role', 'content'} messages; fix or drop that row, or point "
                         "data.prompt_column at the prompt column")
-    turns = [_messages(v, c, index, f) for (f, c), v in zip(fields.items(), (prompt, chosen, rejected))]
+    return (*_conversation_pair(values, fields, index, tok), False)
+
+
+def _plain_pair(values: list, fields: dict[str, str], index: int, eos: str) -> tuple[str, str, str]:
+    prompt, chosen, rejected = values
+    for (field, column), value in zip(list(fields.items())[1:], (chosen, rejected)):
+        if not isinstance(value, str):
+            raise DataError(f"{field}={column!r}: row {index} holds {shown_value(value)}, but the prompt "
+                            f"({fields['data.prompt_column']!r}) is text, so the answers must be text too; fix "
+                            "or drop that row (TRL's conversational form: message lists in all three columns)")
+        if not value:
+            raise DataError(f"{field}={column!r}: row {index} is an empty answer; a pair needs two "
+                            "non-empty answers to compare: fix or drop that row")
+    chosen, rejected = (a if a.endswith(eos) else a + eos for a in (chosen, rejected))
+    return prompt, prompt + chosen, prompt + rejected
+
+
+def _conversation_pair(values: list, fields: dict[str, str], index: int,
+                       tok: "PreTrainedTokenizerBase") -> tuple[str, str, str]:
+    turns = [_messages(v, c, index, f) for (f, c), v in zip(fields.items(), values)]
     for (field, column), messages in zip(fields.items(), turns):
         if not messages:
             what = "prompt" if field == "data.prompt_column" else "answer"
@@ -160,14 +169,9 @@ def _preference_texts(row: dict, index: int, cfg: RunConfig, tok: "PreTrainedTok
     if tok.chat_template:
         field = "data.template='preference'"
         return (_render(tok, prompt, True, index, field), _render(tok, prompt + chosen, False, index, field),
-                _render(tok, prompt + rejected, False, index, field), False)
+                _render(tok, prompt + rejected, False, index, field))
     fixed = lambda messages: "".join(tok.eos_token if t is None else t for t, _ in _fixed_chat(messages))  # noqa: E731
-    return fixed(prompt) + CHAT_HEADERS["assistant"], fixed(prompt + chosen), fixed(prompt + rejected), False
-
-
-def _shown(value: Any) -> str:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return f"{type(value).__name__} {shown}"
+    return fixed(prompt) + CHAT_HEADERS["assistant"], fixed(prompt + chosen), fixed(prompt + rejected)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
