@@ -200,3 +200,10 @@ def test_lora_first_step_equals_trl_with_peft(setup, tmp_path):
     mine = DPO.metrics(stats)
     for name in DPO_METRICS:
         assert mine[name] == pytest.approx(trl_metrics[name], abs=METRIC_ATOL, rel=1e-6), name
+
+
+def test_the_example_config_is_valid():
+    from tests.helpers.runs import REPO
+    from toolkit.config import load_config
+    cfg = load_config(REPO / "examples/dpo/config.yaml")
+    assert (cfg.train.objective, cfg.data.template, cfg.dpo.loss) == ("dpo", "preference", "sigmoid")
