@@ -62,7 +62,8 @@ class Engine(Protocol):
         TRL's reward metrics of the eval pairs, ``eval_`` prefixed).
         ``beat()``, if given, after each micro-batch: the heartbeat's progress (here and below)."""
 
-    def document_logps(self, micro_batches: list[dict[str, torch.Tensor]], width: int) -> list[torch.Tensor] | None:
+    def document_logps(self, micro_batches: list[dict[str, torch.Tensor]], width: int,
+                       beat=None) -> list[torch.Tensor] | None:
         """Forward only, the model as built (a LoRA run's base): ``[mbs, width]`` fp64 sums of each
         document's answer log-probabilities per micro-batch (``toolkit/objectives.py``), on the ranks
         that hold them (one per DP replica; the others: None). The reference scores of preference

@@ -155,13 +155,16 @@ class DeepSpeedEngine:
         return totals[0].item(), int(totals[-1].item())
 
     @torch.no_grad()
-    def document_logps(self, micro_batches, width: int) -> list[torch.Tensor] | None:
+    def document_logps(self, micro_batches, width: int, beat=None) -> list[torch.Tensor] | None:
         """``[mbs, width]`` fp64 log-probability sums of each document's answer per micro-batch, from
         the model as it is (a LoRA run's base: adapters off); every rank for its own micro-batches."""
         self.engine.eval()
         with self.engine.module.disable_adapter() if self.lora else contextlib.nullcontext():
-            out = [hf_document_logps(self._forward(mb, router=False).logits, mb, width)
-                   for mb in map(device.to_device, micro_batches)]
+            out = []
+            for mb in map(device.to_device, micro_batches):
+                out.append(hf_document_logps(self._forward(mb, router=False).logits, mb, width))
+                if beat:
+                    beat()
         self.engine.train()
         return out
 

@@ -64,9 +64,10 @@ def reference_key(cfg, data) -> tuple[str, int]:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24], width
 
 
-def prepare_reference(cfg, engine, data, log=print) -> ReferenceScores:
+def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScores:
     """The run's reference scores: read from the cache, or scored now by ``engine`` (collective; call
-    it before the engine's first step or checkpoint load) and written there by rank 0."""
+    it before the engine's first step or checkpoint load) and written there by rank 0; ``beat()``
+    after each micro-batch scored (the heartbeat's progress)."""
     key, width = reference_key(cfg, data)
     root = data_cache_dir(cfg) / "reference" / key
     found = [(root / "meta.json").is_file()]
@@ -79,7 +80,7 @@ def prepare_reference(cfg, engine, data, log=print) -> ReferenceScores:
     for split in SPLITS:
         ds = getattr(data, split)
         if ds is not None and len(ds):
-            scores[split] = score(engine, ds, width, cfg.train.micro_batch_size)
+            scores[split] = score(engine, ds, width, cfg.train.micro_batch_size, beat)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for split, rows in scores.items():
@@ -91,7 +92,7 @@ def prepare_reference(cfg, engine, data, log=print) -> ReferenceScores:
     return ReferenceScores(key, width, scores)
 
 
-def score(engine, ds, width: int, micro_batch_size: int) -> np.ndarray:
+def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarray:
     """``[len(ds), width]`` fp64 per-document answer log-probability sums by ``engine`` (collective): each
     DP replica scores its share of the rows (padded with row 0 to whole micro-batches on every rank),
     the holders of each result add it into a zero table, and one all-reduce gives every rank the table."""
@@ -100,7 +101,7 @@ def score(engine, ds, width: int, micro_batch_size: int) -> np.ndarray:
     indices = list(range(len(ds))) + [0] * (padded - len(ds))
     micro = rank_micro_batches(ds, indices, engine.dp_rank, engine.dp_size, micro_batch_size)
     table = device.zeros((padded, width), dtype=torch.float64)
-    sums = engine.document_logps(micro, width)
+    sums = engine.document_logps(micro, width, beat)
     if sums is not None:
         start = engine.dp_rank * (padded // engine.dp_size)
         table[start:start + padded // engine.dp_size] = torch.cat(sums)

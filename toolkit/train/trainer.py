@@ -69,8 +69,8 @@ class Trainer:
     def fit(self) -> None:
         self._log_parameters()
         if self.dpo:  # before a checkpoint loads: the engine still holds the starting model
-            self._phase("load")
-            self.reference = prepare_reference(self.cfg, self.engine, self.data, log=self.metrics.note)
+            self.reference = prepare_reference(self.cfg, self.engine, self.data, log=self.metrics.note,
+                                               beat=self._phase("load"))
         if self.cfg.resume == "auto":
             self._phase("load")
             self.resume()

@@ -277,7 +277,7 @@ class MegatronEngine:
         return totals[0].item(), int(totals[-1].item())
 
     @torch.no_grad()
-    def document_logps(self, micro_batches, width: int) -> list[torch.Tensor] | None:
+    def document_logps(self, micro_batches, width: int, beat=None) -> list[torch.Tensor] | None:
         """``[mbs, width]`` fp64 log-probability sums of each document's answer per micro-batch, from
         the model as it is (built, before any step: the starting model; a LoRA run's adapters start at
         B = 0, adding exactly nothing), on the last stage's TP rank 0 of every DP replica; None elsewhere."""
@@ -295,7 +295,7 @@ class MegatronEngine:
 
         for chunk in self.model:
             chunk.eval()
-        iters = [iter(micro_batches) for _ in self.model]
+        iters = [_beating(micro_batches, beat) if beat else iter(micro_batches) for _ in self.model]
         ids = micro_batches[0]["input_ids"]
         out = get_forward_backward_func()(
             forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0], model=self.model,
