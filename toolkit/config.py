@@ -142,6 +142,10 @@ class TrainConfig(_Section):
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/adapters/moe.py``);
     default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """``sft``: the mean token cross-entropy over the global batch. ``dpo``: direct preference
+    optimization on ``data.template: preference`` pairs, the mean pair loss over the global batch
+    (``dpo.*``; ``toolkit/objectives.py``; the reference model scored once before training)."""
 
     @model_validator(mode="after")
     def _positive(self) -> "TrainConfig":
@@ -307,6 +311,18 @@ class LoraConfig(_Section):
         return self.rank > 0
 
 
+class DpoConfig(_Section):
+    """Direct preference optimization (``train.objective: dpo``), as TRL's ``DPOTrainer`` defines it."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the tie to the reference model (IPO: the regularization tau)."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """``sigmoid``: -log sigmoid(beta x margin) (DPO); ``ipo``: (margin / answer tokens - 1 / (2 beta))^2
+    with each answer's log-ratio averaged over its tokens (TRL's IPO); ``hinge``: relu(1 - beta x margin)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """``sigmoid`` only: the probability that a preference label is flipped (conservative DPO):
+    -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m)."""
+
+
 class RunConfig(_Section):
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
     nproc: int = 2
@@ -322,6 +338,29 @@ class RunConfig(_Section):
     profile: ProfileConfig = ProfileConfig()
     metrics: MetricsConfig = MetricsConfig()
     lora: LoraConfig = LoraConfig()
+    dpo: DpoConfig = DpoConfig()
+
+    @model_validator(mode="after")
+    def _objective_fits_data(self) -> "RunConfig":
+        """DPO trains on preference pairs and preference pairs train only with DPO."""
+        dpo, preference = self.train.objective == "dpo", self.data.template == "preference"
+        if dpo and not preference:
+            raise ValueError(f"train.objective=dpo needs preference pairs, but data.template={self.data.template}; "
+                             "set data.template=preference (with data.prompt_column, data.chosen_column, "
+                             "data.rejected_column)")
+        if preference and not dpo:
+            raise ValueError(f"data.template=preference holds pairs that only train.objective=dpo uses, but "
+                             f"train.objective={self.train.objective}; set train.objective=dpo")
+        if dpo and self.data.packing_mode == "concat":
+            raise ValueError("train.objective=dpo needs whole documents per pair: data.packing=concat cuts them; "
+                             "use data.packing=documents (or pad)")
+        if dpo and self.backend == "megatron" and self.megatron.cp > 1:  # a document's sum would span CP ranks
+            raise ValueError(f"train.objective=dpo does not run with megatron.cp={self.megatron.cp} yet (each "
+                             "answer's log-probability sum would be split over the CP ranks); set megatron.cp=1")
+        if self.dpo.label_smoothing and self.dpo.loss != "sigmoid":
+            raise ValueError(f"dpo.label_smoothing={self.dpo.label_smoothing} applies to dpo.loss=sigmoid only "
+                             f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")
+        return self
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -89,3 +89,53 @@ def _chunk_grad(x: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
     logp = F.log_softmax(x.float(), dim=-1)
     grad_logp = torch.ops.aten.nll_loss_backward(grad_loss, logp, target, None, _SUM, IGNORE_INDEX, total_weight)
     return torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """fp32 log-probability of each label token, 0 where the label is IGNORE_INDEX: ``[batch, seq]``.
+
+    logits ``[batch, seq, vocab]`` (any float dtype), labels ``[batch, seq]`` already shifted. Bit for
+    bit ``log_softmax(logits.float(), -1).gather(-1, labels)`` (masked) and its gradient, with fp32
+    only ``chunk_rows`` rows at a time (``ChunkedTokenLogProbs``): the preference objectives
+    (``toolkit/objectives.py``) sum them per document."""
+    require_on_device(labels, "labels")
+    vocab = logits.shape[-1]
+    out = ChunkedTokenLogProbs.apply(logits.reshape(-1, vocab), labels.reshape(-1),
+                                     chunk_rows or loss_chunk_rows(vocab))
+    return out.view(labels.shape)
+
+
+class ChunkedTokenLogProbs(torch.autograd.Function):
+    """Picked fp32 log-probabilities of [N, V] logits at [N] targets (0 at IGNORE_INDEX), ``rows`` rows at a
+    time: only the logits are saved; the backward takes each chunk's log-softmax again and runs the
+    kernels autograd runs for the whole-tensor gather (a scatter of the gradient into a zero [rows, V]
+    and ``_log_softmax_backward_data``), so each token's gradient is bit for bit the same."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.rows = rows
+        valid = target != IGNORE_INDEX
+        safe = target.masked_fill(~valid, 0).unsqueeze(1)
+        ctx.save_for_backward(logits, safe, valid)
+        picked = torch.cat([F.log_softmax(x.float(), dim=-1).gather(1, t)
+                            for x, t in zip(logits.split(rows), safe.split(rows))]).squeeze(1)
+        return picked * valid
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, safe, valid = ctx.saved_tensors
+        grad_picked = (grad_out * valid).unsqueeze(1)
+        grad = torch.empty_like(logits)
+        for x, t, gp, g in zip(logits.split(ctx.rows), safe.split(ctx.rows), grad_picked.split(ctx.rows),
+                               grad.split(ctx.rows)):
+            g.copy_(_chunk_logp_grad(x, t, gp))
+        return grad, None, None
+
+
+def _chunk_logp_grad(x: torch.Tensor, target: torch.Tensor, grad_picked: torch.Tensor) -> torch.Tensor:
+    """fp32 d(picked log-probabilities)/d(x) of one chunk (a function of its own: its temporaries die
+    before the next chunk's are made)."""
+    logp = F.log_softmax(x.float(), dim=-1)
+    grad_logp = torch.zeros_like(logp).scatter_(1, target, grad_picked)
+    return torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)

@@ -51,6 +51,8 @@ def make_cfg(tmp_path: Path, path, **data_kw):
     raw = {"data": {"path": str(path), "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.0,
                     "seq_len": 256, "template": "preference", **data_kw},
            "train": {"global_batch_size": 1, "micro_batch_size": 1, **train}}
+    if raw["data"]["template"] == "preference":  # pairs train only with DPO (config.py)
+        raw["train"]["objective"] = "dpo"
     return validate(raw)
 
 

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
-from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
+from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats
-from toolkit.loss import token_loss_sum
+from toolkit.objectives import DPO, STATS, hf_document_logps, hf_loss_sum, metrics
 from toolkit.plan import Plan
 
 
@@ -59,6 +59,7 @@ class DeepSpeedEngine:
         self.ds_config, self.optimizer_choice = resolved or with_available_adam(plan.ds_config(dist.get_world_size()))
         self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
+        self.objective, self.eval_metrics = DPO.of(cfg), {}
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
@@ -71,16 +72,17 @@ class DeepSpeedEngine:
     def train_step(self, micro_batches, loss_tokens, lr):
         self._set_lr(lr)
         # DeepSpeed averages gradients over DP ranks; scaling by dp makes the sum over ranks of
-        # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract).
+        # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract;
+        # DPO: loss_tokens counts the global batch's pairs, toolkit/objectives.py).
         scale = self.dp_size / loss_tokens
-        local_sum = device.zeros((), dtype=torch.float64)
+        local_sum = 0
         grad_norm, forward_time, skipped_before = None, device.Stopwatch(), self.engine.skipped_steps
         for i, mb in enumerate(micro_batches):
             mb = device.to_device(mb)
             forward_time.start()
             out = self._forward(mb)
             forward_time.stop()
-            loss_sum, _ = token_loss_sum(out.logits, mb["labels"])
+            loss_sum, stats = hf_loss_sum(self.objective, out.logits, mb)
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 real = hf_attention.real_tokens(mb)
@@ -90,13 +92,14 @@ class DeepSpeedEngine:
             if i == len(micro_batches) - 1 and self._norm_not_recorded:
                 grad_norm = self._reduced_grad_norm()
             self.engine.step()
-            local_sum += loss_sum.detach().double()
+            local_sum = local_sum + torch.cat([loss_sum.detach().double().view(1), stats])
         dist.all_reduce(local_sum)
         skipped = self.engine.skipped_steps > skipped_before  # fp16 overflow: DeepSpeed skipped the update
         if grad_norm is None:
             grad_norm = float(self.engine.get_global_grad_norm())
         extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router and self.router.stats else {}
-        return StepStats(loss=local_sum.item() / loss_tokens, grad_norm=None if skipped else grad_norm,
+        extra.update(metrics(self.objective, local_sum[1:]))
+        return StepStats(loss=local_sum[0].item() / loss_tokens, grad_norm=None if skipped else grad_norm,
                          compute_s=forward_time.seconds(), skipped=skipped, loss_scale=self._loss_scale(),
                          extra=extra)
 
@@ -136,18 +139,34 @@ class DeepSpeedEngine:
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches, beat=None):
+        """Also sets ``eval_metrics`` (DPO: TRL's reward metrics over the eval pairs)."""
         self.engine.eval()
-        totals = device.zeros(2, dtype=torch.float64)
+        totals = device.zeros(2 if self.objective is None else 1 + STATS, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
             logits = self._forward(mb, router=False).logits
-            loss_sum, count = token_loss_sum(logits, mb["labels"])
+            loss_sum, stats = hf_loss_sum(self.objective, logits, mb)
             del logits  # not alive while the next micro-batch's are computed
-            totals += torch.stack([loss_sum.double(), count.double()])
+            totals += torch.cat([loss_sum.double().view(1), stats])
             if beat:
                 beat()
         self.engine.train()
         dist.all_reduce(totals)
-        return totals[0].item(), int(totals[1].item())
+        self.eval_metrics = metrics(self.objective, totals[1:], prefix="eval_")
+        return totals[0].item(), int(totals[-1].item())
+
+    @torch.no_grad()
+    def document_logps(self, micro_batches, width: int, beat=None) -> list[torch.Tensor] | None:
+        """``[mbs, width]`` fp64 log-probability sums of each document's answer per micro-batch, from
+        the model as it is (a LoRA run's base: adapters off); every rank for its own micro-batches."""
+        self.engine.eval()
+        with self.engine.module.disable_adapter() if self.lora else contextlib.nullcontext():
+            out = []
+            for mb in map(device.to_device, micro_batches):
+                out.append(hf_document_logps(self._forward(mb, router=False).logits, mb, width))
+                if beat:
+                    beat()
+        self.engine.train()
+        return out
 
     def save(self, path: Path, step: int, beat=None) -> None:
         """A LoRA run saves only what it trains (adapters, modules to save, their optimizer state): the
@@ -448,47 +467,3 @@ def _experts_as_leaf_modules(model: torch.nn.Module) -> None:
                     key=lambda c: c.__name__)
     if blocks:
         set_z3_leaf_modules(model, blocks)
-
-
-# --- exact resume with DeepSpeed's CPU Adam kernels ---------------------------------------------
-
-def replay_cpu_adam_step_counter(optimizer) -> int:
-    """Bring the C++ CPU Adam kernel's hidden step state to where an uninterrupted run has it.
-
-    DeepSpeed's CPU Adam (FusedAdam on the CPU accelerator, and DeepSpeedCPUAdam under ZeRO-Offload
-    on any machine) keeps ``beta^t`` inside the C++ optimizer object, not in the checkpoint. An
-    uninterrupted run builds it as a running float product (``beta_t *= beta`` each step); a
-    process that starts at step k+1 computes ``pow(beta, k+1)`` instead, which rounds differently,
-    so every resumed update differed by ~1e-8 relative. Driving the kernel through steps 1..k on
-    empty tensors rebuilds the same product, and the resumed run matches bit for bit.
-    Returns the number of steps replayed (0 when the optimizer is not a CPU Adam kernel).
-    """
-    update = _cpu_adam_update_fn(optimizer)
-    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-    if update is None or not steps:
-        return 0
-    group = optimizer.param_groups[0]
-    beta1, beta2 = group["betas"]
-    empty = torch.empty(0, dtype=torch.float32)
-    for step in range(1, max(steps) + 1):
-        update(step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-               bool(group["bias_correction"]), empty)
-    return max(steps)
-
-
-def _cpu_adam_update_fn(optimizer):
-    """A call that runs one kernel step on given tensors, or None where the kernel keeps no state."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-    if isinstance(optimizer, DeepSpeedCPUAdam):
-        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
-            optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, lr, b1, b2, eps, wd, bias_correction,
-                                              t, t, t, t)
-        return update
-    if isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
-        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
-            optimizer.multi_tensor_adam(2048 * 32, optimizer._dummy_overflow_buf, [[t], [t], [t], [t]],
-                                        lr, b1, b2, eps, step, optimizer.adam_w_mode, int(bias_correction), wd)
-        return update
-    return None  # CUDA FusedAdam and torch's Adam derive beta^t from the step on every call
-

@@ -7,7 +7,8 @@ converter (so ``toolkit train --resume auto`` continues from either), read by re
                        only) adds ``lora`` (the plan's ``LoraSpec``) and ``base_model``
                        (``base_model_record``: the frozen base it needs)
   trainer.json         the loop's progress: step, consumed_samples, consumed_tokens, seed,
-                       skipped_steps (fp16)
+                       skipped_steps (fp16), reference (DPO: the key of the reference scores it
+                       trained against, ``train/reference.py``)
   config.json          the HF model config
   trainer/rank_XXXXX.pt  per-rank RNG state (``torch.load(weights_only=True)``)
 """

@@ -41,6 +41,7 @@ from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import IGNORE_INDEX
+from toolkit.objectives import DPO, REF_COLUMN, STATS, document_sums, metrics
 from toolkit.plan import Plan
 
 
@@ -73,6 +74,7 @@ class MegatronEngine:
         if torch.cuda.is_available():  # the released blocks back to the driver: DDP's buffer is one block
             torch.cuda.empty_cache()
         self.lora = plan.lora
+        self.objective, self.eval_metrics = DPO.of(self.cfg), {}
         if self.lora is not None:
             self._attach_lora(chunks, adapters)
         for c in chunks:
@@ -166,7 +168,7 @@ class MegatronEngine:
 
     def _forward_step(self, data_iterator, model):
         mb = device.to_device(next(data_iterator))
-        return model(**self._model_inputs(mb)), partial(self._loss_func, self._rank_tokens(mb["labels"]))
+        return model(**self._model_inputs(mb)), partial(self._loss_func, mb)
 
     def _model_inputs(self, mb: dict) -> dict:
         """GPTModel's inputs for a micro-batch on the device. The ``TokenLayout`` of its optional
@@ -195,9 +197,22 @@ class MegatronEngine:
         """``[b, s]`` -> this CP rank's tokens ``[b, s / cp]`` (itself without context parallelism)."""
         return t if self.cp_group is None else context.rank_slice({"t": t}, self.cp_group)["t"]
 
-    def _loss_func(self, labels, logits):
-        loss_sum, count = vocab_parallel_loss_sum(logits, labels, self.hf_config.vocab_size, self.tp_rank)
-        return loss_sum / self._loss_tokens, count.int(), {"loss_sum": loss_sum.detach().double(), "count": count.double()}
+    def _loss_func(self, mb, logits):
+        """The backward's start (loss sum / the global batch's tokens or pairs), this micro-batch's count,
+        and ``totals`` for the step's report: [loss sum, stats] (``toolkit/objectives.py``)."""
+        labels, vocab = self._rank_tokens(mb["labels"]), self.hf_config.vocab_size
+        if self.objective is None:
+            loss_sum, count = vocab_parallel_loss_sum(logits, labels, vocab, self.tp_rank)
+            stats = count.double().view(1)
+        else:
+            losses, _ = vocab_parallel_token_losses(logits, labels, vocab, self.tp_rank)
+            loss_sum, stats = self.objective.loss_sum(-losses, labels, mb["document_ids"], mb[REF_COLUMN])
+        totals = torch.cat([loss_sum.detach().double().view(1), stats])
+        return loss_sum / self._loss_tokens, stats[-1].int(), {"totals": totals}
+
+    @property
+    def _totals_size(self) -> int:
+        return 2 if self.objective is None else 1 + STATS
 
     def _run_schedule(self, micro_batches, forward_only: bool, beat=None) -> torch.Tensor:
         """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only);
@@ -210,10 +225,10 @@ class MegatronEngine:
             forward_step_func=self._forward_step, data_iterator=iters if chunks > 1 else iters[0],
             model=self.model, num_microbatches=len(micro_batches), seq_length=mb.shape[1],
             micro_batch_size=mb.shape[0], forward_only=forward_only)
-        totals = device.zeros(2, dtype=torch.float64)
+        totals = device.zeros(self._totals_size, dtype=torch.float64)
         if self.is_last_stage and self.tp_rank == 0:  # TP ranks hold the same (reduced) losses
             for d in out:
-                totals += torch.stack([d["loss_sum"], d["count"]])
+                totals += d["totals"]
         return totals
 
     def forward_backward(self, micro_batches, loss_tokens: int, complete_grads: bool = False) -> torch.Tensor:
@@ -243,6 +258,7 @@ class MegatronEngine:
         ok, grad_norm, _ = self.optimizer.step()
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
         extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
+        extra.update(metrics(self.objective, totals[1:]))
         scale = float(self.optimizer.get_loss_scale()) if self.cfg.model.dtype == "fp16" else None
         return StepStats(loss=totals[0].item() / loss_tokens, grad_norm=float(grad_norm) if ok else None,
                          compute_s=compute.seconds(), skipped=not ok, loss_scale=scale, extra=extra)
@@ -264,14 +280,45 @@ class MegatronEngine:
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches, beat=None):
+        """Also sets ``eval_metrics`` (DPO: TRL's reward metrics over the eval pairs)."""
         for chunk in self.model:
             chunk.eval()
         totals = (self._run_schedule(micro_batches, forward_only=True, beat=beat) if micro_batches
-                  else device.zeros(2, dtype=torch.float64))
+                  else device.zeros(self._totals_size, dtype=torch.float64))
         for chunk in self.model:
             chunk.train()
         dist.all_reduce(totals)
-        return totals[0].item(), int(totals[1].item())
+        self.eval_metrics = metrics(self.objective, totals[1:], prefix="eval_")
+        return totals[0].item(), int(totals[-1].item())
+
+    @torch.no_grad()
+    def document_logps(self, micro_batches, width: int, beat=None) -> list[torch.Tensor] | None:
+        """``[mbs, width]`` fp64 log-probability sums of each document's answer per micro-batch, from
+        the model as it is (built, before any step: the starting model; a LoRA run's adapters start at
+        B = 0, adding exactly nothing), on the last stage's TP rank 0 of every DP replica; None elsewhere."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        vocab = self.hf_config.vocab_size
+
+        def step(data_iterator, model):
+            mb = device.to_device(next(data_iterator))
+
+            def loss_func(output):
+                losses, _ = vocab_parallel_token_losses(output, mb["labels"], vocab, self.tp_rank)
+                sums = document_sums(-losses, mb["document_ids"], width)
+                return output.sum() * 0, device.tensor(1, dtype=torch.int), {"sums": sums}
+            return model(**self._model_inputs(mb)), loss_func
+
+        for chunk in self.model:
+            chunk.eval()
+        iters = [_beating(micro_batches, beat) if beat else iter(micro_batches) for _ in self.model]
+        ids = micro_batches[0]["input_ids"]
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0], model=self.model,
+            num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+            forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        return [d["sums"] for d in out] if self.is_last_stage and self.tp_rank == 0 else None
 
     @torch.no_grad()
     def logits(self, micro_batches) -> list[torch.Tensor] | None:
@@ -374,6 +421,13 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: i
 
     logits: TP rank ``tp_rank``'s ``[batch, seq, padded_vocab / tp]``; labels ``[batch, seq]`` with
     IGNORE_INDEX where no loss is taken. Columns at or beyond ``vocab`` are set to -inf."""
+    losses, valid = vocab_parallel_token_losses(logits, labels, vocab, tp_rank)
+    return losses.sum(), valid.sum()
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp_rank: int):
+    """``vocab_parallel_loss_sum`` per token: ``[batch, seq]`` cross-entropies (0 where no loss) and the
+    valid mask; the preference objectives take them as negated log-probabilities."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     width = logits.shape[-1]
     start = tp_rank * width
@@ -384,7 +438,7 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: i
     device.require_on_device(labels, "labels")
     valid = labels != IGNORE_INDEX
     losses = vocab_parallel_cross_entropy(logits.contiguous(), labels.masked_fill(~valid, 0))
-    return (losses * valid).sum(), valid.sum()
+    return losses * valid, valid
 
 
 
