@@ -327,6 +327,48 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class TorchtitanNames:
+    """The family's model as torchtitan names it in its own state dict (its ``step-N/`` DCP
+    checkpoints): torchtitan name -> HF checkpoint name, for the whole model (``top``) and per decoder
+    layer (``layer``: relative to ``layers.{i}.`` and to ``Family.hf_layer``). A name may have several
+    torchtitan spellings (its releases renamed some: ``attention.wq`` became
+    ``attention.qkv_linear.wq``, ``output`` became ``lm_head``)."""
+    top: Mapping[str, str]
+    layer: Mapping[str, str]
+    interleaved_rope: bool = False
+    """torchtitan rotates adjacent pairs of each head's dims (complex RoPE: Llama 3), HF the two
+    halves (``rotate_half``): its q/k projection rows are those of HF's permuted within each head."""
+    layer_prefix: str = "layers.{i}."
+    rotated: tuple[str, ...] = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+    """HF names (relative to the layer) whose rows are the heads' rotated dims."""
+
+    def extend(self, **changes) -> "TorchtitanNames":
+        for key in ("top", "layer"):
+            if key in changes:
+                changes[key] = {**getattr(self, key), **changes[key]}
+        return dataclasses.replace(self, **changes)
+
+    def hf_name(self, name: str, hf_layer: str) -> str | None:
+        """The HF name of torchtitan's ``name``; None for a name not in the table."""
+        if name in self.top:
+            return self.top[name]
+        head, _, _ = self.layer_prefix.partition("{i}")
+        if name.startswith(head):
+            index, _, rest = name[len(head):].partition(".")
+            if index.isdigit() and rest in self.layer:
+                return hf_layer.format(i=int(index)) + self.layer[rest]
+        return None
+
+    def to_hf(self, hf_name: str, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """torchtitan's tensor (a weight or its Adam moment) as HF lays it out: with interleaved RoPE,
+        each head's rows (2j, 2j+1) become rows (j, j + head_dim/2)."""
+        if not (self.interleaved_rope and hf_name.endswith(self.rotated)):
+            return x
+        rows, rest = x.shape[0], x.shape[1:]
+        return x.reshape(rows // head_dim, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     config: Mapping[str, str]
@@ -365,6 +407,9 @@ class Family:
     layer spec from these choices, so a structural family needs no edit outside its file."""
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
+    torchtitan: TorchtitanNames | None = None
+    """torchtitan's names of this family's model (None: torchtitan has no such model; ``extend``
+    does not inherit them)."""
 
     def num_experts(self, hf_config) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
@@ -391,6 +436,7 @@ class Family:
                 changes[key] = {**getattr(self, key), **changes[key]}
         if "checks" in changes:
             changes["checks"] = self.checks + tuple(changes["checks"])
+        changes.setdefault("torchtitan", None)  # torchtitan's names are its own models', never inherited
         return dataclasses.replace(self, **changes)
 
     # --- config -----------------------------------------------------------------------------------
