@@ -23,7 +23,7 @@ class Located:
     ZeRO -> HF route can decide without importing a reader): its format, the folder its reader
     opens, the HF config, and a toolkit checkpoint's trainer state."""
     format: str
-    """The name of its ``table.Format``: hf | megatron | megatron-legacy | zero | zero-universal | torchtitan | dcp | accelerate"""
+    """The name of its ``table.Format`` (``table.FORMATS``)"""
     path: Path
     hf_config: dict
     extras: dict = field(default_factory=dict)
