@@ -8,6 +8,8 @@ first. The reference is the HF model itself (its tensors, its Adam moments and i
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,29 @@ def test_unknown_torchtitan_names_are_refused_by_name(tmp_path):
     mistral.write_text(json.dumps({**json.loads(llama.read_text()), "model_type": "mistral"}))
     with pytest.raises(ConvertError, match=r"'mistral' has no torchtitan names.*\['llama', 'qwen3'\]"):
         open_source(ckpt, str(mistral))
+
+
+class _RunsCode:
+    """A malicious pickle: a REDUCE of ``os.system`` with a command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_malicious_metadata_carrying_torchtitans_names_is_refused_without_running_it(tmp_path):
+    """Detection finds torchtitan's embedding name among the bytes without unpickling; the reader's
+    allowlist then refuses the payload."""
+    from toolkit.families.tiny import tiny_model
+    model = tiny_model("llama", num_hidden_layers=1)
+    ckpt = save_titan(tmp_path, model, step=1)
+    config = _config(model, tmp_path)
+    marker = tmp_path / "payload_ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps({"tok_embeddings.weight": _RunsCode(f"touch {marker}")}))
+    for call in (lambda: open_source(ckpt, str(config)),
+                 lambda: convert(ckpt, tmp_path / "out", to="hf", hf_config=str(config))):
+        with pytest.raises(ConvertError, match=r"refusing to unpickle (posix|os)\.system"):
+            call()
+    assert not marker.exists() and not (tmp_path / "out").exists()
