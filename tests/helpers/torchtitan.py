@@ -133,15 +133,13 @@ def hf_moments(model, opt) -> dict[str, dict[str, torch.Tensor]]:
     return {names[id(p)]: state for p, state in opt.state.items()}
 
 
-def save_titan(out: Path, model, opt=None, step: int = 2, names: dict = NEW) -> Path:
-    """``out/step-{step}`` as torchtitan's ``CheckpointManager`` writes it: the model's state flattened to
-    the top level under torchtitan's names, and (unless model only) ``optimizer`` (its flat optimizer
-    state dict: ``state.<name>.<key>``, ``param_groups.<name>.<hparam>``), ``lr_scheduler``,
-    ``dataloader`` and ``train_state``; through ``torch.distributed.checkpoint.save`` (one writer)."""
-    import torch.distributed.checkpoint as dcp
+def titan_checkpoint(model, opt=None, step: int = 2, names: dict = NEW) -> dict:
+    """The state dict torchtitan's ``CheckpointManager`` hands DCP: the model's state flattened to the
+    top level under torchtitan's names, and (unless model only) ``optimizer`` (its flat optimizer state
+    dict: ``state.<name>.<key>``, ``param_groups.<name>.<hparam>``), ``lr_scheduler``, ``dataloader`` and
+    ``train_state``."""
     config = model.config
-    sd = titan_state(model.state_dict(), config, names)
-    states: dict = dict(sd)
+    states: dict = titan_state(model.state_dict(), config, names)
     if opt is not None:
         table = titan_names(config.num_hidden_layers, config.model_type == "qwen3", names)
         flat = {}
@@ -156,6 +154,35 @@ def save_titan(out: Path, model, opt=None, step: int = 2, names: dict = NEW) -> 
                 flat[f"param_groups.{table[hf]}.{key}"] = value
         states.update({"optimizer": flat, "lr_scheduler": {"lr_scheduler_0": {"last_epoch": step}},
                        "dataloader": {"dp_rank_0": b"\x00"}, "train_state": {"step": step, "ntokens_seen": 64 * step}})
+    return states
+
+
+def save_titan(out: Path, model, opt=None, step: int = 2, names: dict = NEW) -> Path:
+    """``out/step-{step}``: ``titan_checkpoint`` through ``torch.distributed.checkpoint.save`` (one writer)."""
+    import torch.distributed.checkpoint as dcp
     folder = out / f"step-{step}"
-    dcp.save(states, checkpoint_id=str(folder), no_dist=True)
+    dcp.save(titan_checkpoint(model, opt, step, names), checkpoint_id=str(folder), no_dist=True)
     return folder
+
+
+def save_titan_sharded(rank: int, world: int, out: str) -> dict | None:
+    """Rank body: torchtitan's checkpoint of a tiny Llama (2 AdamW steps, the same on every rank) as
+    FSDP2 holds it, every weight and moment a DTensor sharded on dim 0 over the ranks, saved by
+    ``dcp.save`` with each rank writing its shards. Rank 0 returns the HF model's state and moments."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from toolkit.families.tiny import tiny_model
+    model = tiny_model("llama").train()
+    opt = train_hf(model)
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard(tree):
+        if isinstance(tree, dict):
+            return {k: shard(v) for k, v in tree.items()}
+        is_tensor = isinstance(tree, torch.Tensor) and tree.dim() > 0
+        return distribute_tensor(tree, mesh, [Shard(0)]) if is_tensor else tree
+
+    dcp.save(shard(titan_checkpoint(model, opt)), checkpoint_id=str(Path(out) / "step-2"))
+    return {"model": model.state_dict(), "moments": hf_moments(model, opt)} if rank == 0 else None
