@@ -30,8 +30,9 @@ WRITTEN = {
 }
 """Layout records the toolkit's writers produce for ``REQUEST``."""
 READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1},
-             "dcp": {"dp": 2}}
-"""Checkpoints written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2)."""
+             "dcp": {"dp": 2}, "torchtitan": {"dp": 1}}
+"""Checkpoints written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2;
+torchtitan's layout through DCP in one process, tests/helpers/torchtitan.py)."""
 MEGATRON_DESCRIPTION = {
     "format": "megatron-core torch_dist", "family": "qwen2", "vocab_size": 250, "padded_vocab_size": 256,
     "make_vocab_size_divisible_by": 64, "layer_spec": "gpt_layer_local_spec",
@@ -129,3 +130,20 @@ def test_fsdp2_dcp_checkpoint_is_detected_read_and_described(tmp_path):
     assert sorted(source.names()) == sorted(n for n in reference["model"] if n != "lm_head.weight")  # tied
     for n in source.names():
         assert torch.equal(source.read(n), reference["model"][n]), n
+
+
+def test_torchtitan_checkpoint_is_detected_read_and_described(tmp_path):
+    """A torchtitan ``step-N/`` of a tiny Qwen 3 (tests/helpers/torchtitan.py: torchtitan's names, DCP)."""
+    from tests.helpers.torchtitan import save_titan
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    ckpt = save_titan(tmp_path, model, step=3)
+    model.config.to_json_file(tmp_path / "config.json")
+    found = locate(ckpt, hf_config=str(tmp_path / "config.json"))
+    assert found.format == "torchtitan"
+    assert by_name("torchtitan").describe(found.path) == READ_ONLY["torchtitan"]
+    source = open_located(found)
+    assert source.layout == READ_ONLY["torchtitan"] and source.step == 3
+    held = model.state_dict()
+    assert sorted(source.names()) == sorted(held)
+    for n in source.names():
+        assert torch.equal(source.read(n), held[n]), n

@@ -27,6 +27,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from toolkit.families.torchtitan import TorchtitanNames
+
 REPLICATED, COLUMN, ROW, VOCAB = "replicated", "column", "row", "vocab"
 """TP split of a full mcore tensor: none, dim 0, dim 1, dim 0 of the padded vocabulary."""
 
@@ -365,6 +367,9 @@ class Family:
     layer spec from these choices, so a structural family needs no edit outside its file."""
     embedding_scale: Callable | None = None
     """HF config -> the factor the embedding lookup is multiplied by (Gemma: sqrt(hidden)); None: 1."""
+    torchtitan: TorchtitanNames | None = None
+    """torchtitan's names of this family's model (None: torchtitan has no such model; ``extend``
+    does not inherit them)."""
 
     def num_experts(self, hf_config) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
@@ -391,6 +396,7 @@ class Family:
                 changes[key] = {**getattr(self, key), **changes[key]}
         if "checks" in changes:
             changes["checks"] = self.checks + tuple(changes["checks"])
+        changes.setdefault("torchtitan", None)  # torchtitan's names are its own models', never inherited
         return dataclasses.replace(self, **changes)
 
     # --- config -----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Llama (and the base of Mistral and Qwen2): RMSNorm, SwiGLU, GQA, RoPE (default/linear/llama3)."""
-from toolkit.families.base import REPLICATED, ROW, VOCAB, Check, Family, FuseGLU, FuseQKV, Rename
+from toolkit.families.base import REPLICATED, ROW, VOCAB, Check, Family, FuseGLU, FuseQKV, Rename, TorchtitanNames
 
 FAMILY = Family(
     model_type="llama",
@@ -19,6 +19,20 @@ FAMILY = Family(
            FuseGLU(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight"),
            Rename("mlp.down_proj.weight", "mlp.linear_fc2.weight", ROW)),
     padding_idx_field="pad_token_id",
+    torchtitan=TorchtitanNames(  # torchtitan's Llama 3 (models/llama3): complex RoPE on adjacent pairs
+        top={"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight", "output.weight": "lm_head.weight"},
+        layer={"attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
+               "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
+               "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+               "attention.wq.weight": "self_attn.q_proj.weight",  # releases before the fused QKV module
+               "attention.wk.weight": "self_attn.k_proj.weight",
+               "attention.wv.weight": "self_attn.v_proj.weight",
+               "attention.wo.weight": "self_attn.o_proj.weight",
+               "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+               "feed_forward.w2.weight": "mlp.down_proj.weight",
+               "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
+        interleaved_rope=True),
     checks=(Check("attention_bias", bool, "qkv/o biases are a different family (qwen2 has qkv bias only)"),
             Check("mlp_bias", bool, "MLP biases are not in the llama table"),
             Check("pretraining_tp", lambda v: v not in (None, 1), "set pretraining_tp=1 (same weights)")),

@@ -9,6 +9,9 @@ FAMILY = LLAMA.extend(
     layer_spec=LayerSpec(qk_norm="head"),
     layer=(Rename("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", REPLICATED),
            Rename("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", REPLICATED)),
+    torchtitan=LLAMA.torchtitan.extend(  # torchtitan's Qwen 3 (models/qwen3): HF's rotate-half RoPE
+        layer={"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"},
+        interleaved_rope=False),
     checks=(Check("use_sliding_window", bool, "set use_sliding_window=false or use backend=deepspeed"),),
 )
 

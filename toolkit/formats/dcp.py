@@ -44,7 +44,8 @@ class DCPSource(Source):
         model_dir, optim_dir = self.dirs(path)
         self._model = _Part(model_dir)
         self._optim = self._model if optim_dir == model_dir else _Part(optim_dir) if optim_dir else None
-        self.model_prefix, self.state_prefix = f"{self.model_key}.", f"{self.optim_key}.state."
+        self.model_prefix = f"{self.model_key}." if self.model_key else ""  # torchtitan: top-level names
+        self.state_prefix = f"{self.optim_key}.state."
         self.groups_prefix = f"{self.optim_key}.param_groups."
         self.infos = self._model_infos(self._model.tensors())
         self._check_names()
@@ -128,6 +129,79 @@ class AccelerateSource(DCPSource):
     def dirs(self, path: Path) -> tuple[Path, Path | None]:
         optim = path / ACCELERATE_OPTIM
         return path / ACCELERATE_MODEL, optim if (optim / ".metadata").is_file() else None
+
+
+TITAN_STATES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+"""Top-level keys of a torchtitan checkpoint besides the model's (``CheckpointManager``'s states)."""
+TITAN_STEP = re.compile(r"step-(\d+)$")
+
+
+class TorchtitanSource(DCPSource):
+    """A torchtitan checkpoint (``step-N/``): a DCP of the model's state dict flattened to the top
+    level under torchtitan's own names, ``optimizer.state.<name>.{exp_avg,exp_avg_sq,step}`` and
+    ``optimizer.param_groups.<name>.<hparam>`` (its flat optimizer state dict), ``lr_scheduler``,
+    ``dataloader`` and ``train_state`` (step, tokens seen); a model-only save (``last_save_model_only``)
+    holds the weights alone. Names map to HF's through the family's ``torchtitan`` table, and Llama 3's
+    q/k rows (and their moments) from torchtitan's interleaved RoPE layout to HF's."""
+
+    model_key, optim_key = "", "optimizer"
+
+    def __init__(self, path: Path, hf_config: dict, **kw):
+        from toolkit.families import find_family
+        family = find_family(hf_config.get("model_type"))
+        if family is None or family.torchtitan is None:
+            from toolkit.families import supported
+            titan = [t for t in supported() if find_family(t).torchtitan]
+            raise ConvertError(f"{path}: a torchtitan checkpoint, but the HF config's model_type "
+                               f"{hf_config.get('model_type')!r} has no torchtitan names; torchtitan's models "
+                               f"that convert: {titan} (pass --hf-config with the matching HF config.json)")
+        self.family = family
+        self._titan: dict[str, str] = {}  # HF name -> torchtitan name
+        super().__init__(path, hf_config, format="torchtitan", **kw)
+        if self.step is None:  # model only: the step its folder is named after
+            found = TITAN_STEP.match(Path(path).name)
+            self.step = int(found.group(1)) if found else None
+
+    def _model_infos(self, tensors: dict) -> dict[str, TensorInfo]:
+        names = self.family.torchtitan
+        infos, unknown = {}, []
+        for key, meta in tensors.items():
+            if key.startswith(TITAN_STATES):
+                continue
+            hf = names.hf_name(key, self.family.hf_layer)
+            if hf is None:
+                unknown.append(key)
+                continue
+            self._titan[hf] = key
+            infos[hf] = TensorInfo(tuple(meta.size), meta.properties.dtype)
+        if unknown:
+            raise ConvertError(f"{self.path}: torchtitan names {sorted(unknown)[:6]} are not in the {self.model_type} "
+                               f"family's torchtitan table (toolkit/families/{self.model_type}.py); a torchtitan model "
+                               "other than its Llama 3 / Qwen 3 (dense), or the wrong --hf-config")
+        if not infos:
+            raise ConvertError(f"{self.path}: no model tensors in this torchtitan checkpoint")
+        if self.tied:
+            infos.pop("lm_head.weight", None)
+        return infos
+
+    def _hparams(self) -> dict:
+        first = next(iter(self._titan.values()))
+        keys = {k: f"{self.groups_prefix}{first}.{k}" for k in HPARAMS}
+        return {k: self._optim.bytes(key) for k, key in keys.items() if key in self._optim.md.state_dict_metadata}
+
+    def read(self, name: str, state: str = "param") -> torch.Tensor:
+        titan = self._titan[name]
+        if state == "param":
+            x = self._model.tensor(titan)
+        else:
+            key = f"{self.state_prefix}{titan}.{state}"
+            if key not in self._optim.md.state_dict_metadata:
+                return torch.zeros(self.infos[name].shape, dtype=torch.float32)
+            x = self._optim.tensor(key)
+        if state == "step":
+            return x
+        head_dim = self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.hf_config["num_attention_heads"]
+        return self.family.torchtitan.to_hf(name, x, head_dim)
 
 
 class _Part:

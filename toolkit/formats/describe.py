@@ -6,8 +6,9 @@
   ``megatron_description`` ``toolkit_megatron.json`` beside a torch_dist checkpoint (true vocab,
                            padded vocab and its divisor, layer spec, layout), written and read by
                            ``write_megatron_description`` / ``read_megatron_description``
-  ``find_dist_dir`` / ``find_legacy_dir`` / ``find_dcp_dir`` / ``find_accelerate_dir``  where a megatron,
-                           PyTorch DCP or accelerate checkpoint lies (its own markers)
+  ``find_dist_dir`` / ``find_legacy_dir`` / ``find_dcp_dir`` / ``find_accelerate_dir`` /
+  ``find_torchtitan_dir``  where a megatron, PyTorch DCP, accelerate or torchtitan checkpoint lies
+                           (its own markers)
   ``describe_*``           each format's layout record, read back from a checkpoint (the table's
                            ``describe``)
 """
@@ -88,6 +89,20 @@ def find_dcp_dir(path: Path) -> Path | None:
     return None
 
 
+TITAN_MARKER = b"tok_embeddings.weight"
+"""torchtitan's name of the input embedding (every torchtitan decoder's): its checkpoints' mark."""
+
+
+def find_torchtitan_dir(path: Path) -> Path | None:
+    """A torchtitan checkpoint (``step-N/``): a DCP directory whose model keys are torchtitan's, told
+    by the embedding's name among the ``.metadata`` pickle's strings (read as bytes, never unpickled)."""
+    if find_dcp_dir(path) is None or not (path / ".metadata").stat().st_size:
+        return None
+    import mmap
+    with open(path / ".metadata", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return path if m.find(TITAN_MARKER) >= 0 else None
+
+
 def find_accelerate_dir(path: Path) -> Path | None:
     """An accelerate / HF Trainer FSDP checkpoint (sharded state dict): ``checkpoint-N/`` holding a
     DCP ``pytorch_model_fsdp_0/`` (and ``optimizer_0/``)."""
@@ -137,6 +152,11 @@ def describe_megatron_legacy(path: Path) -> dict:
 def describe_dcp(path: Path) -> dict:
     """The number of ranks that wrote it (the FSDP data-parallel size), from the data files' names."""
     return {"dp": len({DATA_FILE.match(p.name).group(1) for p in path.iterdir() if DATA_FILE.match(p.name)})}
+
+
+def describe_torchtitan(path: Path) -> dict:
+    """Its writer ranks, as any DCP directory's."""
+    return describe_dcp(path)
 
 
 def describe_accelerate(path: Path) -> dict:

@@ -13,7 +13,8 @@ from toolkit.formats.table import FORMATS, by_name
 
 SOURCE_FORMATS_HELP = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN/ or the folder holding " \
           "'latest'), a megatron-core torch_dist directory, a Megatron-LM legacy mp_rank_XX checkpoint, a " \
-          "PyTorch distributed checkpoint (FSDP2: .metadata + *.distcp), or a toolkit run/checkpoint directory"
+          "PyTorch distributed checkpoint (FSDP2: .metadata + *.distcp; accelerate's checkpoint-N/; torchtitan's " \
+          "step-N/), or a toolkit run/checkpoint directory"
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Located:
     ZeRO -> HF route can decide without importing a reader): its format, the folder its reader
     opens, the HF config, and a toolkit checkpoint's trainer state."""
     format: str
-    """The name of its ``table.Format``: hf | megatron | megatron-legacy | zero | zero-universal | dcp"""
+    """The name of its ``table.Format`` (``table.FORMATS``)"""
     path: Path
     hf_config: dict
     extras: dict = field(default_factory=dict)

@@ -22,12 +22,14 @@ from toolkit.formats.describe import (
     describe_hf,
     describe_megatron,
     describe_megatron_legacy,
+    describe_torchtitan,
     describe_zero,
     describe_zero_universal,
     find_accelerate_dir,
     find_dcp_dir,
     find_dist_dir,
     find_legacy_dir,
+    find_torchtitan_dir,
 )
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.hf import is_hf_dir
@@ -90,6 +92,8 @@ FORMATS = (  # in the order ``locate`` tries them
     Format("zero-universal", _zero_universal, "toolkit.formats.zero:UniversalSource", "toolkit.formats.zero:write",
            describe_zero_universal, to="zero", backend="deepspeed"),
     # after megatron: a torch_dist directory is a DCP directory too, told apart by its metadata.json
+    # before dcp: a torchtitan checkpoint is a DCP directory under torchtitan's own parameter names
+    Format("torchtitan", find_torchtitan_dir, "toolkit.formats.dcp:TorchtitanSource", None, describe_torchtitan),
     Format("dcp", find_dcp_dir, "toolkit.formats.dcp:DCPSource", "toolkit.formats.dcp_write:write", describe_dcp,
            to="dcp"),
     Format("accelerate", find_accelerate_dir, "toolkit.formats.dcp:AccelerateSource",
