@@ -71,7 +71,7 @@ def job_sets(backend: str, steps: int, every: int, extra: list[str]) -> list[str
     return ["data.seq_len=32", f"train.steps={steps}", "train.global_batch_size=8", "train.micro_batch_size=2",
             "train.warmup_steps=2", f"train.eval_every={every * 5}", "train.eval_batches=2",
             f"checkpoint.every={every}", "checkpoint.keep_last=3", "checkpoint.async_save=true",
-            "restart.backoff_s=0.5", "restart.hang_timeout_s=10", "restart.load_timeout_s=180",
+            "restart.backoff_s=0.5", "restart.hang_timeout_s=10",
             f"restart.divergence_every={every}", *BACKENDS[backend], *extra]
 
 
@@ -80,29 +80,62 @@ def setting(sets: list[str], key: str, default: str) -> str:
     return values[-1] if values else default
 
 
-def train(run_dir: Path, sets: list[str], nproc: int, faults: str, max_restarts: int) -> dict:
+def run_toolkit(args: list[str], env: dict, log: Path) -> int:
+    """``python -m toolkit ARGS`` as a user runs it, its output appended to ``log``; the exit code."""
+    with open(log, "a") as out:
+        return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, env={**os.environ, **env},
+                              stdout=out, stderr=subprocess.STDOUT, timeout=4 * 3600).returncode
+
+
+def train_args(run_dir: Path, sets: list[str], nproc: int, *extra: str) -> list[str]:
+    args = ["train", "--run-dir", str(run_dir), "--nproc", str(nproc), *extra]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+BUILD_OPS = """
+from toolkit.adapters.deepspeed import _install_op_caches
+_install_op_caches()
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops import op_builder
+op_builder.FusedAdamBuilder().load()
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+"""
+
+
+def private_op_folder(work: Path) -> None:
+    """Build DeepSpeed's JIT ops once, before the runs, in a folder of this soak's own (a copy of the
+    environment's, so usually nothing is built). On a machine shared with other jobs of this
+    environment, ops they rebuild would otherwise be rebuilt in a soak rank's load (minutes on 2
+    busy cores: over the load budget), and a rank killed while it builds leaves torch's build lock
+    behind, on which every later start waits."""
+    from toolkit.compat.torch_extensions import extensions_dir
+    private = work / "torch_extensions"
+    if not private.exists() and extensions_dir().exists():
+        shutil.copytree(extensions_dir(), private, ignore=shutil.ignore_patterns("lock"))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(private)
+    subprocess.run([sys.executable, "-c", BUILD_OPS], cwd=REPO, check=True, timeout=3600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def train(run_dir: Path, sets: list[str], nproc: int, faults: str, max_restarts: int, launch) -> dict:
     """``toolkit train`` until it finishes; a preempted job (exit 75) is run again, as a scheduler would.
-    Output goes to ``RUN_DIR.log``."""
-    cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", str(nproc)]
-    for s in [*sets, f"restart.max_restarts={max_restarts}"]:
-        cmd += ["--set", s]
+    ``launch(args, env)`` runs the command and gives its exit code."""
+    args = train_args(run_dir, [*sets, f"restart.max_restarts={max_restarts}"], nproc)
     start, launches, code = time.time(), 0, PREEMPTED_EXIT
-    with open(f"{run_dir}.log", "a") as log:
-        while code == PREEMPTED_EXIT:
-            launches += 1
-            code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TOOLKIT_FAULT": faults}, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=4 * 3600).returncode
+    while code == PREEMPTED_EXIT:
+        launches += 1
+        code = launch(args, {"TOOLKIT_FAULT": faults})
     if code:
         raise SystemExit(f"soak: toolkit train exited {code}; events in {run_dir}/events.jsonl, output in {run_dir}.log")
     return {"start": start, "end": time.time(), "launches": launches}
 
 
-def prepare_data(run_dir: Path, sets: list[str], nproc: int) -> None:
+def prepare_data(run_dir: Path, sets: list[str], nproc: int, launch) -> None:
     """Tokenize and pack the data once (``--dry-run``) so that neither run's setup pays for it."""
-    cmd = [sys.executable, "-m", "toolkit", "train", "--run-dir", str(run_dir), "--nproc", str(nproc), "--dry-run"]
-    for s in sets:
-        cmd += ["--set", s]
-    subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=1800)
+    if code := launch(train_args(run_dir, sets, nproc, "--dry-run"), {}):
+        raise SystemExit(f"soak: toolkit train --dry-run exited {code}; output in {run_dir}.log")
 
 
 # --- the faults -----------------------------------------------------------------------------------
@@ -328,6 +361,28 @@ def goodput(run: dict, records: list[dict], events: list[dict], steps: int) -> d
             "share": {k: round(v / wall, 4) for k, v in parts.items()}}
 
 
+def modelled_goodput(run: dict, records: list[dict], events: list[dict], every: int) -> dict | None:
+    """``toolkit/estimate/goodput.py`` fed with this soak's own figures (MTBF: wall time after setup per
+    restart; step: the median; save: the mean blocked time; recovery: the mean of detection + recovery
+    per restart), next to the goodput measured over the same parts of the wall time (the useful,
+    recomputed, recovery, hang-detection and save seconds; setup, evals, export and preempted
+    relaunches are outside the model)."""
+    from toolkit.estimate.goodput import model
+    restarts = sum(e["kind"] == "restart" for e in events)
+    if not restarts:
+        return None
+    g = goodput(run, records, events, 0)["seconds"]
+    steps = sorted(r["step_s"] for r in records if "loss" in r)
+    saves = [r["checkpoint_blocked_s"] for r in records if r.get("event") == "checkpoint"]
+    modelled = model(mtbf_s=(g["useful_steps"] + g["recomputed_steps"] + g["recovery"] + g["hang_detection"]
+                             + g["checkpoint_blocked"]) / restarts,
+                     step_s=statistics.mean(steps), save_every=every,
+                     save_s=statistics.mean(saves) if saves else 0.0,
+                     recovery_s=(g["recovery"] + g["hang_detection"]) / restarts)
+    accounted = sum(g[k] for k in ("useful_steps", "recomputed_steps", "recovery", "hang_detection", "checkpoint_blocked"))
+    return {**modelled.as_dict(), "measured_same_parts": round(g["useful_steps"] / accounted, 4)}
+
+
 def quantiles(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
@@ -395,6 +450,7 @@ def summarize(soak_dir: Path, base_dir: Path, soak_run: dict, base_run: dict, fa
         "max_rel_loss_diff": max((abs(final.get(k, float("nan")) - base[k]) / abs(base[k]) for k in base),
                                  default=None),
         "goodput": goodput(soak_run, records, events, steps),
+        "goodput_model": modelled_goodput(soak_run, records, events, every),
         "goodput_uninterrupted": goodput(base_run, base_records, [], steps),
         "restart_log": [{**r, **b} for r, b in zip(restarts, backs)],
     }
@@ -414,7 +470,9 @@ def print_summary(result: dict) -> None:
     print(f"{'goodput':28s} {g['goodput']:.3f} (uninterrupted {g0['goodput']:.3f}); seconds {g['seconds']}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch=None) -> int:
+    """``launch(args, env) -> exit code`` runs ``toolkit ARGS``; default: a subprocess, output in
+    ``RUN_DIR.log`` (a test runs it in its own process)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="deepspeed")
     p.add_argument("--faults", type=int, default=4)
@@ -422,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=4, help="checkpoint.every")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind the job survives)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for both runs (repeatable)")
     p.add_argument("--work-dir", help="parent of the run directories (default: a temporary one, removed)")
@@ -431,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     sets = job_sets(args.backend, steps, args.every, args.sets)
     eval_every = int(setting(sets, "train.eval_every", "0"))
     mix = fault_mix(sets, args.nproc)
+    if args.kinds:
+        chosen = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        if unknown := [k for k in chosen if k not in mix]:
+            p.error(f"--kinds {','.join(unknown)}: not in this job's mix {','.join(mix)} (left out: {LEFT_OUT})")
+        mix = chosen
     faults = schedule(args.faults, steps, args.every, eval_every or steps, args.nproc, mix,
                       random.Random(args.seed))
     if not eval_every:
@@ -442,9 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(d, ignore_errors=True)
         Path(f"{d}.log").unlink(missing_ok=True)
     print(f"soak: {args.backend}, {len(faults)} faults over {steps} steps: {spec(faults)}", flush=True)
-    prepare_data(work / "data-check", sets, args.nproc)
-    base_run = train(base_dir, sets, args.nproc, "", 0)
-    soak_run = train(soak_dir, sets, args.nproc, spec(faults), len(faults) + 10)
+    if launch is None:  # a subprocess per command (a caller's own launch keeps its environment's ops)
+        def launch(targs, env):
+            return run_toolkit(targs, env, Path(f"{targs[targs.index('--run-dir') + 1]}.log"))
+        if "TORCH_EXTENSIONS_DIR" not in os.environ:
+            private_op_folder(work)
+    prepare_data(work / "data-check", sets, args.nproc, launch)
+    base_run = train(base_dir, sets, args.nproc, "", 0, launch)
+    soak_run = train(soak_dir, sets, args.nproc, spec(faults), len(faults) + 10, launch)
     async_save = setting(sets, "checkpoint.async_save", "false").lower() == "true"
     result = {"backend": args.backend, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(soak_run["end"])),
               "faults": spec(faults), "kinds_in_mix": list(mix), "left_out": LEFT_OUT,
