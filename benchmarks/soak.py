@@ -383,6 +383,55 @@ def modelled_goodput(run: dict, records: list[dict], events: list[dict], every: 
     return {**modelled.as_dict(), "measured_same_parts": round(g["useful_steps"] / accounted, 4)}
 
 
+AT_SCALE = {  # name: (HF config fields, config overrides, nodes of 8 GPUs)
+    "Llama-7B-like, ZeRO-2, 64 H100": (
+        dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32000),
+        ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batch_size=1", "model.dtype=bf16",
+         "zero.stage=2"], 8),
+    "Llama-70B-like, megatron TP8 PP4, 1024 H100": (
+        dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+             num_key_value_heads=8, vocab_size=128256),
+        ["data.seq_len=4096", "train.global_batch_size=1024", "train.micro_batch_size=1", "model.dtype=bf16",
+         "backend=megatron", "megatron.tp=8", "megatron.pp=4"], 128),
+}
+SCALE_ASSUMPTIONS = {"storage_gb_per_s_per_node": 2.0, "rank_start_s": 60.0, "crash_detect_s": 1.0,
+                     "mtbf_hours": [3, 12, 48]}
+
+
+def at_scale() -> dict:
+    """The goodput the defaults give (``checkpoint.every``, synchronous saves, ``restart.backoff_s`` and
+    ``hang_timeout_s``) for two larger jobs: step time from the estimator (``toolkit estimate``: H100
+    SXM, MFU 0.4), save and load time from the checkpoint's bytes over the nodes' storage bandwidth,
+    a rank start of ``SCALE_ASSUMPTIONS['rank_start_s']``; a crash is seen in about a second, a hang
+    after ``hang_timeout_s``."""
+    from transformers import LlamaConfig
+
+    from toolkit.config import load_config
+    from toolkit.estimate.goodput import checkpoint_seconds, model, recovery_seconds
+    from toolkit.estimate.steptime import Cluster, step_time
+    from toolkit.plan.layout import check_layout
+    from toolkit.plan.model import model_spec
+    a = SCALE_ASSUMPTIONS
+    jobs = {}
+    for name, (hf, sets, nodes) in AT_SCALE.items():
+        spec, cfg = model_spec(LlamaConfig(**hf)), load_config(None, sets)
+        lay = check_layout(cfg, spec, nodes * 8)
+        step_s = step_time(cfg, spec, lay, Cluster(nodes=nodes)).total_s
+        io_s = checkpoint_seconds(spec.total, nodes, a["storage_gb_per_s_per_node"])
+        r = cfg.restart
+        recovery = {"crash": recovery_seconds(io_s, step_s, start_s=a["rank_start_s"], backoff_s=r.backoff_s,
+                                              detect_s=a["crash_detect_s"]),
+                    "hang": recovery_seconds(io_s, step_s, start_s=a["rank_start_s"], backoff_s=r.backoff_s,
+                                             detect_s=r.hang_timeout_s)}
+        jobs[name] = {"params": spec.total, "layout": lay.describe(), "step_s": round(step_s, 2),
+                      "save_every": cfg.checkpoint.every, "save_s": round(io_s, 2),
+                      "recovery_s": {k: round(v, 1) for k, v in recovery.items()},
+                      "goodput": {f"mtbf_{h}h": {k: model(h * 3600.0, step_s, cfg.checkpoint.every, io_s, v).as_dict()
+                                                 for k, v in recovery.items()} for h in a["mtbf_hours"]}}
+    return {"assumptions": a, "jobs": jobs}
+
+
 def quantiles(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
@@ -485,7 +534,15 @@ def main(argv: list[str] | None = None, launch=None) -> int:
                    help="config override for both runs (repeatable)")
     p.add_argument("--work-dir", help="parent of the run directories (default: a temporary one, removed)")
     p.add_argument("--out", help="result JSON (default benchmarks/results/soak_<backend>.json)")
+    p.add_argument("--at-scale", action="store_true",
+                   help="only model the goodput of two larger jobs (benchmarks/results/goodput_at_scale.json)")
     args = p.parse_args(argv)
+    if args.at_scale:
+        result = at_scale()
+        out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / "goodput_at_scale.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0
     steps = args.steps or max(24, 4 * args.faults)
     sets = job_sets(args.backend, steps, args.every, args.sets)
     eval_every = int(setting(sets, "train.eval_every", "0"))
