@@ -362,25 +362,27 @@ def goodput(run: dict, records: list[dict], events: list[dict], steps: int) -> d
 
 
 def modelled_goodput(run: dict, records: list[dict], events: list[dict], every: int) -> dict | None:
-    """``toolkit/estimate/goodput.py`` fed with this soak's own figures (MTBF: wall time after setup per
-    restart; step: the median; save: the mean blocked time; recovery: the mean of detection + recovery
-    per restart), next to the goodput measured over the same parts of the wall time (the useful,
-    recomputed, recovery, hang-detection and save seconds; setup, evals, export and preempted
-    relaunches are outside the model)."""
-    from toolkit.estimate.goodput import model
+    """``toolkit/estimate/goodput.py`` fed with this soak's own figures, next to the goodput measured
+    over the same parts of the wall time (useful and recomputed steps, saves, recovery, hang
+    detection; setup, evals, export and preempted relaunches are outside the model). The soak injects
+    its faults at steps, so they strike only work: MTBF = (useful + recomputed + save seconds) per
+    restart, with no failure during a recovery; step: the mean; save: the mean blocked time;
+    recovery: (detection + recovery seconds) per restart."""
+    from toolkit.estimate.goodput import goodput as modelled
     restarts = sum(e["kind"] == "restart" for e in events)
     if not restarts:
         return None
     g = goodput(run, records, events, 0)["seconds"]
-    steps = sorted(r["step_s"] for r in records if "loss" in r)
+    steps = [r["step_s"] for r in records if "loss" in r]
     saves = [r["checkpoint_blocked_s"] for r in records if r.get("event") == "checkpoint"]
-    modelled = model(mtbf_s=(g["useful_steps"] + g["recomputed_steps"] + g["recovery"] + g["hang_detection"]
-                             + g["checkpoint_blocked"]) / restarts,
-                     step_s=statistics.mean(steps), save_every=every,
-                     save_s=statistics.mean(saves) if saves else 0.0,
-                     recovery_s=(g["recovery"] + g["hang_detection"]) / restarts)
+    figures = {"mtbf_s": (g["useful_steps"] + g["recomputed_steps"] + g["checkpoint_blocked"]) / restarts,
+               "step_s": statistics.mean(steps), "save_every": every,
+               "save_s": statistics.mean(saves) if saves else 0.0,
+               "recovery_s": (g["recovery"] + g["hang_detection"]) / restarts}
     accounted = sum(g[k] for k in ("useful_steps", "recomputed_steps", "recovery", "hang_detection", "checkpoint_blocked"))
-    return {**modelled.as_dict(), "measured_same_parts": round(g["useful_steps"] / accounted, 4)}
+    return {**{k: round(v, 3) for k, v in figures.items()},
+            "predicted": round(modelled(**figures, fail_in_recovery=False), 4),
+            "measured_same_parts": round(g["useful_steps"] / accounted, 4)}
 
 
 AT_SCALE = {  # name: (HF config fields, config overrides, nodes of 8 GPUs)

@@ -11,7 +11,8 @@ import pytest
 from toolkit.estimate.goodput import best_save_every, checkpoint_seconds, goodput, model, recovery_seconds
 
 
-def simulated_goodput(mtbf_s, step_s, save_every, save_s, recovery_s, intervals=20000, seed=0) -> float:
+def simulated_goodput(mtbf_s, step_s, save_every, save_s, recovery_s, fail_in_recovery=True, intervals=20000,
+                     seed=0) -> float:
     rng = random.Random(seed)
     work, wall = save_every * step_s, 0.0
     for _ in range(intervals):
@@ -22,7 +23,7 @@ def simulated_goodput(mtbf_s, step_s, save_every, save_s, recovery_s, intervals=
                 break
             wall += failure
             while True:  # recover; a failure during the recovery starts it again
-                again = rng.expovariate(1 / mtbf_s)
+                again = rng.expovariate(1 / mtbf_s) if fail_in_recovery else math.inf
                 if again >= recovery_s:
                     wall += recovery_s
                     break
@@ -37,6 +38,16 @@ def simulated_goodput(mtbf_s, step_s, save_every, save_s, recovery_s, intervals=
 ])
 def test_goodput_equals_a_simulated_job(case):
     assert goodput(**case) == pytest.approx(simulated_goodput(**case), rel=0.02)
+
+
+@pytest.mark.parametrize("case", [
+    dict(mtbf_s=6.0, step_s=0.4, save_every=4, save_s=2.0, recovery_s=15.0),  # the soak's regime: dense faults
+    dict(mtbf_s=600, step_s=2.0, save_every=50, save_s=20, recovery_s=60),
+])
+def test_goodput_when_failures_strike_only_work_equals_a_simulated_job(case):
+    """Faults injected at steps (the soak) never strike a recovery: the MTBF counts work time only."""
+    assert goodput(**case, fail_in_recovery=False) == pytest.approx(simulated_goodput(**case, fail_in_recovery=False),
+                                                                  rel=0.02)
 
 
 def test_without_failures_only_the_saves_cost():

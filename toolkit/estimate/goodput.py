@@ -23,9 +23,12 @@ from dataclasses import asdict, dataclass
 CHECKPOINT_BYTES_PER_PARAM = 16  # bf16/fp32 weights + fp32 master + Adam moments, as toolkit.checkpoint writes
 
 
-def goodput(mtbf_s: float, step_s: float, save_every: int, save_s: float, recovery_s: float) -> float:
+def goodput(mtbf_s: float, step_s: float, save_every: int, save_s: float, recovery_s: float,
+            fail_in_recovery: bool = True) -> float:
     """Expected share of wall time on steps that count (0 when failures come faster than an interval
-    can finish: e^(W/M) overflows or the recovery alone exceeds the MTBF many times)."""
+    can finish). ``fail_in_recovery=False``: failures strike only while the job works and saves
+    (``mtbf_s`` counts that time only: faults injected at steps, as in the soak), so
+    E[T] = (M + R)(e^(W/M) - 1)."""
     for name, value in (("mtbf_s", mtbf_s), ("step_s", step_s), ("save_every", save_every)):
         if value <= 0:
             raise ValueError(f"goodput: {name}={value} must be positive")
@@ -35,7 +38,10 @@ def goodput(mtbf_s: float, step_s: float, save_every: int, save_s: float, recove
     exponent = (work + save_s + recovery_s) / mtbf_s
     if exponent > 700:  # e^700 ~ 1e304: no interval ever completes
         return 0.0
-    expected = mtbf_s * math.exp(recovery_s / mtbf_s) * math.expm1((work + save_s) / mtbf_s)
+    if fail_in_recovery:
+        expected = mtbf_s * math.exp(recovery_s / mtbf_s) * math.expm1((work + save_s) / mtbf_s)
+    else:
+        expected = (mtbf_s + recovery_s) * math.expm1((work + save_s) / mtbf_s)
     return work / expected
 
 
