@@ -6,8 +6,11 @@ backend, against the same job uninterrupted.
     python benchmarks/soak.py --backend megatron --set megatron.tp=1 --set megatron.pp=2 --faults 50
 
 The job is the demo model (seq 32, global batch 8) with asynchronous saves every ``--every`` steps (so
-the background writer's faults can fire), an eval every 5 checkpoints and the final export; ``--set``
-adds or overrides any config key for both runs. Faults are drawn from every kind of
+the background writer's faults can fire), an eval every 5 checkpoints, the final export,
+``restart.hang_timeout_s=10`` and replicas compared every step (under ZeRO-2 a replica perturbed
+between two checks is overwritten by the next all-gather, its step's gradients already changed);
+``--set`` adds or overrides any config key for both runs. DeepSpeed's JIT ops are built once first,
+in a copy of the environment's folder (``private_op_folder``). Faults are drawn from every kind of
 ``toolkit/launch/faults.py`` (each at least once when ``--faults`` allows, ``LEFT_OUT`` says which
 are not and why), each at its own step, on a random rank where the kind allows. ``corrupt`` and
 ``hang_in_load`` act on checkpoint ``c`` only when a restart resumes it, so each comes with a crash
@@ -23,7 +26,9 @@ Reported (and written to ``benchmarks/results/soak_<backend>.json``, or ``--out`
 - whether the final losses equal the uninterrupted run's bit for bit;
 - goodput: the share of wall time (every launch, from the first command to the last exit) spent on
   the final computation of each step; the rest is broken down (setup, recomputed steps, recovery,
-  hang detection, saves, evals, export). The uninterrupted run's goodput is the same job's ceiling.
+  hang detection, saves, evals, export). The uninterrupted run's goodput is the same job's ceiling;
+  ``toolkit/estimate/goodput.py`` fed the soak's own figures gives the model's prediction.
+``--at-scale`` only models the defaults' goodput for two larger jobs (no training).
 The command exits 1 when losses differ or a restart resumed an older checkpoint than it could have.
 """
 from __future__ import annotations
