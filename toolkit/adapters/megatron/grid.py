@@ -7,6 +7,7 @@ are made) and its process groups (objects megatron holds; asked for where a coll
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from toolkit.plan.layout import Layout
@@ -22,14 +23,16 @@ class Place:
     """Rank among the replicas of this rank's experts (its DP rank without expert parallelism)."""
 
 
-def initialize(lay: Layout) -> Place:
+def initialize(lay: Layout, timeout_s: float = 1800) -> Place:
     """megatron's process groups for ``lay`` (kept if this process made them already) and this
-    rank's place in them."""
+    rank's place in them; ``timeout_s``: their collectives' timeout, the job's process-group timeout
+    (``launch.budgets.plan_collective_timeout_s``; megatron's own default is 30 minutes)."""
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                                      virtual_pipeline_model_parallel_size=lay.vpp,
-                                     expert_model_parallel_size=lay.ep)
+                                     expert_model_parallel_size=lay.ep,
+                                     distributed_timeout_minutes=math.ceil(timeout_s / 60))
     _check_sizes(lay)
     expert_dp = ps.get_expert_data_parallel_rank() if lay.ep > 1 else ps.get_data_parallel_rank()
     return Place(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
