@@ -31,7 +31,7 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     heartbeat = _loading_heartbeat(run_dir, budgets)
     init_process_group(timeout_s=plan_collective_timeout_s(plan))
     rank = dist.get_rank()
-    heartbeat.progress()
+    heartbeat.mark("process_group")
     if device.strict_requested():
         device.enable_strict()
     device.use_tf32(plan.config.model.tf32)
@@ -39,10 +39,10 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_plan(plan, run_dir)
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
-    heartbeat.progress()
+    heartbeat.mark("data")
     seed_everything(plan.config.train.seed)
     engine = build_engine(plan, run_dir, rank)
-    heartbeat.progress()
+    heartbeat.mark("engine_built")
     from toolkit.train.trainer import Trainer
     Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
     dist.barrier()
@@ -114,7 +114,7 @@ def preload_modules(backend: str) -> tuple[str, ...]:
               "toolkit.train.worker")
     if backend == "megatron":
         return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
-    return (*common, "deepspeed", "toolkit.adapters.deepspeed")
+    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_ops")  # ds_ops: JIT ops, once
 
 
 if __name__ == "__main__":
