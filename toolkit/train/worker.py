@@ -114,7 +114,7 @@ def preload_modules(backend: str) -> tuple[str, ...]:
               "toolkit.train.worker")
     if backend == "megatron":
         return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
-    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_ops")  # ds_ops: JIT ops, once
+    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_preload")  # JIT ops, lazy imports: once
 
 
 if __name__ == "__main__":

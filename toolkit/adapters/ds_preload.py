@@ -1,4 +1,5 @@
-"""DeepSpeed's JIT-built CPU ops, loaded once by the launcher's forkserver (``train.worker.preload_modules``).
+"""What every DeepSpeed rank would otherwise load for itself at each start, done once in the launcher's
+forkserver (``train.worker.preload_modules``), which outlives restarts: JIT-built CPU ops, lazy imports.
 
 Without a GPU every DeepSpeed rank loads two JIT-built ops: the shared-memory collectives
 (``deepspeed.comm`` builds them in ``init_distributed``) and the CPU FusedAdam. Each load runs ninja
@@ -7,6 +8,10 @@ a restarted rank does it all again, and a rank killed while it holds the lock (a
 watchdog) leaves the lock behind for the next ranks to wait on forever. Loaded here, in the
 forkserver that outlives restarts, the ops sit in DeepSpeed's op cache (``OpBuilder._loaded_ops``)
 of every rank forked from it: no rank, first or restarted, runs ninja or takes the lock.
+
+``deepspeed.initialize`` also imports its Muon optimizer module to check the optimizer is one ZeRO
+supports; that module calls ``torch.compile`` at import, which imports inductor: 2.5-3 s of a
+restarted rank's ~3.4 s engine build on the tiny CPU job (0.9 s once imported here).
 
 Importing this module does the loading (a forkserver preloads modules by name). A failure here is
 left for the rank to meet and report: the forkserver must start regardless.
@@ -35,4 +40,13 @@ def load_ops() -> dict[str, str]:
     return outcome
 
 
+def import_lazy_modules() -> None:
+    """Modules ``deepspeed.initialize`` imports on first use (see above)."""
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except Exception:  # noqa: BLE001 - another DeepSpeed version: the rank imports what it needs
+        pass
+
+
+import_lazy_modules()
 LOADED = load_ops()
