@@ -55,10 +55,13 @@ def test_elastic_job_loses_a_node_and_continues_alone(runs, tmp_path, data_cache
     assert losses(run_dir) == pytest.approx(reference, rel=1e-6)
     assert resumes(run_dir) == [("step_00000003", 3, "converted")]  # ZeRO-2 at DP 2 -> DP 1
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert "restart" in [e["kind"] for e in events]
-    recovered = [e["time_to_recover_s"] for e in events if e["kind"] == "recovered"]
-    print(f"\nfrom the failure to the next finished step: {recovered} s")  # README quotes this
-    assert len(recovered) == 1 and recovered[0] < 120
+    assert "restart" in [e["kind"] for e in events] and "rendezvous_timeout" not in [e["kind"] for e in events]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    print(f"\nfrom the failure to the next finished step: {[e['time_to_recover_s'] for e in recovered]} s; "
+          f"breakdown (s since detected): {recovered[-1]['breakdown_s']}")  # docs/fault-tolerance.md quotes this
+    assert len(recovered) == 1 and recovered[0]["time_to_recover_s"] < 120
+    b = recovered[0]["breakdown_s"]  # the survivor waited the elastic last call (10 s) for node 1, not longer
+    assert 10 <= b["rendezvous"] - b["torn_down"] < 10 + 15, b
 
 
 def test_a_node_that_never_joins_is_named_in_seconds(tmp_path, data_cache):
