@@ -60,8 +60,10 @@ def test_elastic_job_loses_a_node_and_continues_alone(runs, tmp_path, data_cache
     print(f"\nfrom the failure to the next finished step: {[e['time_to_recover_s'] for e in recovered]} s; "
           f"breakdown (s since detected): {recovered[-1]['breakdown_s']}")  # docs/fault-tolerance.md quotes this
     assert len(recovered) == 1 and recovered[0]["time_to_recover_s"] < 120
-    b = recovered[0]["breakdown_s"]  # the survivor waited the elastic last call (10 s) for node 1, not longer
-    assert 10 <= b["rendezvous"] - b["torn_down"] < 10 + 15, b
+    # the survivor waited 3 missed 1 s keep-alives to drop node 1, then the elastic last call (10 s):
+    # 25.6 s with torch's 5 s keep-alive
+    b = recovered[0]["breakdown_s"]
+    assert 10 <= b["rendezvous"] - b["torn_down"] < 20, b
 
 
 def test_a_node_that_never_joins_is_named_in_seconds(tmp_path, data_cache):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from toolkit.launch.roster import ROSTER_KEY, Roster, join_timeout_s
+from toolkit.launch.roster import ROSTER_KEY, Roster, join_timeout_s, keep_alive_s
 
 
 class DictStore:
@@ -24,6 +24,7 @@ def test_the_join_timeout_scales_with_the_node_count_and_can_be_set():
     assert join_timeout_s(2) == 60.5
     assert join_timeout_s(2048) == 572  # torch's default, 600 s, is sized for clusters this large
     assert join_timeout_s(2, configured=3) == 3
+    assert [keep_alive_s(n) for n in (1, 2, 31, 32, 64, 1000)] == [1, 1, 1, 2, 4, 5]  # torch's 5 s at scale
 
 
 def test_a_timed_out_round_names_the_nodes_never_arrived_lost_and_joined():

@@ -47,7 +47,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from toolkit.launch.agent import ToolkitAgent
-    from toolkit.launch.roster import Roster, join_timeout_s, whole_seconds
+    from toolkit.launch.roster import KEEP_ALIVE_MISSES, Roster, join_timeout_s, keep_alive_s, whole_seconds
 
     # torch's opt-out of sharing the rendezvous store with the ranks: with it shared, the store
     # outlives a restart and a plain script's new ranks can read the dead ranks' gloo addresses
@@ -67,6 +67,8 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
         last_call_timeout=ELASTIC_WAIT_S,
         # How long a node waits for the others (torch's default, 600 s, is sized for thousands of nodes).
         join_timeout=whole_seconds(join_s),
+        # A lost node is dropped from the rendezvous after this many missed beats of this interval.
+        keep_alive_interval=keep_alive_s(spec.nnodes), keep_alive_max_attempt=KEEP_ALIVE_MISSES,
         **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
     if not single_node and spec.node_rank > 0:
         _wait_for_rendezvous_host(spec.rdzv_endpoint, join_s)

@@ -22,6 +22,17 @@ JOIN_PER_NODE_S = 0.25
 """...and the c10d rendezvous itself slows with the node count (every node polls and rewrites one
 shared state: ~0.1-0.3 s per node at thousands of nodes), so 2,000 nodes get torch's 600 s."""
 ROSTER_KEY = "toolkit/roster/"
+KEEP_ALIVE_MISSES = 3  # torch's keep_alive_max_attempt: beats missed before a node counts as dead
+
+
+def keep_alive_s(nnodes: int) -> int:
+    """How often each agent beats the rendezvous state. A node lost mid-run stays a participant of the
+    finished round, holding the survivors out of the next one, until it has missed
+    ``KEEP_ALIVE_MISSES`` beats: torch's 5 s made that 15 s of each elastic recovery (measured: 25.6 s
+    from the failure to the next rendezvous, 10 s of it the last call). Every beat rewrites one
+    shared state, so large jobs keep torch's interval: 1 s up to 31 nodes, then 1 s more per 16 nodes,
+    5 s (torch's) from 80 nodes."""
+    return min(5, max(1, nnodes // 16))
 
 
 def join_timeout_s(nnodes: int, configured: float | None = None) -> float:
