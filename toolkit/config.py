@@ -260,6 +260,11 @@ class RestartConfig(_Section):
     """...while writing hf_final (beaten per tensor)."""
     eval_timeout_s: float | None = Field(None, gt=0)
     """...in an eval (beaten per micro-batch); None: hang_timeout_s."""
+    join_timeout_s: float | None = Field(None, gt=0)
+    """Multi-node: how long a node waits at the rendezvous (the first start and every restart) for
+    the other nodes before it fails, naming the nodes that never joined; None: 60 s + 0.25 s per
+    node (``toolkit/launch/roster.py``). Counted from when this node reaches the rendezvous, after
+    its own data preparation."""
     straggler_every: int = 50
     """Compare per-rank compute time every N steps (0 = off)."""
     straggler_factor: float = 1.5

@@ -4,7 +4,8 @@ against the rank arithmetic of megatron's default order (tp fastest, then dp, th
 
 Bugs these catch: a rank read from the wrong group (tp for dp), the stage ends of a pipeline
 swapped, the expert replicas' rank taken from the dense group under ep, and sizes read from the
-layout silently disagreeing with the groups megatron holds."""
+layout silently disagreeing with the groups megatron holds, and megatron's groups keeping their own
+30-minute timeout instead of the job's (longer than a lone 70B save: a waiting rank killed first)."""
 from __future__ import annotations
 
 import pytest
@@ -16,14 +17,16 @@ LAYOUTS = {"tp2": dict(tp=2, dp=1), "pp2": dict(pp=2, dp=1), "dp2": dict(dp=2), 
 
 
 def _places(rank, world, sizes):
+    import torch
     from megatron.core import parallel_state as ps
 
     from toolkit.adapters.megatron import grid
     lay = Layout(backend="megatron", world=world, **sizes)
     try:
-        place = grid.initialize(lay)
+        place = grid.initialize(lay, timeout_s=150)  # the job's process-group timeout, in whole minutes
         return {"place": place, "ends": grid.stage_ends(None), "ep_rank": grid.ep_rank(),
-                "tp_group": grid.tp_group().size(), "dp_group": grid.dp_group().size()}
+                "tp_group": grid.tp_group().size(), "dp_group": grid.dp_group().size(),
+                "timeout_s": grid.dp_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
     finally:
         ps.destroy_model_parallel()
 
@@ -40,6 +43,7 @@ def test_each_rank_finds_its_place(tmp_path, name):
         assert got["ep_rank"] == (rank % ep if ep > 1 else 0)
         assert got["ends"] == (place.pp_rank == 0, place.pp_rank == pp - 1)
         assert (got["tp_group"], got["dp_group"]) == (tp, dp)
+        assert got["timeout_s"] == 180  # not megatron's default 30 minutes: launch/budgets.py sets it
 
 
 def _mismatch(rank, world):

@@ -1,5 +1,6 @@
 """Two "nodes" as two elastic agents on localhost (c10d rendezvous): same losses as one node on both
-backends, and an elastic job (--nnodes 1:2) that loses a node goes on alone from its resharded checkpoint."""
+backends, an elastic job (--nnodes 1:2) that loses a node goes on alone from its resharded checkpoint,
+and a node that never joins is named within the join timeout instead of torch's 600 s."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers.runs import REPO, TINY, losses, resumes
+from tests.helpers.runs import REPO, TINY, losses, resumes, run_in_process, train_args
 from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.slow
@@ -54,10 +55,43 @@ def test_elastic_job_loses_a_node_and_continues_alone(runs, tmp_path, data_cache
     assert losses(run_dir) == pytest.approx(reference, rel=1e-6)
     assert resumes(run_dir) == [("step_00000003", 3, "converted")]  # ZeRO-2 at DP 2 -> DP 1
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert "restart" in [e["kind"] for e in events]
-    recovered = [e["time_to_recover_s"] for e in events if e["kind"] == "recovered"]
-    print(f"\nfrom the failure to the next finished step: {recovered} s")  # README quotes this
-    assert len(recovered) == 1 and recovered[0] < 120
+    assert "restart" in [e["kind"] for e in events] and "rendezvous_timeout" not in [e["kind"] for e in events]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    print(f"\nfrom the failure to the next finished step: {[e['time_to_recover_s'] for e in recovered]} s; "
+          f"breakdown (s since detected): {recovered[-1]['breakdown_s']}")  # docs/fault-tolerance.md quotes this
+    assert len(recovered) == 1 and recovered[0]["time_to_recover_s"] < 120
+    # the survivor waited 3 missed 1 s keep-alives to drop node 1, then the elastic last call (10 s):
+    # 25.6 s with torch's 5 s keep-alive
+    b = recovered[0]["breakdown_s"]
+    assert 10 <= b["rendezvous"] - b["torn_down"] < 20, b
+
+
+def test_a_node_that_never_joins_is_named_in_seconds(tmp_path, data_cache):
+    """Node 1 starts first and dies before joining (node 0's store is not up: after its join timeout);
+    then node 0 waits for node 1, which never comes. Each fails within seconds of its 3 s join timeout
+    (torch's default: 600 s), naming the other node, and node 0 records a ``rendezvous_timeout`` event."""
+    run_dir, port = tmp_path / "never_joined", free_port()
+
+    def node(rank: int):
+        args = [*train_args(run_dir, data_cache, "restart.join_timeout_s=3", nproc=1), "--nnodes", "2",
+                "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        started = time.monotonic()
+        proc = run_in_process(args, check=False, timeout=120)
+        return proc, time.monotonic() - started
+
+    first, first_s = node(1)
+    assert first.returncode == 1 and "node 0, which hosts it, never joined" in first.stderr, first.stderr[-3000:]
+    second, second_s = node(0)
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert "node(s) 1 never reached it" in second.stderr and "joined: node(s) 0" in second.stderr
+    assert "Traceback" not in second.stderr  # an error naming the node, not a stack
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    timeout, = [e for e in events if e["kind"] == "rendezvous_timeout"]
+    assert timeout["never_arrived"] == [1] and timeout["joined"] == [0] and timeout["nnodes"] == 2
+    print(f"\nnode 1 gave up after {first_s:.1f} s, node 0 after {second_s:.1f} s "
+          f"({timeout['waited_s']} s at the rendezvous)")
+    assert timeout["waited_s"] < 3 + 10  # the join timeout, torch's ~1 s polls and its 5 s rollback at most
+    assert first_s < 60 and second_s < 60  # planning and the data cache included; not 600 s
 
 
 def _kill_node(agent_pid: int) -> None:

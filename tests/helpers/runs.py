@@ -29,8 +29,9 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, chec
 
 
 RANK_PRELOAD = ["torch", "transformers.modeling_utils", "datasets", "deepspeed", "megatron.core.models.gpt",
-                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.megatron", "toolkit.data",
-                "toolkit.train.trainer", "toolkit.train.worker", "tests.helpers.convert"]
+                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_preload",
+                "toolkit.adapters.megatron", "toolkit.data", "toolkit.train.trainer", "toolkit.train.worker",
+                "tests.helpers.convert"]
 """What the forkserver of each test process imports once (``toolkit train`` without a GPU does the
 same per launch, for its backend): ranks forked from it, by ``train`` or ``run_ranks``, skip ~10 s
 of imports each."""

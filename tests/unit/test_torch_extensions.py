@@ -1,5 +1,6 @@
 """Each Python environment builds DeepSpeed's JIT ops into a folder of its own (no rebuild ping-pong
-between virtualenvs sharing torch's default folder); a folder the user chose is kept."""
+between virtualenvs sharing torch's default folder, nor between the ninjas on PATH of one
+environment's processes); a folder the user chose is kept."""
 from __future__ import annotations
 
 import sys
@@ -18,3 +19,17 @@ def test_folder_is_per_environment_and_a_users_choice_wins(tmp_path, monkeypatch
     assert str(torch_extensions.extensions_dir()) != mine
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
     assert torch_extensions.install() == str(tmp_path / "chosen")
+
+
+def test_each_ninja_on_path_gets_its_own_folder(tmp_path, monkeypatch):
+    """ninja 1.11 and 1.13 hash a build command differently: sharing one folder, each rebuilt every op
+    the other had built (an activated venv's pip ninja against /usr/bin/ninja)."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ninja").write_text("#!/bin/sh\n")
+        (tmp_path / name / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "a"))
+    first = torch_extensions.extensions_dir()
+    assert torch_extensions.extensions_dir() == first  # stable
+    monkeypatch.setenv("PATH", str(tmp_path / "b"))
+    assert torch_extensions.extensions_dir() != first

@@ -28,10 +28,12 @@ _COLLECTIVE_FRAMES = ("distributed_c10d.py", "deepspeed/comm/", "torch/distribut
 
 class ToolkitAgent(LocalElasticAgent):
     def __init__(self, *, run_dir: Path, max_restarts: int, backoff_s: float, hang_timeout_s: float,
-                 load_timeout_s: float | None = None, **kwargs):
+                 load_timeout_s: float | None = None, roster=None, **kwargs):
         """``load_timeout_s``: watch ranks from their start, before their first beat (ranks that beat
-        through their load: ``toolkit train``); each beat is judged by the budget it states."""
+        through their load: ``toolkit train``); each beat is judged by the budget it states.
+        ``roster`` (multi-node, ``launch.roster.Roster``): names the nodes a timed-out rendezvous missed."""
         super().__init__(**kwargs)
+        self.roster = roster
         self.run_dir = Path(run_dir)
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
@@ -90,8 +92,29 @@ class ToolkitAgent(LocalElasticAgent):
         self._recovery["torn_down"] = time.time()
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+        started = time.monotonic()
+        try:
+            super()._rendezvous(worker_group)
+        except RendezvousTimeoutError as exc:
+            if self.roster is None:
+                raise
+            self._name_missing_nodes(worker_group, time.monotonic() - started, exc)
         self._recovery["rendezvous"] = time.time()
+
+    def _name_missing_nodes(self, worker_group: WorkerGroup, waited_s: float, exc: Exception) -> None:
+        """A ``rendezvous_timeout`` event and an error naming the nodes that never joined."""
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+        from toolkit.launch.roster import participants
+        handler = worker_group.spec.rdzv_handler
+        present = participants(handler)
+        min_nodes = handler.settings.min_nodes if hasattr(handler, "settings") else self.roster.nnodes
+        never, gone, joined = self.roster.absent(present)
+        emit(self.run_dir, "rendezvous_timeout", node_rank=self.roster.node_rank, nnodes=self.roster.nnodes,
+             min_nodes=min_nodes, never_arrived=never, lost=gone, joined=joined, waited_s=round(waited_s, 2),
+             join_timeout_s=self.roster.timeout_s)
+        raise RendezvousTimeoutError(self.roster.timed_out(present, min_nodes)) from exc
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.attempt += 1

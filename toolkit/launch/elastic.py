@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ELASTIC_WAIT_S = 10
-RDZV_JOIN_TIMEOUT_S = 900  # how long a node waits for node 0, as torchrun's join timeout
 
 
 @dataclass
@@ -32,6 +31,7 @@ class LaunchSpec:
     backoff_s: float = 1.0
     hang_timeout_s: float = 0.0
     load_timeout_s: float | None = None  # watch ranks from their start (they beat while loading)
+    join_timeout_s: float | None = None  # restart.join_timeout_s; None: roster.join_timeout_s's rule
 
 
 def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str, str] | None = None):
@@ -47,6 +47,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from toolkit.launch.agent import ToolkitAgent
+    from toolkit.launch.roster import KEEP_ALIVE_MISSES, Roster, join_timeout_s, keep_alive_s, whole_seconds
 
     # torch's opt-out of sharing the rendezvous store with the ranks: with it shared, the store
     # outlives a restart and a plain script's new ranks can read the dead ranks' gloo addresses
@@ -54,6 +55,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     # store hosted by rank 0 on a free port, as with torchrun's static rendezvous.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     single_node = spec.nnodes == 1 and spec.rdzv_endpoint is None
+    join_s = join_timeout_s(spec.nnodes, spec.join_timeout_s)
     rdzv = RendezvousParameters(
         backend="c10d",
         # Like torchrun --standalone: a private store on a free loopback port.
@@ -63,19 +65,27 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
         local_addr="127.0.0.1" if single_node else None,
         # After a node is lost, wait this long for it before continuing with the nodes present.
         last_call_timeout=ELASTIC_WAIT_S,
+        # How long a node waits for the others (torch's default, 600 s, is sized for thousands of nodes).
+        join_timeout=whole_seconds(join_s),
+        # A lost node is dropped from the rendezvous after this many missed beats of this interval.
+        keep_alive_interval=keep_alive_s(spec.nnodes), keep_alive_max_attempt=KEEP_ALIVE_MISSES,
         **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
     if not single_node and spec.node_rank > 0:
-        _wait_for_rendezvous_host(spec.rdzv_endpoint)
+        _wait_for_rendezvous_host(spec.rdzv_endpoint, join_s)
     _set_worker_env(spec, env)
     rank_args = (*args, dict(os.environ)) if callable(entrypoint) else tuple(args)
     worker_spec = WorkerSpec(
         role="trainer", local_world_size=spec.nproc, entrypoint=entrypoint, args=rank_args,
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv), max_restarts=spec.max_restarts,
         monitor_interval=0.2, local_addr=rdzv.local_addr)
+    roster = None
+    if not single_node:  # the store listens now (node 0 made it with the handler): say we arrived
+        roster = Roster(spec.nnodes, spec.node_rank, spec.rdzv_endpoint, join_s)
+        roster.connect()
     agent = ToolkitAgent(spec=worker_spec, logs_specs=DefaultLogsSpecs(),
                          start_method=_start_method(entrypoint, spec.preload), run_dir=spec.run_dir,
                          max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s,
-                         load_timeout_s=spec.load_timeout_s)
+                         load_timeout_s=spec.load_timeout_s, roster=roster)
     shutdown_rdzv = True
     try:
         result = agent.run()
@@ -105,9 +115,10 @@ def _multinode_rdzv_conf(node_rank: int) -> dict:
     return {"rank": node_rank, **({"is_host": False} if node_rank > 0 else {})}
 
 
-def _wait_for_rendezvous_host(endpoint: str, timeout_s: float = RDZV_JOIN_TIMEOUT_S) -> None:
-    """Wait until node 0's store listens. torch's store client retries a refused connection with a
-    growing backoff, so a node that starts before node 0 could idle for a minute or more after it."""
+def _wait_for_rendezvous_host(endpoint: str, timeout_s: float) -> None:
+    """Wait until node 0's store listens (at most the join timeout: node 0 is a node that may never
+    join). torch's store client retries a refused connection with a growing backoff, so a node that
+    starts before node 0 could idle for a minute or more after it."""
     host, _, port = endpoint.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -116,9 +127,12 @@ def _wait_for_rendezvous_host(endpoint: str, timeout_s: float = RDZV_JOIN_TIMEOU
             return
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the rendezvous at {endpoint} did not answer in {timeout_s:.0f} s ({exc}); "
-                                   "is node 0 running toolkit train with --node-rank 0 and this "
-                                   "--rdzv-endpoint, and is the port open between the nodes?") from None
+                from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+                raise RendezvousTimeoutError(
+                    f"the rendezvous at {endpoint} did not answer in {timeout_s:.0f} s ({exc}): node 0, which "
+                    "hosts it, never joined. Is node 0 running toolkit train with --node-rank 0 and this "
+                    "--rdzv-endpoint, and is the port open between the nodes? To wait longer for slow "
+                    "starts, raise restart.join_timeout_s") from None
             time.sleep(0.2)
 
 

@@ -32,6 +32,7 @@ class Heartbeat:
         self.path = self.dir / f"rank_{rank:05d}.json"
         self.rank, self.budgets = rank, budgets or {}
         self.started_at = time.time()  # made first thing in a rank: when the rank came up
+        self.marks: dict[str, float] = {}  # stage of the rank's start -> when it was done (recovery time)
         self.step, self.phase, self._last = None, None, 0.0
 
     def beat(self, step: int | None, phase: str = "step") -> None:
@@ -45,6 +46,11 @@ class Heartbeat:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
+
+    def mark(self, stage: str) -> None:
+        """A stage of the rank's start is done (process group, data, engine): note when, and beat."""
+        self.marks[stage] = time.time()
+        self.progress()
 
     def progress(self) -> None:
         """A unit of the current phase's work is done (a tensor, a file, a batch): beat again."""

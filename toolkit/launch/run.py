@@ -123,7 +123,7 @@ def _launch(cfg: RunConfig, nodes: Nodes, plan_path: Path) -> int:
     spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=nodes.nnodes, min_nnodes=_min_nnodes(nodes),
                       node_rank=nodes.node_rank, rdzv_endpoint=nodes.rdzv_endpoint, preload=preload,
                       max_restarts=r.max_restarts, backoff_s=r.backoff_s, hang_timeout_s=r.hang_timeout_s,
-                      load_timeout_s=load_budget(plan_path))
+                      load_timeout_s=load_budget(plan_path), join_timeout_s=r.join_timeout_s)
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {nodes.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
     code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)])
     if code == 0:
@@ -149,6 +149,7 @@ def _run_supervised(spec, entrypoint, args: list[str]) -> int:
     """Run under the agent; 0, PREEMPTED_EXIT (saved and stopped on request), or 1 (failed)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
     from toolkit.launch.agent import PREEMPTED_EXIT
     from toolkit.launch.elastic import launch_workers
@@ -157,6 +158,9 @@ def _run_supervised(spec, entrypoint, args: list[str]) -> int:
         launch_workers(spec, entrypoint, args)
     except SignalException as exc:  # the launcher itself was told to stop and passed the signal on
         return _stopped_by(spec, exc.sigval)
+    except RendezvousTimeoutError as exc:  # a node never joined: its name, not a traceback
+        print(f"toolkit: {exc}", file=sys.stderr)
+        return 1
     except ChildFailedError as exc:
         if getattr(exc, "preempted", False):
             print("toolkit: preempted; a checkpoint was saved - run the same command to resume", file=sys.stderr)

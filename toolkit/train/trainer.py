@@ -171,13 +171,16 @@ class Trainer:
 
     def _recovery_breakdown(self, events: list[dict]) -> dict | None:
         """Seconds from the failure's detection (the agent's ``restarted`` event: backoff, ranks torn
-        down, rendezvous, ranks started) to this rank up, its checkpoint loaded, its first step done."""
+        down, rendezvous, ranks started) to this rank up, its process group, data and engine ready
+        (``Heartbeat.mark``), its checkpoint loaded, its first step done."""
         restarted = [e for e in events if e["kind"] == "restarted"]
         if not restarted:
             return None
         detected = restarted[-1]["detected_at"]
         marks = {k[:-2]: v for k, v in restarted[-1].items() if k.endswith("_s")}
-        marks.update(rank_up=self.monitor.heartbeat.started_at - detected,
+        heartbeat = self.monitor.heartbeat
+        marks.update(rank_up=heartbeat.started_at - detected,
+                     **{stage: at - detected for stage, at in heartbeat.marks.items()},
                      checkpoint_loaded=(self._resumed_at or time.time()) - detected,
                      first_step_done=time.time() - detected)
         return {k: round(v, 3) for k, v in marks.items()}

@@ -15,10 +15,10 @@ from toolkit import device
 from toolkit.config import RunConfig
 from toolkit.data import load_tokenizer, prepare_data
 from toolkit.engine import Engine
-from toolkit.launch.budgets import collective_timeout_s, phase_budgets
+from toolkit.launch.budgets import phase_budgets, plan_collective_timeout_s, rank_share
 from toolkit.launch.heartbeat import Heartbeat
 from toolkit.launch.monitor import register_stack_dump
-from toolkit.parallel import adopt_slurm_env, init_process_group, seed_everything
+from toolkit.parallel import adopt_slurm_env, init_process_group, local_world_size, seed_everything
 from toolkit.plan import Plan, read_plan, write_plan
 
 
@@ -26,12 +26,12 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     """``record_plan``: this job's ranks made the plan themselves (torchrun, srun, the deepspeed
     launcher): rank 0 writes it to RUN_DIR/plan.json, replacing a previous job's."""
     run_dir = Path(plan.config.run_dir)
-    budgets = phase_budgets(plan.config.restart, *plan.trainable_parameters())
     adopt_slurm_env()  # RANK before the process group: the heartbeat and stack files are per rank
+    budgets = phase_budgets(plan.config.restart, *plan.trainable_parameters(), share=_rank_share(plan))
     heartbeat = _loading_heartbeat(run_dir, budgets)
-    init_process_group(timeout_s=collective_timeout_s(budgets))
+    init_process_group(timeout_s=plan_collective_timeout_s(plan))
     rank = dist.get_rank()
-    heartbeat.progress()
+    heartbeat.mark("process_group")
     if device.strict_requested():
         device.enable_strict()
     device.use_tf32(plan.config.model.tf32)
@@ -39,14 +39,19 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_plan(plan, run_dir)
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
-    heartbeat.progress()
+    heartbeat.mark("data")
     seed_everything(plan.config.train.seed)
     engine = build_engine(plan, run_dir, rank)
-    heartbeat.progress()
+    heartbeat.mark("engine_built")
     from toolkit.train.trainer import Trainer
     Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank_share(plan: Plan):
+    """This rank's share of the model's bytes, from the job's size in the environment."""
+    return rank_share(plan, int(os.environ.get("WORLD_SIZE", "1")), local_world_size())
 
 
 def _loading_heartbeat(run_dir: Path, budgets: dict[str, float]) -> Heartbeat:
@@ -109,7 +114,7 @@ def preload_modules(backend: str) -> tuple[str, ...]:
               "toolkit.train.worker")
     if backend == "megatron":
         return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
-    return (*common, "deepspeed", "toolkit.adapters.deepspeed")
+    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_preload")  # JIT ops, lazy imports: once
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from toolkit.adapters.megatron.weights import (
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
+from toolkit.launch.budgets import plan_collective_timeout_s
 from toolkit.loss import IGNORE_INDEX
 from toolkit.objectives import DPO, REF_COLUMN, STATS, document_sums, metrics
 from toolkit.plan import Plan
@@ -62,7 +63,7 @@ class MegatronEngine:
         self.hf_config = plan.model.hf_config()
         self.family = get_family(self.hf_config.model_type)
         check_machine(plan)
-        self._init_parallel()
+        self._init_parallel(plan_collective_timeout_s(plan))
         hf_state = hf_weights(plan, self.hf_config) if hf_state is None else \
             checkpoint_names(self.family, self.hf_config, hf_state)
         check_hf_keys(self.family, self.hf_config, hf_state)
@@ -89,9 +90,9 @@ class MegatronEngine:
 
     # --- setup ----------------------------------------------------------------------------------------
 
-    def _init_parallel(self) -> None:
+    def _init_parallel(self, timeout_s: float) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        place = grid.initialize(self.lay)
+        place = grid.initialize(self.lay, timeout_s)
         model_parallel_cuda_manual_seed(self.cfg.train.seed)
         self.tp_rank, self.pp_rank, self.dp_rank = place.tp_rank, place.pp_rank, place.dp_rank
         self.cp_rank, self.cp_group = place.cp_rank, grid.cp_group() if self.lay.cp > 1 else None

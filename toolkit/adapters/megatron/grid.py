@@ -7,6 +7,7 @@ are made) and its process groups (objects megatron holds; asked for where a coll
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from toolkit.plan.layout import Layout
@@ -24,14 +25,16 @@ class Place:
     """Rank in the context-parallel group (which chunks of every sequence this rank holds)."""
 
 
-def initialize(lay: Layout) -> Place:
+def initialize(lay: Layout, timeout_s: float = 1800) -> Place:
     """megatron's process groups for ``lay`` (kept if this process made them already) and this
-    rank's place in them."""
+    rank's place in them; ``timeout_s``: their collectives' timeout, the job's process-group timeout
+    (``launch.budgets.plan_collective_timeout_s``; megatron's own default is 30 minutes)."""
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                                      virtual_pipeline_model_parallel_size=lay.vpp,
-                                     expert_model_parallel_size=lay.ep, context_parallel_size=lay.cp)
+                                     expert_model_parallel_size=lay.ep, context_parallel_size=lay.cp,
+                                     distributed_timeout_minutes=math.ceil(timeout_s / 60))
     _check_sizes(lay)
     # the replicas of dense weights span dp x cp (CP ranks hold the same weights); megatron's expert
     # data-parallel group spans them too
