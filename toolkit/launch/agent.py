@@ -41,6 +41,7 @@ class ToolkitAgent(LocalElasticAgent):
         self._started, self._killed_as_hung = time.time(), False
         self._recovery: dict[str, float] = {}  # when the last failure was detected, and the restart's steps
         self.attempt = 0
+        self._streak, self._failed_at = 0, None  # failures since the job last got past a failure's step
         self.preempted = False
         self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
 
@@ -118,7 +119,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.attempt += 1
-        delay = min(30.0, self.backoff_s * 2 ** (self.attempt - 1))
+        delay = restart_delay(self.backoff_s, self._streak)
         emit(self.run_dir, "restart", attempt=self.attempt, delay_s=delay,
              restarts_left=self._remaining_restarts, max_restarts=self.max_restarts)
         time.sleep(delay)
@@ -151,6 +152,8 @@ class ToolkitAgent(LocalElasticAgent):
         codes = {rank: f.exitcode for rank, f in result.failures.items()}
         self.preempted = _is_preemption(codes)
         beats = read_heartbeats(self.run_dir)
+        reached = max((b["step"] for b in beats.values() if b.get("step") is not None), default=None)
+        self._streak, self._failed_at = failure_streak(self._streak, self._failed_at, reached)
         for rank, failure in sorted(result.failures.items()):
             emit(self.run_dir, "preempted" if self.preempted else "failure", rank=rank,
                  exit_code=failure.exitcode, signal=_signal_name(failure.exitcode),
@@ -222,6 +225,22 @@ def find_hang(beats: dict[int, dict], local_ranks: list[int], now: float, starte
     if not watched or any(now - b["time"] <= b["budget_s"] for b in watched.values()):
         return None
     return watched
+
+
+MAX_BACKOFF_S = 30.0
+
+
+def restart_delay(backoff_s: float, streak: int) -> float:
+    """Seconds before restart number ``streak`` of a crash loop: ``backoff_s`` doubling, at most 30 s."""
+    return min(MAX_BACKOFF_S, backoff_s * 2 ** max(streak - 1, 0))
+
+
+def failure_streak(streak: int, failed_at: int | None, reached: int | None) -> tuple[int, int | None]:
+    """(streak, step) after a failure at step ``reached``: a job that got past the step of its previous
+    failure made progress, so its backoff starts over (only a loop failing at the same place keeps
+    doubling it; a long job's 7th unrelated fault must not wait the cap)."""
+    progressed = reached is not None and failed_at is not None and reached > failed_at
+    return (1 if progressed else streak + 1), reached if reached is not None else failed_at
 
 
 def _stack_header(rank: int, beat: dict | None, attempt: int) -> str:
