@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO adapter: the Engine protocol over ``deepspeed.initialize`` with the DeepSpeed JSON
-the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world."""
+the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world, or dp x sp with
+Ulysses sequence parallelism (``zero.sp``: ``adapters/ulysses.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,8 @@ def check_dtype_supported(dtype: str) -> None:
 # --- engine --------------------------------------------------------------------------------------
 
 class DeepSpeedEngine:
-    """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world."""
+    """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world, or over
+    dp = world / sp replicas whose sp ranks split each row's tokens (``zero.sp``)."""
 
     def __init__(self, plan: Plan, model: torch.nn.Module, resolved: tuple[dict, OptimizerChoice] | None = None):
         """``resolved``: ``with_available_adam`` of the plan's DeepSpeed JSON, when already made."""
@@ -62,16 +64,25 @@ class DeepSpeedEngine:
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
+        self.seq = None
+        if self.lay.sp > 1:
+            from toolkit.adapters.ulysses import SequenceSplit
+            self.seq = SequenceSplit(self.lay.sp, model.config)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config)
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
+            mpu=self.seq.mpu if self.seq else None)
         _undo_state_init_step(self.engine.optimizer)
-        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = (self.seq.dp_rank, self.seq.dp_size) if self.seq else \
+            (dist.get_rank(), dist.get_world_size())
+        self.dp_group = self.seq.dp_group if self.seq else None
         device.guard_inputs(self.engine.module, "the HF model")
 
     def train_step(self, micro_batches, loss_tokens, lr):
         self._set_lr(lr)
         # DeepSpeed averages gradients over DP ranks; scaling by dp makes the sum over ranks of
         # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract).
+        # With zero.sp each rank's sum is over its slice of the rows, and DeepSpeed sums gradients
+        # over the world and divides by dp = world / sp: the same mean.
         scale = self.dp_size / loss_tokens
         local_sum = device.zeros((), dtype=torch.float64)
         grad_norm, forward_time, skipped_before = None, device.Stopwatch(), self.engine.skipped_steps
@@ -80,7 +91,7 @@ class DeepSpeedEngine:
             forward_time.start()
             out = self._forward(mb)
             forward_time.stop()
-            loss_sum, _ = token_loss_sum(out.logits, mb["labels"])
+            loss_sum, _ = token_loss_sum(out.logits, self._labels(mb))
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 real = hf_attention.real_tokens(mb)
@@ -113,11 +124,16 @@ class DeepSpeedEngine:
 
     def _forward(self, mb: dict, router: bool = True):
         """The HF forward of a micro-batch; rows packed by documents bring their positions and
-        layout (``adapters/hf_attention.py``), and a forward that ignored them raises."""
-        inputs = hf_attention.forward_inputs(mb)
+        layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
+        this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
+        inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
         hf_attention.check_applied(inputs)
         return out
+
+    def _labels(self, mb: dict) -> torch.Tensor:
+        """The labels of the tokens this rank's forward scored."""
+        return self.seq.local(mb["labels"]) if self.seq else mb["labels"]
 
     @property
     def _norm_not_recorded(self) -> bool:
@@ -140,7 +156,7 @@ class DeepSpeedEngine:
         totals = device.zeros(2, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
             logits = self._forward(mb, router=False).logits
-            loss_sum, count = token_loss_sum(logits, mb["labels"])
+            loss_sum, count = token_loss_sum(logits, self._labels(mb))
             del logits  # not alive while the next micro-batch's are computed
             totals += torch.stack([loss_sum.double(), count.double()])
             if beat:
@@ -160,7 +176,8 @@ class DeepSpeedEngine:
     def load(self, path: Path) -> None:
         path, resharded = Path(path), None
         universal = (path / "latest_universal").is_file()  # toolkit convert --to zero: loads at any layout
-        if self.lora and not universal and saved_layout(path) not in (None, self.layout_record()):
+        saved = saved_layout(path)
+        if self.lora and not universal and saved is not None and not _same_files(saved, self.layout_record()):
             path = resharded = self._lora_universal(path)
         load_path, _ = self._load_checkpoint(path)
         if load_path is None:
@@ -243,15 +260,25 @@ class DeepSpeedEngine:
     def set_rng_state(self, state: dict) -> None:
         pass
 
-    dp_group = None  # ZeRO's data parallelism spans the whole world
-
     def can_load_layout(self, saved: dict) -> bool:
         """DeepSpeed loads its own layout only; another DP size or stage is converted first (a LoRA
-        checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``)."""
-        return saved == self.layout_record() or (self.lora is not None and saved.get("tp", 1) == 1)
+        checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``).
+        zero.sp does not change what is saved: ZeRO partitions over dp x sp ranks alike, so a
+        checkpoint of as many partitions at the same stage loads as it is (sp=2 dp=1 as sp=1 dp=2)."""
+        return _same_files(saved, self.layout_record()) or (self.lora is not None and saved.get("tp", 1) == 1)
 
     def layout_record(self) -> dict:
         return self.lay.record()
+
+
+def _same_files(saved: dict, ours: dict) -> bool:
+    """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
+    writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
+    into dp x sp."""
+    from toolkit.plan.layout import zero_partitions
+    rest = ("tp", "pp", "zero_stage")
+    return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
+        all(saved.get(k) == ours.get(k) for k in rest)
 
 
 def _undo_state_init_step(optimizer) -> None:
@@ -284,7 +311,10 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
             print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(hf_config),
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
-    return DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    engine = DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    if engine.seq and rank == 0:
+        print(engine.seq.describe(), flush=True)
+    return engine
 
 
 def _attention_dropout(hf_config) -> bool:

@@ -34,7 +34,10 @@ width, a heads and t the TP degree::
     a·s / t                attention probabilities, only when they are materialized
                            (megatron.attention=local, HF eager); sdpa/flash/flex kernels keep none
 
-times the activation dtype's bytes. With activation checkpointing only each layer's input (h per
+times the activation dtype's bytes. DeepSpeed's Ulysses (``zero.sp``) keeps every one of these for
+seq_len / sp tokens per rank (q, k, v after its all-to-all hold all s tokens but heads / sp of the
+heads: the same elements), and ZeRO shards over dp x sp ranks (D = dp·sp above); the logits and
+loss below count N / sp tokens. With activation checkpointing only each layer's input (h per
 token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is
 recomputed. DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
 in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
@@ -129,7 +132,7 @@ def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = No
 
 def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
                       lora_trainable: int | None = None) -> Memory:
-    d, stage = lay.dp, lay.zero_stage
+    d, stage = lay.dp * lay.sp, lay.zero_stage  # ZeRO partitions over the whole dp x sp world
     tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = phi * w / (d if stage == 3 else 1)
@@ -148,9 +151,9 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     if lay.offload_params and stage == 3:
         host += weights
         weights = 0.0
-    loss = chunked_loss_bytes(cfg, spec, w)
-    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False) + loss
-            for r in ("none", "full")}
+    loss = chunked_loss_bytes(cfg, spec, w, lay.sp)
+    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp)
+            + loss for r in ("none", "full")}
     share = phi * w / (d if stage == 3 else 1)
     on_host = host + (0.0 if lay.offload_params and stage == 3 else share)  # offloaded weights: in host already
     largest = largest_tensor(spec)
@@ -204,11 +207,12 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True) -> float:
+                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True, seq_split: int = 1) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
     ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
-    ``kv_repeated``: K and V are kept at every query head's width (GQA expanded)."""
-    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    ``kv_repeated``: K and V are kept at every query head's width (GQA expanded); ``seq_split``: each
+    rank holds seq_len / seq_split tokens of every row (DeepSpeed's Ulysses, ``zero.sp``)."""
+    b, s = cfg.train.micro_batch_size, cfg.data.seq_len // seq_split
     h, mlp = spec.hidden, spec.mlp_width
     split = t if sp else 1
     scores = spec.heads * s / t if materialized and recompute != "selective" else 0
@@ -220,10 +224,11 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
     return kept + recomputing
 
 
-def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int) -> float:
-    """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring)."""
+def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int, seq_split: int = 1) -> float:
+    """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring), N the
+    rank's tokens (seq_len / seq_split of each row with ``zero.sp``)."""
     from toolkit.loss import loss_chunk_rows
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // seq_split
     return 2 * w * tokens * spec.vocab + 3 * 4 * min(tokens, loss_chunk_rows(spec.vocab)) * spec.vocab
 
 

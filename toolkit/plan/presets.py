@@ -129,6 +129,8 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
         ("optimizer", "params", "eps"): t.adam_eps,
         ("optimizer", "params", "weight_decay"): t.weight_decay,
     }
+    if cfg.zero.sp > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's batch check: world / sp ranks of data
+        wanted[("sequence_parallel_size",)] = cfg.zero.sp
     for keys, value in wanted.items():
         _fill(ds, keys, value, source)
     _fill_bucket_sizes(zero, hidden)
@@ -154,7 +156,7 @@ def _run_key_for(keys: tuple[str, ...]) -> str:
     names = {"train_batch_size": "train.global_batch_size",
              "gradient_accumulation_steps": "train.global_batch_size / (micro_batch_size x dp)",
              "bf16": "model.dtype", "fp16": "model.dtype", "lr": "train.lr", "betas": "train.adam_beta1/2",
-             "eps": "train.adam_eps", "weight_decay": "train.weight_decay"}
+             "eps": "train.adam_eps", "weight_decay": "train.weight_decay", "sequence_parallel_size": "zero.sp"}
     if keys in _JSON_TO_RUN:
         section, field = _JSON_TO_RUN[keys]
         return f"{section}.{field}"

@@ -1,0 +1,116 @@
+"""DeepSpeed Ulysses sequence parallelism (``zero.sp=2``: world 2, dp 1, each rank half of every row)
+against HF's own model in one process (``tests/helpers/ulysses.py``: each document of a packed row run
+alone through HF's attention, so neither the toolkit's attention nor DeepSpeed is in the reference):
+the engine's logits, its step's loss and grad norm (``train_step``), and every parameter's whole
+gradient at the accumulation boundary, on rows packed by documents with uneven loss tokens (rows and
+halves of rows), documents crossing the split. One 2-rank job runs every case:
+
+- llama (GQA 4/2), documents, ZeRO-1;
+- qwen2 (q/k/v biases, tied), documents, ZeRO-3 with activation checkpointing;
+- gemma2 (attention and final softcaps, a window of 6 on every other layer), documents, ZeRO-2;
+- llama with one KV head (DeepSpeed's all-to-all replicates it over sp), plain rows, ZeRO-0.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.ulysses import GRAD_RTOL, LOGIT_TOL, LOSS_RTOL, grad_ratios, hf_reference, rows
+from tests.helpers.zoo import save_base
+
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+
+CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing)
+    "llama": ("llama-tied-llama3", "documents", 1, False),
+    "qwen2": ("qwen2-untied-linear", "documents", 3, True),
+    "gemma2": ("gemma2-tied-hd", "documents", 2, False),
+    "llama_mqa": ("llama-mqa-linear-hd", "concat", 0, False),
+}
+
+
+def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, **extra):
+    from tests.helpers.ulysses import SEQ
+    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+    from toolkit.config import validate
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
+                    "zero": {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra})
+    plan = build_plan(cfg, [world])
+    return plan, DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
+
+
+def observed_step(engine, micro_batches, tokens):
+    """``train_step`` as the trainer calls it, recording this rank's logits of each forward and every
+    parameter's whole gradient at the accumulation boundary (before the optimizer steps)."""
+    from deepspeed.utils import safe_get_full_grad
+    logits, grads = [], {}
+    forward, step = engine._forward, engine.engine.step
+
+    def recording_forward(mb, router=True):
+        out = forward(mb, router)
+        logits.append(out.logits.detach().clone())
+        return out
+
+    def recording_step():
+        if engine.engine.is_gradient_accumulation_boundary():
+            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+        step()
+    engine._forward, engine.engine.step = recording_forward, recording_step
+    stats = engine.train_step(micro_batches, tokens, 1e-3)
+    engine._forward, engine.engine.step = forward, step
+    return stats, logits, grads
+
+
+def _cases_rank(rank, world, bases, cases):
+    from toolkit.loss import IGNORE_INDEX
+    out = {}
+    for name, (variant, packing, stage, ckpt) in cases.items():
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt)
+        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
+        micro = rows(packing)
+        tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        stats, logits, grads = observed_step(engine, micro, tokens)
+        out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads,
+                     "layout": engine.layout_record(), "local_tokens": [int((engine._labels(mb) != IGNORE_INDEX).sum())
+                                                                         for mb in micro]}
+        engine.engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory):
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path_factory.mktemp("ulysses")
+    bases = {v: save_base(v, root / "bases") for v, *_ in CASES.values()}
+    ranks = run_ranks(_cases_rank, 2, tmp_path_factory.mktemp("ulysses_ranks"), bases, CASES, timeout=600)
+    return ranks, bases
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
+    from transformers import AutoModelForCausalLM
+    ranks, bases = sp_runs
+    variant, packing, *_ = CASES[case]
+    model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
+    ref = hf_reference(model, rows(packing))
+    got = [r[case] for r in ranks]
+    assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": CASES[case][2], "sp": 2}
+    if packing == "documents":  # the halves of the rows hold uneven loss tokens
+        assert got[0]["local_tokens"] != got[1]["local_tokens"], [g["local_tokens"] for g in got]
+    # the whole rows' logits: rank 0's half, then rank 1's
+    gaps = []
+    for i, want in enumerate(ref["logits"]):
+        whole = torch.cat([got[0]["logits"][i], got[1]["logits"][i]], dim=1)
+        real = ~want.isnan()
+        gaps.append((whole[real] - want[real]).abs().max().item())
+    ratios = grad_ratios(got[0]["grads"], ref["grads"])
+    worst = max(ratios, key=ratios.get)
+    print(f"\n{case}: logit gap {max(gaps):.2e}, loss {got[0]['loss']:.6f} vs {ref['loss']:.6f}, grad norm "
+          f"{got[0]['grad_norm']:.6f} vs {ref['grad_norm']:.6f}, worst grad {ratios[worst]:.2e} ({worst})")
+    assert max(gaps) < LOGIT_TOL
+    for r in got:
+        assert r["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
+    assert ratios[worst] < GRAD_RTOL, worst
+    assert all(torch.equal(got[0]["grads"][n], got[1]["grads"][n]) for n in got[0]["grads"])
