@@ -28,13 +28,13 @@ CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing)
 }
 
 
-def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, **extra):
+def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None, **extra):
     from tests.helpers.ulysses import SEQ
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.config import validate
     from toolkit.plan import build_plan
     cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
-                    "zero": {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
+                    "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
                     "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra})
     plan = build_plan(cfg, [world])
     return plan, DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
@@ -114,3 +114,35 @@ def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
     assert ratios[worst] < GRAD_RTOL, worst
     assert all(torch.equal(got[0]["grads"][n], got[1]["grads"][n]) for n in got[0]["grads"])
+
+
+def _rows(run_dir):
+    import json
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_sp2_checkpoint_resumes_at_sp1(tmp_path, data_cache):
+    """``toolkit train`` at zero.sp=2 (2 ranks: its ZeRO checkpoint has 2 partitions) saves step 2 and
+    goes on to step 3; the step-2 checkpoint resumed by one rank at sp=1 (converted to 1 partition,
+    as any DP change) takes the same step 3: checkpoints do not depend on sp. The metrics count each
+    token once (the same tokens per step at either sp)."""
+    import shutil
+
+    from tests.helpers.runs import resumes, train
+    common = ("data.packing=documents", "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=3",
+              "checkpoint.every=2", "train.export_hf=false")
+    sp2 = tmp_path / "sp2"
+    train(sp2, data_cache, *common, "zero.sp=2", nproc=2)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(sp2, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+    train(resumed, data_cache, *common, "zero.sp=1", nproc=1)
+    assert [(ckpt, step, how) for ckpt, step, how in resumes(resumed)] == [("step_00000002", 2, "converted")]
+    meta = (sp2 / "checkpoints" / "step_00000002" / "meta.json").read_text()
+    assert '"sp": 2' in meta
+    went_on = {r["step"]: r for r in _rows(sp2) if "loss" in r}
+    again = [r for r in _rows(resumed) if r.get("step") == 3 and "loss" in r][-1]
+    print(f"\nstep 3: sp=2 {went_on[3]['loss']:.7f}, resumed at sp=1 {again['loss']:.7f}")
+    assert again["loss"] == pytest.approx(went_on[3]["loss"], rel=1e-5)
+    assert again["grad_norm"] == pytest.approx(went_on[3]["grad_norm"], rel=1e-4)
+    assert again["tokens"] == went_on[3]["tokens"] == 4 * 32

@@ -72,6 +72,8 @@ class DeepSpeedEngine:
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
         _undo_state_init_step(self.engine.optimizer)
+        if self.seq and cfg.zero.stage == 3:
+            _average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
         self.dp_rank, self.dp_size = (self.seq.dp_rank, self.seq.dp_size) if self.seq else \
             (dist.get_rank(), dist.get_world_size())
         self.dp_group = self.seq.dp_group if self.seq else None
@@ -279,6 +281,23 @@ def _same_files(saved: dict, ours: dict) -> bool:
     rest = ("tp", "pp", "zero_stage")
     return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
         all(saved.get(k) == ours.get(k) for k in rest)
+
+
+def _average_zero3_grads_over_dp(optimizer, sp: int) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 reduce-scatter (``__avg_scatter_grads``, the path its default
+    ``reduce_scatter: true`` always takes) averages gradients over every rank of dp x sp, forgetting
+    the Ulysses ranks its other paths divide out (``sequence_parallel_size``): measured at sp=2, every
+    gradient came out half of HF's. That path rescales by partition ranks / ``_gradient_averaging_
+    world_size``; answering dp = partition ranks / sp there makes the average over dp, as at stages
+    0-2. The plan keeps ``reduce_scatter`` on for zero.sp at stage 3 (the contiguous path, which
+    already divides by sp, never runs then)."""
+    if not optimizer.reduce_scatter:
+        raise RuntimeError("zero.sp at ZeRO-3 needs zero_optimization.reduce_scatter=true (the plan sets it)")
+    own = optimizer._gradient_averaging_world_size
+
+    def over_dp(params, partition_world_size):
+        return own(params, partition_world_size) / sp
+    optimizer._gradient_averaging_world_size = over_dp
 
 
 def _undo_state_init_step(optimizer) -> None:
