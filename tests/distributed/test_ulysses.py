@@ -6,38 +6,48 @@ gradient at the accumulation boundary, on rows packed by documents with uneven l
 halves of rows), documents crossing the split. One 2-rank job runs every case:
 
 - llama (GQA 4/2), documents, ZeRO-1;
-- qwen2 (q/k/v biases, tied), documents, ZeRO-3 with activation checkpointing;
+- qwen2 (q/k/v biases, untied), documents, ZeRO-3 with activation checkpointing;
 - gemma2 (attention and final softcaps, a window of 6 on every other layer), documents, ZeRO-2;
-- llama with one KV head (DeepSpeed's all-to-all replicates it over sp), plain rows, ZeRO-0.
+- llama with one KV head (DeepSpeed's all-to-all replicates it over sp), plain rows, ZeRO-0;
+- LoRA on llama, plain rows, ZeRO-2, against HF + peft (``tests/helpers/lora.py``'s adapters and reference).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.helpers.lora import ALPHA, RANK
 from tests.helpers.ulysses import GRAD_RTOL, LOGIT_TOL, LOSS_RTOL, grad_ratios, hf_reference, rows
 from tests.helpers.zoo import save_base
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
-CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing)
-    "llama": ("llama-tied-llama3", "documents", 1, False),
-    "qwen2": ("qwen2-untied-linear", "documents", 3, True),
-    "gemma2": ("gemma2-tied-hd", "documents", 2, False),
-    "llama_mqa": ("llama-mqa-linear-hd", "concat", 0, False),
+CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, LoRA)
+    "llama": ("llama-tied-llama3", "documents", 1, False, False),
+    "gemma2": ("gemma2-tied-hd", "documents", 2, False, False),
+    "llama_mqa": ("llama-mqa-linear-hd", "concat", 0, False, False),
+    "qwen2": ("qwen2-untied-linear", "documents", 3, True, False),
+    "llama_lora": ("llama-tied-llama3", "concat", 2, False, True),
 }
 
-
-def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None, **extra):
+def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None,
+              lora: bool = False, **extra):
     from tests.helpers.ulysses import SEQ
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.config import validate
     from toolkit.plan import build_plan
     cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
                     "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
-                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra})
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra,
+                    **({"lora": {"rank": RANK, "alpha": ALPHA}} if lora else {})})
     plan = build_plan(cfg, [world])
-    return plan, DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
+    model = build_model(plan, plan.ds_config(world))
+    if lora:  # the seeded non-zero adapters the peft reference gets
+        from tests.helpers.lora import adapter_values
+        with torch.no_grad():
+            for name, value in adapter_values(model).items():
+                model.get_parameter(name).copy_(value)
+    return plan, DeepSpeedEngine(plan, model)
 
 
 def observed_step(engine, micro_batches, tokens):
@@ -54,7 +64,8 @@ def observed_step(engine, micro_batches, tokens):
 
     def recording_step():
         if engine.engine.is_gradient_accumulation_boundary():
-            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+                          if p.requires_grad})
         step()
     engine._forward, engine.engine.step = recording_forward, recording_step
     stats = engine.train_step(micro_batches, tokens, 1e-3)
@@ -62,15 +73,29 @@ def observed_step(engine, micro_batches, tokens):
     return stats, logits, grads
 
 
+def peft_reference(base: str, micro_batches: list[dict]) -> dict:
+    """HF + peft on whole plain rows (``tests/helpers/lora.reference``): logits, adapter grads, the loss
+    and the adapters' grad norm, as ``hf_reference`` gives them."""
+    from tests.helpers.lora import reference
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
+    logits, grads = reference(base, micro_batches)
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    loss = sum(token_loss_sum(x, mb["labels"])[0].item() for x, mb in zip(logits, micro_batches)) / tokens
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    return {"logits": logits, "grads": grads, "loss": loss, "grad_norm": norm}
+
+
 def _cases_rank(rank, world, bases, cases):
     from toolkit.loss import IGNORE_INDEX
     out = {}
-    for name, (variant, packing, stage, ckpt) in cases.items():
-        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt)
-        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
+    for name, (variant, packing, stage, ckpt, lora) in cases.items():
         micro = rows(packing)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, lora=lora)
+        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
         stats, logits, grads = observed_step(engine, micro, tokens)
+        # fp32 at every stage (DeepSpeed's zero.Init made bf16 weights on CPU when given dtype=fp32)
+        assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
         out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads,
                      "layout": engine.layout_record(), "local_tokens": [int((engine._labels(mb) != IGNORE_INDEX).sum())
                                                                          for mb in micro]}
@@ -92,14 +117,16 @@ def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
     from transformers import AutoModelForCausalLM
     ranks, bases = sp_runs
     variant, packing, *_ = CASES[case]
-    model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
-    ref = hf_reference(model, rows(packing))
     got = [r[case] for r in ranks]
     assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": CASES[case][2], "sp": 2}
     if packing == "documents":  # the halves of the rows hold uneven loss tokens
         assert got[0]["local_tokens"] != got[1]["local_tokens"], [g["local_tokens"] for g in got]
-    # the whole rows' logits: rank 0's half, then rank 1's
-    gaps = []
+    if CASES[case][4]:
+        ref = peft_reference(bases[variant], rows(packing))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
+        ref = hf_reference(model, rows(packing))
+    gaps = []  # the whole rows' logits: rank 0's half, then rank 1's
     for i, want in enumerate(ref["logits"]):
         whole = torch.cat([got[0]["logits"][i], got[1]["logits"][i]], dim=1)
         real = ~want.isnan()

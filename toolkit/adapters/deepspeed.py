@@ -64,10 +64,10 @@ class DeepSpeedEngine:
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
-        self.seq = None
-        if self.lay.sp > 1:
-            from toolkit.adapters.ulysses import SequenceSplit
-            self.seq = SequenceSplit(self.lay.sp, model.config)
+        from toolkit.adapters.ulysses import SequenceSplit, forget_sequence_groups
+        self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
+        if self.seq is None:
+            forget_sequence_groups()
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
@@ -417,7 +417,10 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(_hf_zero3_load(plan, ds_config, dtype), plan)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
+    # dtype=None: zero.Init takes it from the config's bf16/fp16 flags (the plan writes both). DeepSpeed
+    # 0.19.8 ignores an explicit dtype where fp16 is unsupported (`dtype or fp16 if fp16 else bf16 ...`
+    # binds as `(dtype or fp16) if fp16 else bf16`): on CPU a model.dtype=fp32 run held bf16 weights.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
     if plan.config.model.init == "pretrained":

@@ -89,6 +89,14 @@ def sequence_groups(sp: int):
     return mpu
 
 
+def forget_sequence_groups() -> None:
+    """An engine without sequence parallelism after one with it in the same process (tests): DeepSpeed
+    keeps the last ``mpu`` module-global (``deepspeed.utils.groups.mpu``) and would divide by its sp."""
+    from deepspeed.utils import groups
+    if groups.mpu is not None and hasattr(groups.mpu, "initialize_sequence_parallel"):
+        groups.mpu = None
+
+
 class SequenceSplit:
     """This rank's place in the dp x sp world and its slice of each micro-batch; ``hf_config``: the
     model's (head counts and sizes for DeepSpeed's wrapper)."""
