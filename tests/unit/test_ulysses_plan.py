@@ -76,7 +76,7 @@ def test_the_step_time_counts_ulysses_all_to_alls():
 
 
 def test_zero3_keeps_the_reduce_path_the_engine_corrects(tmp_path):
-    """At ZeRO-3 DeepSpeed's reduce-scatter forgets sp (``_average_zero3_grads_over_dp``): the plan
+    """At ZeRO-3 DeepSpeed's reduce-scatter forgets sp (``ulysses.average_zero3_grads_over_dp``): the plan
     keeps ``reduce_scatter`` on, and a JSON turning it off is refused naming zero.sp."""
     import json
     assert plan(world=2, sp=2, zero={"stage": 3}).ds_config(2)["zero_optimization"]["reduce_scatter"] is True
@@ -90,10 +90,10 @@ def test_zero3_keeps_the_reduce_path_the_engine_corrects(tmp_path):
 def test_checkpoints_of_as_many_zero_partitions_load_as_they_are():
     """ZeRO writes one partition per rank of dp x sp: sp=2 x dp=1 is sp=1 x dp=2 file for file; a
     different count or stage needs the converter (which is told dp x sp partitions)."""
-    from toolkit.adapters.deepspeed import _same_files
+    from toolkit.adapters.ulysses import same_zero_files
     from toolkit.plan.layout import zero_partitions
     sp2 = {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2, "sp": 2}
-    assert _same_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2})
-    assert not _same_files(sp2, {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2})
-    assert not _same_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3})
+    assert same_zero_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2})
+    assert not same_zero_files(sp2, {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2})
+    assert not same_zero_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3})
     assert (zero_partitions(sp2), zero_partitions({"dp": 3})) == (2, 3)

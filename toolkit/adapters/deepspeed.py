@@ -14,8 +14,14 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
-from toolkit.adapters.ds_optimizer import OptimizerChoice, with_available_adam
+from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
+from toolkit.adapters.ulysses import (
+    SequenceSplit,
+    average_zero3_grads_over_dp,
+    forget_sequence_groups,
+    same_zero_files,
+)
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import token_loss_sum
@@ -64,7 +70,6 @@ class DeepSpeedEngine:
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
-        from toolkit.adapters.ulysses import SequenceSplit, forget_sequence_groups
         self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
@@ -73,7 +78,7 @@ class DeepSpeedEngine:
             mpu=self.seq.mpu if self.seq else None)
         _undo_state_init_step(self.engine.optimizer)
         if self.seq and cfg.zero.stage == 3:
-            _average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
+            average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
         self.dp_rank, self.dp_size = (self.seq.dp_rank, self.seq.dp_size) if self.seq else \
             (dist.get_rank(), dist.get_world_size())
         self.dp_group = self.seq.dp_group if self.seq else None
@@ -179,7 +184,7 @@ class DeepSpeedEngine:
         path, resharded = Path(path), None
         universal = (path / "latest_universal").is_file()  # toolkit convert --to zero: loads at any layout
         saved = saved_layout(path)
-        if self.lora and not universal and saved is not None and not _same_files(saved, self.layout_record()):
+        if self.lora and not universal and saved is not None and not same_zero_files(saved, self.layout_record()):
             path = resharded = self._lora_universal(path)
         load_path, _ = self._load_checkpoint(path)
         if load_path is None:
@@ -267,37 +272,10 @@ class DeepSpeedEngine:
         checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``).
         zero.sp does not change what is saved: ZeRO partitions over dp x sp ranks alike, so a
         checkpoint of as many partitions at the same stage loads as it is (sp=2 dp=1 as sp=1 dp=2)."""
-        return _same_files(saved, self.layout_record()) or (self.lora is not None and saved.get("tp", 1) == 1)
+        return same_zero_files(saved, self.layout_record()) or (self.lora is not None and saved.get("tp", 1) == 1)
 
     def layout_record(self) -> dict:
         return self.lay.record()
-
-
-def _same_files(saved: dict, ours: dict) -> bool:
-    """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
-    writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
-    into dp x sp."""
-    from toolkit.plan.layout import zero_partitions
-    rest = ("tp", "pp", "zero_stage")
-    return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
-        all(saved.get(k) == ours.get(k) for k in rest)
-
-
-def _average_zero3_grads_over_dp(optimizer, sp: int) -> None:
-    """DeepSpeed 0.19.8's ZeRO-3 reduce-scatter (``__avg_scatter_grads``, the path its default
-    ``reduce_scatter: true`` always takes) averages gradients over every rank of dp x sp, forgetting
-    the Ulysses ranks its other paths divide out (``sequence_parallel_size``): measured at sp=2, every
-    gradient came out half of HF's. That path rescales by partition ranks / ``_gradient_averaging_
-    world_size``; answering dp = partition ranks / sp there makes the average over dp, as at stages
-    0-2. The plan keeps ``reduce_scatter`` on for zero.sp at stage 3 (the contiguous path, which
-    already divides by sp, never runs then)."""
-    if not optimizer.reduce_scatter:
-        raise RuntimeError("zero.sp at ZeRO-3 needs zero_optimization.reduce_scatter=true (the plan sets it)")
-    own = optimizer._gradient_averaging_world_size
-
-    def over_dp(params, partition_world_size):
-        return own(params, partition_world_size) / sp
-    optimizer._gradient_averaging_world_size = over_dp
 
 
 def _undo_state_init_step(optimizer) -> None:
@@ -500,47 +478,3 @@ def _experts_as_leaf_modules(model: torch.nn.Module) -> None:
                     key=lambda c: c.__name__)
     if blocks:
         set_z3_leaf_modules(model, blocks)
-
-
-# --- exact resume with DeepSpeed's CPU Adam kernels ---------------------------------------------
-
-def replay_cpu_adam_step_counter(optimizer) -> int:
-    """Bring the C++ CPU Adam kernel's hidden step state to where an uninterrupted run has it.
-
-    DeepSpeed's CPU Adam (FusedAdam on the CPU accelerator, and DeepSpeedCPUAdam under ZeRO-Offload
-    on any machine) keeps ``beta^t`` inside the C++ optimizer object, not in the checkpoint. An
-    uninterrupted run builds it as a running float product (``beta_t *= beta`` each step); a
-    process that starts at step k+1 computes ``pow(beta, k+1)`` instead, which rounds differently,
-    so every resumed update differed by ~1e-8 relative. Driving the kernel through steps 1..k on
-    empty tensors rebuilds the same product, and the resumed run matches bit for bit.
-    Returns the number of steps replayed (0 when the optimizer is not a CPU Adam kernel).
-    """
-    update = _cpu_adam_update_fn(optimizer)
-    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-    if update is None or not steps:
-        return 0
-    group = optimizer.param_groups[0]
-    beta1, beta2 = group["betas"]
-    empty = torch.empty(0, dtype=torch.float32)
-    for step in range(1, max(steps) + 1):
-        update(step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-               bool(group["bias_correction"]), empty)
-    return max(steps)
-
-
-def _cpu_adam_update_fn(optimizer):
-    """A call that runs one kernel step on given tensors, or None where the kernel keeps no state."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-    if isinstance(optimizer, DeepSpeedCPUAdam):
-        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
-            optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, lr, b1, b2, eps, wd, bias_correction,
-                                              t, t, t, t)
-        return update
-    if isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
-        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
-            optimizer.multi_tensor_adam(2048 * 32, optimizer._dummy_overflow_buf, [[t], [t], [t], [t]],
-                                        lr, b1, b2, eps, step, optimizer.adam_w_mode, int(bias_correction), wd)
-        return update
-    return None  # CUDA FusedAdam and torch's Adam derive beta^t from the step on every call
-

@@ -83,3 +83,46 @@ def _agreed(error: str | None) -> str | None:
 def _has_fused_adamw(device_type: str) -> bool:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     return device_type in _get_fused_kernels_supported_devices()
+
+
+# --- exact resume with DeepSpeed's CPU Adam kernels ---------------------------------------------
+
+def replay_cpu_adam_step_counter(optimizer) -> int:
+    """Bring the C++ CPU Adam kernel's hidden step state to where an uninterrupted run has it.
+
+    DeepSpeed's CPU Adam (FusedAdam on the CPU accelerator, and DeepSpeedCPUAdam under ZeRO-Offload
+    on any machine) keeps ``beta^t`` inside the C++ optimizer object, not in the checkpoint. An
+    uninterrupted run builds it as a running float product (``beta_t *= beta`` each step); a
+    process that starts at step k+1 computes ``pow(beta, k+1)`` instead, which rounds differently,
+    so every resumed update differed by ~1e-8 relative. Driving the kernel through steps 1..k on
+    empty tensors rebuilds the same product, and the resumed run matches bit for bit.
+    Returns the number of steps replayed (0 when the optimizer is not a CPU Adam kernel).
+    """
+    update = _cpu_adam_update_fn(optimizer)
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    if update is None or not steps:
+        return 0
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, max(steps) + 1):
+        update(step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+               bool(group["bias_correction"]), empty)
+    return max(steps)
+
+
+def _cpu_adam_update_fn(optimizer):
+    """A call that runs one kernel step on given tensors, or None where the kernel keeps no state."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
+            optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, lr, b1, b2, eps, wd, bias_correction,
+                                              t, t, t, t)
+        return update
+    if isinstance(optimizer, FusedAdam) and get_accelerator().device_name() == "cpu":
+        def update(step, lr, b1, b2, eps, wd, bias_correction, t):
+            optimizer.multi_tensor_adam(2048 * 32, optimizer._dummy_overflow_buf, [[t], [t], [t], [t]],
+                                        lr, b1, b2, eps, step, optimizer.adam_w_mode, int(bias_correction), wd)
+        return update
+    return None  # CUDA FusedAdam and torch's Adam derive beta^t from the step on every call

@@ -18,7 +18,7 @@ refuses eager, so softcapped models (gemma2) would lose their cap. Here the micr
 ``TokenLayout`` (built from ``document_ids`` before the split) reaches the core attention under
 ``hf_attention.LAYOUT_KWARG``, and the layer's scale, window and softcap as transformers passes them.
 
-The wrapper is registered with transformers' ``AttentionInterface`` under ``ATTENTION`` (a name of its
+The wrapper is registered with transformers' ``AttentionInterface`` under ``ULYSSES_ATTENTION`` (a name of its
 own: the toolkit's ``toolkit_documents`` entry stays the plain function, so an sp=1 model in the same
 process is untouched) and finds its ``UlyssesSPAttentionHF`` in the forward's keywords
 (``WRAPPER_KWARG``), one per micro-batch size, owned by the engine.
@@ -37,9 +37,9 @@ import torch.distributed as dist
 from toolkit.adapters.attention import TokenLayout
 from toolkit.adapters.hf_attention import LAYOUT_KWARG, document_attention
 
-ATTENTION = "toolkit_ulysses"
+ULYSSES_ATTENTION = "toolkit_ulysses"
 """The attention implementation name of a sequence-parallel model (``use_ulysses_attention``)."""
-WRAPPER_KWARG = "toolkit_ulysses"
+WRAPPER_KWARG = "toolkit_ulysses_wrapper"
 """The forward keyword that carries the engine's ``UlyssesSPAttentionHF`` down to the attention."""
 
 
@@ -49,26 +49,26 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     heads, d]``."""
     wrapper = kwargs.pop(WRAPPER_KWARG, None)
     if wrapper is None:
-        raise RuntimeError(f"attn_implementation={ATTENTION!r} needs the engine's sequence split: a model switched "
+        raise RuntimeError(f"attn_implementation={ULYSSES_ATTENTION!r} needs the engine's sequence split: a model switched "
                            "to it runs only inside the DeepSpeed engine of a zero.sp run")
     if attention_mask is not None:
-        raise ValueError(f"attn_implementation={ATTENTION!r} takes documents from {LAYOUT_KWARG}, not an attention_mask")
+        raise ValueError(f"attn_implementation={ULYSSES_ATTENTION!r} takes documents from {LAYOUT_KWARG}, not an attention_mask")
     return wrapper(module, query, key, value, None, **kwargs)
 
 
 @lru_cache(maxsize=1)
 def register() -> str:
     from transformers import AttentionInterface
-    AttentionInterface.register(ATTENTION, ulysses_attention)
-    return ATTENTION
+    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
+    return ULYSSES_ATTENTION
 
 
 def use_ulysses_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model`` to the sequence-parallel attention (before peft wraps it)."""
     register()
-    model.set_attn_implementation(ATTENTION)
-    if model.config._attn_implementation != ATTENTION:
-        raise RuntimeError(f"{type(model).__name__} did not take attn_implementation={ATTENTION!r} (its attention "
+    model.set_attn_implementation(ULYSSES_ATTENTION)
+    if model.config._attn_implementation != ULYSSES_ATTENTION:
+        raise RuntimeError(f"{type(model).__name__} did not take attn_implementation={ULYSSES_ATTENTION!r} (its attention "
                            "does not dispatch through transformers' AttentionInterface): it cannot run with zero.sp > 1")
     return model
 
@@ -156,3 +156,30 @@ def _replica_group(sp: int):
         if dist.get_rank() in ranks:
             mine = group
     return mine
+
+
+def average_zero3_grads_over_dp(optimizer, sp: int) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 reduce-scatter (``__avg_scatter_grads``, the path its default
+    ``reduce_scatter: true`` always takes) averages gradients over every rank of dp x sp, forgetting
+    the Ulysses ranks its other paths divide out (``sequence_parallel_size``): measured at sp=2, every
+    gradient came out half of HF's. That path rescales by partition ranks / ``_gradient_averaging_
+    world_size``; answering dp = partition ranks / sp there makes the average over dp, as at stages
+    0-2. The plan keeps ``reduce_scatter`` on for zero.sp at stage 3 (the contiguous path, which
+    already divides by sp, never runs then)."""
+    if not optimizer.reduce_scatter:
+        raise RuntimeError("zero.sp at ZeRO-3 needs zero_optimization.reduce_scatter=true (the plan sets it)")
+    own = optimizer._gradient_averaging_world_size
+
+    def over_dp(params, partition_world_size):
+        return own(params, partition_world_size) / sp
+    optimizer._gradient_averaging_world_size = over_dp
+
+
+def same_zero_files(saved: dict, ours: dict) -> bool:
+    """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
+    writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
+    into dp x sp."""
+    from toolkit.plan.layout import zero_partitions
+    rest = ("tp", "pp", "zero_stage")
+    return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
+        all(saved.get(k) == ours.get(k) for k in rest)
