@@ -8,7 +8,7 @@ A small-hidden Llama (hidden 128, 2 layers, 4 heads / 2 KV heads, vocabulary 256
 the weights, dominate), fp32, ZeRO-0, one row per step, plain rows (causal: torch's CPU flash kernel, no
 s x s scores). sp=1 runs on one rank, sp=2 on two (dp=1: each rank half of the row). Per rank: the
 kernel's high-water mark of resident memory (VmHWM, reset through /proc/self/clear_refs after a first
-warm-up step) during a second step, above the RSS just before it: what the step itself adds
+warm-up step and glibc's malloc_trim) during a second step, above the RSS just before it: what the step itself adds
 (activations, logits and loss, gradients, the all-to-all buffers). The table shows the fullest rank's
 figure and its ratio to sp=1's at the same sequence length. Results: benchmarks/results/long_context.json.
 """
@@ -49,7 +49,9 @@ def _rank(rank, world, model_dir, seq, sp):
     engine = DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
     g = torch.Generator().manual_seed(0)
     mb = {"input_ids": torch.randint(1, 256, (1, seq), generator=g), "labels": torch.randint(1, 256, (1, seq), generator=g)}
-    engine.train_step([mb], seq, 1e-4)  # warm-up: optimizer state, allocator pools
+    engine.train_step([mb], seq, 1e-4)  # warm-up: optimizer state, one-time buffers
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap the warm-up freed goes back: the step's own peak is seen
     before = _memory_mib()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     tic = time.perf_counter()

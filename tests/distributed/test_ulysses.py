@@ -20,7 +20,7 @@ from tests.helpers.lora import ALPHA, RANK
 from tests.helpers.ulysses import GRAD_RTOL, LOGIT_TOL, LOSS_RTOL, grad_ratios, hf_reference, rows
 from tests.helpers.zoo import save_base
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, LoRA)
     "llama": ("llama-tied-llama3", "documents", 1, False, False),
