@@ -162,6 +162,11 @@ class ZeroConfig(_Section):
     ds_config: str | None = None
     """A DeepSpeed JSON (path, or a name in ds_configs/: zero0..zero3, zero3_offload); "auto"
     values in it are filled from this run config. Default: ds_configs/zero{stage}.json."""
+    sp: int = Field(1, ge=1)
+    """DeepSpeed's Ulysses sequence parallelism (``adapters/ulysses.py``): each row's tokens split over
+    ``sp`` consecutive ranks, attention heads exchanged by all-to-all, so a rank holds the activations of
+    seq_len / sp tokens; world = dp x sp (ZeRO shards over the whole world). Needs the attention heads
+    and seq_len divisible by sp (the plan names the valid sizes)."""
 
 
 class MegatronConfig(_Section):
@@ -359,9 +364,11 @@ class RunConfig(_Section):
         if dpo and self.data.packing_mode == "concat":
             raise ValueError("train.objective=dpo needs whole documents per pair: data.packing=concat cuts them; "
                              "use data.packing=documents (or pad)")
-        if dpo and self.backend == "megatron" and self.megatron.cp > 1:  # a document's sum would span CP ranks
-            raise ValueError(f"train.objective=dpo does not run with megatron.cp={self.megatron.cp} yet (each "
-                             "answer's log-probability sum would be split over the CP ranks); set megatron.cp=1")
+        split = {"megatron.cp": self.megatron.cp} if self.backend == "megatron" else {"zero.sp": self.zero.sp}
+        (key, size), = split.items()
+        if dpo and size > 1:  # a document's log-probability sum would span the ranks of its row
+            raise ValueError(f"train.objective=dpo does not run with {key}={size} yet (each answer's "
+                             f"log-probability sum would be split over the ranks of its row); set {key}=1")
         if self.dpo.label_smoothing and self.dpo.loss != "sigmoid":
             raise ValueError(f"dpo.label_smoothing={self.dpo.label_smoothing} applies to dpo.loss=sigmoid only "
                              f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO adapter: the Engine protocol over ``deepspeed.initialize`` with the DeepSpeed JSON
-the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world."""
+the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world, or dp x sp with
+Ulysses sequence parallelism (``zero.sp``: ``adapters/ulysses.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +16,12 @@ from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.hf import model_dir, param_groups
+from toolkit.adapters.ulysses import (
+    SequenceSplit,
+    average_zero3_grads_over_dp,
+    forget_sequence_groups,
+    same_zero_files,
+)
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats
 from toolkit.objectives import DPO, STATS, hf_document_logps, hf_loss_sum, metrics
@@ -47,7 +54,8 @@ def check_dtype_supported(dtype: str) -> None:
 # --- engine --------------------------------------------------------------------------------------
 
 class DeepSpeedEngine:
-    """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world."""
+    """The Engine protocol over ``deepspeed.initialize``; data parallel over the whole world, or over
+    dp = world / sp replicas whose sp ranks split each row's tokens (``zero.sp``)."""
 
     def __init__(self, plan: Plan, model: torch.nn.Module, resolved: tuple[dict, OptimizerChoice] | None = None):
         """``resolved``: ``with_available_adam`` of the plan's DeepSpeed JSON, when already made."""
@@ -63,17 +71,27 @@ class DeepSpeedEngine:
         self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
         if self.router and cfg.zero.stage == 3:
             _experts_as_leaf_modules(model)
+        self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
+        if self.seq is None:
+            forget_sequence_groups()
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config)
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
+            mpu=self.seq.mpu if self.seq else None)
         _undo_state_init_step(self.engine.optimizer)
-        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        if self.seq and cfg.zero.stage == 3:
+            average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
+        self.dp_rank, self.dp_size = (self.seq.dp_rank, self.seq.dp_size) if self.seq else \
+            (dist.get_rank(), dist.get_world_size())
+        self.dp_group = self.seq.dp_group if self.seq else None
         device.guard_inputs(self.engine.module, "the HF model")
 
     def train_step(self, micro_batches, loss_tokens, lr):
         self._set_lr(lr)
         # DeepSpeed averages gradients over DP ranks; scaling by dp makes the sum over ranks of
         # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract;
-        # DPO: loss_tokens counts the global batch's pairs, toolkit/objectives.py).
+        # DPO: loss_tokens counts the global batch's pairs, toolkit/objectives.py). With zero.sp each
+        # rank's sum is over its slice of the rows, and DeepSpeed sums gradients over the world and
+        # divides by dp = world / sp: the same mean.
         scale = self.dp_size / loss_tokens
         local_sum = 0
         grad_norm, forward_time, skipped_before = None, device.Stopwatch(), self.engine.skipped_steps
@@ -82,7 +100,7 @@ class DeepSpeedEngine:
             forward_time.start()
             out = self._forward(mb)
             forward_time.stop()
-            loss_sum, stats = hf_loss_sum(self.objective, out.logits, mb)
+            loss_sum, stats = hf_loss_sum(self.objective, out.logits, mb | {"labels": self._labels(mb)})
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 real = hf_attention.real_tokens(mb)
@@ -116,11 +134,16 @@ class DeepSpeedEngine:
 
     def _forward(self, mb: dict, router: bool = True):
         """The HF forward of a micro-batch; rows packed by documents bring their positions and
-        layout (``adapters/hf_attention.py``), and a forward that ignored them raises."""
-        inputs = hf_attention.forward_inputs(mb)
+        layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
+        this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
+        inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
         hf_attention.check_applied(inputs)
         return out
+
+    def _labels(self, mb: dict) -> torch.Tensor:
+        """The labels of the tokens this rank's forward scored."""
+        return self.seq.local(mb["labels"]) if self.seq else mb["labels"]
 
     @property
     def _norm_not_recorded(self) -> bool:
@@ -144,7 +167,7 @@ class DeepSpeedEngine:
         totals = device.zeros(2 if self.objective is None else 1 + STATS, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
             logits = self._forward(mb, router=False).logits
-            loss_sum, stats = hf_loss_sum(self.objective, logits, mb)
+            loss_sum, stats = hf_loss_sum(self.objective, logits, mb | {"labels": self._labels(mb)})
             del logits  # not alive while the next micro-batch's are computed
             totals += torch.cat([loss_sum.double().view(1), stats])
             if beat:
@@ -179,7 +202,8 @@ class DeepSpeedEngine:
     def load(self, path: Path) -> None:
         path, resharded = Path(path), None
         universal = (path / "latest_universal").is_file()  # toolkit convert --to zero: loads at any layout
-        if self.lora and not universal and saved_layout(path) not in (None, self.layout_record()):
+        saved = saved_layout(path)
+        if self.lora and not universal and saved is not None and not same_zero_files(saved, self.layout_record()):
             path = resharded = self._lora_universal(path)
         load_path, _ = self._load_checkpoint(path)
         if load_path is None:
@@ -262,12 +286,12 @@ class DeepSpeedEngine:
     def set_rng_state(self, state: dict) -> None:
         pass
 
-    dp_group = None  # ZeRO's data parallelism spans the whole world
-
     def can_load_layout(self, saved: dict) -> bool:
         """DeepSpeed loads its own layout only; another DP size or stage is converted first (a LoRA
-        checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``)."""
-        return saved == self.layout_record() or (self.lora is not None and saved.get("tp", 1) == 1)
+        checkpoint by ``load`` itself, through DeepSpeed's universal layout: ``_lora_universal``).
+        zero.sp does not change what is saved: ZeRO partitions over dp x sp ranks alike, so a
+        checkpoint of as many partitions at the same stage loads as it is (sp=2 dp=1 as sp=1 dp=2)."""
+        return same_zero_files(saved, self.layout_record()) or (self.lora is not None and saved.get("tp", 1) == 1)
 
     def layout_record(self) -> dict:
         return self.lay.record()
@@ -303,7 +327,10 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
             print(hf_attention.describe(device.rank_device().type, dropout=_attention_dropout(hf_config),
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
-    return DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    engine = DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    if engine.seq and rank == 0:
+        print(engine.seq.describe(), flush=True)
+    return engine
 
 
 def _attention_dropout(hf_config) -> bool:
@@ -387,7 +414,10 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(_hf_zero3_load(plan, ds_config, dtype), plan)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
+    # dtype=None: zero.Init takes it from the config's bf16/fp16 flags (the plan writes both). DeepSpeed
+    # 0.19.8 ignores an explicit dtype where fp16 is unsupported (`dtype or fp16 if fp16 else bf16 ...`
+    # binds as `(dtype or fp16) if fp16 else bf16`): on CPU a model.dtype=fp32 run held bf16 weights.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
     if plan.config.model.init == "pretrained":

@@ -126,4 +126,3 @@ def _cpu_adam_update_fn(optimizer):
                                         lr, b1, b2, eps, step, optimizer.adam_w_mode, int(bias_correction), wd)
         return update
     return None  # CUDA FusedAdam and torch's Adam derive beta^t from the step on every call
-

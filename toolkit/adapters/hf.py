@@ -178,7 +178,10 @@ def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     model.config.use_cache = False
     # rows carry document_ids, or the model caps or windows its attention: the toolkit's attention
     # applies them whatever transformers would choose (5.17 gives gemma2 sdpa, which drops the softcap)
-    if plan.config.data.packing_mode != "concat" or caps_or_windows(model.config):
+    if plan.config.backend == "deepspeed" and plan.config.zero.sp > 1:  # the same inside DeepSpeed's Ulysses
+        from toolkit.adapters.ulysses import use_ulysses_attention
+        use_ulysses_attention(model)
+    elif plan.config.data.packing_mode != "concat" or caps_or_windows(model.config):
         from toolkit.adapters.hf_attention import use_document_attention
         use_document_attention(model)
     return model

@@ -91,9 +91,12 @@ def _convert(ckpt: Path, out: Path, backend: str, layout: dict, vocab_divisor: i
     converted checkpoint's embedding has the rows this run's model has."""
     from toolkit.convert import convert
     from toolkit.formats.errors import ConvertError
+    from toolkit.plan.layout import zero_partitions
+    # a ZeRO checkpoint has one partition per rank of dp x sp (zero.sp); megatron's layouts record no sp
+    dp = zero_partitions(layout) if backend == "deepspeed" else layout["dp"]
     try:
         convert(ckpt, out, to=TARGET_FORMAT[backend], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
-                dp=layout["dp"], zero_stage=layout.get("zero_stage") or 2, vocab_divisor=vocab_divisor)
+                dp=dp, zero_stage=layout.get("zero_stage") or 2, vocab_divisor=vocab_divisor)
     except ConvertError as exc:
         return (f"checkpoint {ckpt} was written with another layout and cannot be converted to this run's "
                 f"{layout}: {exc}")

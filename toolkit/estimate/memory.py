@@ -38,7 +38,10 @@ times the activation dtype's bytes. Context parallelism (``megatron.cp``) gives 
 every row's tokens, so every term is per token of s / c (the attention's all-to-all trades heads
 for sequence: ``[s, heads / (t·c)]`` holds as many elements as ``[s / c, heads / t]``), with kv
 times ``kv_copies`` where a TP rank's K/V heads are fewer than c; the loss's N is b·s / c, and the
-distributed optimizer shards over dp·c. With activation checkpointing only each layer's input (h per
+distributed optimizer shards over dp·c. DeepSpeed's Ulysses (``zero.sp``) likewise keeps every one
+of these for seq_len / sp tokens per rank (q, k, v after its all-to-all hold all s tokens but heads /
+sp of the heads: the same elements), and ZeRO shards over dp x sp ranks (D = dp·sp above); the
+logits and loss below count N / sp tokens. With activation checkpointing only each layer's input (h per
 token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is
 recomputed. DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
 in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
@@ -133,7 +136,7 @@ def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = No
 
 def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
                       lora_trainable: int | None = None) -> Memory:
-    d, stage = lay.dp, lay.zero_stage
+    d, stage = lay.dp * lay.sp, lay.zero_stage  # ZeRO partitions over the whole dp x sp world
     tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = phi * w / (d if stage == 3 else 1)
@@ -152,9 +155,9 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     if lay.offload_params and stage == 3:
         host += weights
         weights = 0.0
-    loss = chunked_loss_bytes(cfg, spec, w)
-    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False) + loss
-            for r in ("none", "full")}
+    loss = chunked_loss_bytes(cfg, spec, w, lay.sp)
+    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp)
+            + loss for r in ("none", "full")}
     share = phi * w / (d if stage == 3 else 1)
     on_host = host + (0.0 if lay.offload_params and stage == 3 else share)  # offloaded weights: in host already
     largest = largest_tensor(spec)
@@ -210,12 +213,14 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
-                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True, cp: int = 1) -> float:
+                 w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True, cp: int = 1,
+                 seq_split: int = 1) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
     ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
     ``kv_repeated``: K and V are kept at every query head's width (GQA expanded); ``cp``: context
-    parallelism, each rank holding s / cp of every row."""
-    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    parallelism, each rank holding s / cp of every row; ``seq_split``: each rank holds seq_len /
+    seq_split tokens of every row (DeepSpeed's Ulysses, ``zero.sp``)."""
+    b, s = cfg.train.micro_batch_size, cfg.data.seq_len // seq_split
     h, mlp = spec.hidden, spec.mlp_width
     split = t if sp else 1
     tokens = b * s / cp
@@ -229,10 +234,11 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
     return kept + recomputing
 
 
-def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int) -> float:
-    """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring)."""
+def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int, seq_split: int = 1) -> float:
+    """The HF path's logits and chunked loss: 2·w·N·V + 3·4·min(N, r)·V (module docstring), N the
+    rank's tokens (seq_len / seq_split of each row with ``zero.sp``)."""
     from toolkit.loss import loss_chunk_rows
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // seq_split
     return 2 * w * tokens * spec.vocab + 3 * 4 * min(tokens, loss_chunk_rows(spec.vocab)) * spec.vocab
 
 

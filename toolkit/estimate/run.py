@@ -45,9 +45,9 @@ def _scaling(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> 
     rows = []
     for nodes in (2**k for k in range(0, 11)):
         world = nodes * cluster.gpus_per_node
-        if world % (lay.tp * lay.pp):
+        if world % (lay.tp * lay.pp * lay.sp):
             continue
-        grown = lay.model_copy(update={"world": world, "dp": world // (lay.tp * lay.pp)})
+        grown = lay.model_copy(update={"world": world, "dp": world // (lay.tp * lay.pp * lay.sp)})
         if cfg.train.global_batch_size < cfg.train.micro_batch_size * grown.dp:
             break
         t = step_time(cfg, spec, grown, cluster.model_copy(update={"nodes": nodes}))

@@ -53,8 +53,8 @@ class Cluster(BaseModel):
 
 @dataclass
 class Collective:
-    kind: str  # all-reduce | reduce-scatter | all-gather | p2p
-    group: str  # dp | tp | pp | cp | embedding
+    kind: str  # all-reduce | reduce-scatter | all-gather | all-to-all | p2p
+    group: str  # dp | tp | pp | cp | sp | embedding
     ranks: int
     nbytes: float
     count: int
@@ -87,9 +87,7 @@ def collective_seconds(kind: str, p: int, nbytes: float, alpha: float, beta: flo
         return 0.0
     if kind == "all-reduce":
         return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
-    if kind in ("reduce-scatter", "all-gather"):
-        return (p - 1) * alpha + (p - 1) / p * nbytes / beta
-    if kind == "all-to-all":  # each rank keeps 1 / p of its buffer and sends the rest
+    if kind in ("reduce-scatter", "all-gather", "all-to-all"):  # all-to-all: each rank keeps 1 / p, sends the rest
         return (p - 1) * alpha + (p - 1) / p * nbytes / beta
     return alpha + nbytes / beta  # p2p
 
@@ -104,7 +102,7 @@ def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) ->
     compute = per_token * tokens / lay.world / peak
     bubble = compute * (lay.pp - 1) / m
     g = cluster.gpus_per_node
-    colls = _deepspeed_collectives(spec, lay, w, m, g) if lay.backend == "deepspeed" else \
+    colls = _deepspeed_collectives(cfg, spec, lay, w, m, g) if lay.backend == "deepspeed" else \
         _megatron_collectives(cfg, spec, lay, w, m, g)
     for c in colls:
         c.inter_node = c.inter_node and cluster.nodes > 1
@@ -114,11 +112,17 @@ def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) ->
     return StepTime(compute, bubble, colls)
 
 
-def _deepspeed_collectives(spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
-    n, d = spec.total * w, lay.dp
+def _deepspeed_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
+    n, d = spec.total * w, lay.dp * lay.sp  # ZeRO spans the whole dp x sp world
     plan = {0: [("all-reduce", 1)], 1: [("all-reduce", 1), ("all-gather", 1)],
             2: [("reduce-scatter", 1), ("all-gather", 1)], 3: [("all-gather", 2 * m), ("reduce-scatter", m)]}
-    return [Collective(kind, "dp", d, n, count, d > g) for kind, count in plan[lay.zero_stage] if d > 1]
+    out = [Collective(kind, "dp", d, n, count, d > g) for kind, count in plan[lay.zero_stage] if d > 1]
+    if lay.sp > 1:  # Ulysses: q, k, v to heads and the output back per layer; again in the backward (and recompute)
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // lay.sp
+        nbytes = tokens * (2 * spec.heads * spec.head_dim + 2 * spec.kv_width) * w
+        passes = 3 if lay.recompute == "full" else 2
+        out.append(Collective("all-to-all", "sp", lay.sp, nbytes, passes * m * spec.layers, lay.sp > g))
+    return out
 
 
 def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:

@@ -17,8 +17,9 @@ DEFAULT_VOCAB_DIVISOR = MegatronConfig.model_fields["make_vocab_size_divisible_b
 
 
 class Layout(BaseModel):
-    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` x ``cp`` = ``world``; megatron carves
-    the ``ep`` expert-parallel ranks out of each DP group (with its CP ranks)."""
+    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` x ``cp`` x ``sp`` = ``world`` (``cp``:
+    megatron only, ``sp``: DeepSpeed only); megatron carves the ``ep`` expert-parallel ranks out of each
+    DP group (with its CP ranks)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["deepspeed", "megatron"]
@@ -30,6 +31,8 @@ class Layout(BaseModel):
     ep: int = 1
     cp: int = 1
     """megatron.cp: ranks that split each sequence (the same samples, 1 / cp of every row each)."""
+    sp: int = 1
+    """DeepSpeed's Ulysses sequence-parallel size (``zero.sp``): consecutive ranks share each row."""
     sequence_parallel: bool = False
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
@@ -50,17 +53,26 @@ class Layout(BaseModel):
         if self.backend == "deepspeed":
             off = "+offload_opt" if self.offload_optimizer else ""
             off += "+offload_params" if self.offload_params else ""
-            return f"ZeRO-{self.zero_stage}{off} dp={self.dp} ckpt={self.recompute}"
+            return f"ZeRO-{self.zero_stage}{off} dp={self.dp}" + (f" sp={self.sp}" if self.sp > 1 else "") + \
+                f" ckpt={self.recompute}"
         return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
             (f" cp={self.cp}" if self.cp > 1 else "") + f" recompute={self.recompute}"
 
     def record(self) -> dict:
         """What a checkpoint's meta.json records of the layout that wrote it (and resume compares)."""
-        if self.backend == "deepspeed":
-            return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage}
-        # cp only where > 1: records of cp = 1 runs stay as they were (an equal record resumes "as saved")
+        # cp / sp only where > 1: records of runs without them stay as they were (an equal record resumes
+        # "as saved")
+        if self.backend == "deepspeed":  # ZeRO's files: one per rank of dp x sp (``zero_partitions``)
+            return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage} | \
+                ({"sp": self.sp} if self.sp > 1 else {})
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist",
                 **({"cp": self.cp} if self.cp > 1 else {})}
+
+
+def zero_partitions(record: dict) -> int:
+    """How many ranks' files a DeepSpeed checkpoint of this layout record holds: ZeRO partitions over
+    the whole world, dp x sp (the Ulysses ranks of a row hold a partition each, like DP ranks)."""
+    return record["dp"] * record.get("sp", 1)
 
 
 def divisors(n: int) -> list[int]:
@@ -81,13 +93,47 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
     """Every layout rule for ``cfg`` on ``world`` ranks, with the numbers and the valid choices in
     each message; the validated layout. ``spec``: the ``ModelSpec`` (heads, layers, experts)."""
+    if cfg.zero.sp > 1:
+        _check_ulysses(cfg, spec, world)
     if cfg.backend == "deepspeed":
-        lay = Layout(backend="deepspeed", world=world, dp=world, zero_stage=cfg.zero.stage,
+        lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, zero_stage=cfg.zero.stage,
                      offload_optimizer=cfg.zero.offload_optimizer, offload_params=cfg.zero.offload_params,
                      recompute="full" if cfg.model.activation_checkpointing else "none")
     else:
         lay = _megatron_layout(cfg, spec, world)
     return lay.model_copy(update={"micro_batches": _micro_batches(cfg, lay.dp)})
+
+
+def valid_sp(heads: int, kv_heads: int) -> list[int]:
+    """Ulysses sizes for these head counts: each rank gets heads / sp query heads and kv_heads / sp KV
+    heads, or (sp a multiple of kv_heads) one KV head, which DeepSpeed's all-to-all replicates."""
+    return [s for s in divisors(heads) if kv_heads % s == 0 or s % kv_heads == 0]
+
+
+def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
+    """``zero.sp``: DeepSpeed only, dividing the world, the heads and the sequence; no MoE (its router's
+    load-balancing loss is over a whole row's tokens)."""
+    sp = cfg.zero.sp
+    if cfg.backend != "deepspeed":
+        raise ConfigError(f"zero.sp={sp} is DeepSpeed's Ulysses sequence parallelism and backend={cfg.backend}; "
+                          "unset zero.sp, or set backend=deepspeed")
+    heads = valid_sp(spec.heads, spec.kv_heads)
+    if sp not in heads:
+        raise ConfigError(f"num_attention_heads={spec.heads} and num_key_value_heads={spec.kv_heads} do not split "
+                          f"over zero.sp={sp} (each rank takes heads / sp query heads and kv_heads / sp KV heads, "
+                          f"or one KV head when sp is a multiple of them); choose sp in {heads}")
+    if world % sp:
+        fit = [s for s in heads if world % s == 0]
+        raise ConfigError(f"world size {world} is not divisible by zero.sp={sp} (world = dp x sp); choose sp in "
+                          f"{fit} or nproc a multiple of {sp}")
+    if cfg.data.seq_len % sp:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by zero.sp={sp}, which splits every "
+                          f"row's tokens; choose seq_len a multiple of {sp}, or sp in "
+                          f"{[s for s in heads if cfg.data.seq_len % s == 0 and world % s == 0]}")
+    if spec.experts:
+        raise ConfigError(f"zero.sp={sp} with a mixture-of-experts model ({spec.model_type}, {spec.experts} experts) "
+                          "is not supported: the router's load-balancing loss is taken over a whole row's tokens; "
+                          "unset zero.sp")
 
 
 def _micro_batches(cfg: RunConfig, dp: int) -> int:

@@ -129,6 +129,11 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
         ("optimizer", "params", "eps"): t.adam_eps,
         ("optimizer", "params", "weight_decay"): t.weight_decay,
     }
+    if cfg.zero.sp > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's batch check: world / sp ranks of data
+        wanted[("sequence_parallel_size",)] = cfg.zero.sp
+    if cfg.zero.sp > 1 and cfg.zero.stage == 3:  # the one ZeRO-3 reduce path the engine corrects for sp
+        zero.setdefault("reduce_scatter", AUTO)  # (adapters/ulysses.py: average_zero3_grads_over_dp)
+        wanted[("zero_optimization", "reduce_scatter")] = True
     for keys, value in wanted.items():
         _fill(ds, keys, value, source)
     _fill_bucket_sizes(zero, hidden)
@@ -154,7 +159,8 @@ def _run_key_for(keys: tuple[str, ...]) -> str:
     names = {"train_batch_size": "train.global_batch_size",
              "gradient_accumulation_steps": "train.global_batch_size / (micro_batch_size x dp)",
              "bf16": "model.dtype", "fp16": "model.dtype", "lr": "train.lr", "betas": "train.adam_beta1/2",
-             "eps": "train.adam_eps", "weight_decay": "train.weight_decay"}
+             "eps": "train.adam_eps", "weight_decay": "train.weight_decay", "sequence_parallel_size": "zero.sp",
+             "reduce_scatter": "zero.sp > 1 at ZeRO-3 (its only reduce path the toolkit corrects for sp)"}
     if keys in _JSON_TO_RUN:
         section, field = _JSON_TO_RUN[keys]
         return f"{section}.{field}"

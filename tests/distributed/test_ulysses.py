@@ -1,0 +1,175 @@
+"""DeepSpeed Ulysses sequence parallelism (``zero.sp=2``: world 2, dp 1, each rank half of every row)
+against HF's own model in one process (``tests/helpers/ulysses.py``: each document of a packed row run
+alone through HF's attention, so neither the toolkit's attention nor DeepSpeed is in the reference):
+the engine's logits, its step's loss and grad norm (``train_step``), and every parameter's whole
+gradient at the accumulation boundary, on rows packed by documents with uneven loss tokens (rows and
+halves of rows), documents crossing the split. One 2-rank job runs every case:
+
+- llama (GQA 4/2), documents, ZeRO-1;
+- qwen2 (q/k/v biases, untied), documents, ZeRO-3 with activation checkpointing;
+- gemma2 (attention and final softcaps, a window of 6 on every other layer), documents, ZeRO-2;
+- llama with one KV head (DeepSpeed's all-to-all replicates it over sp), plain rows, ZeRO-0;
+- LoRA on llama, plain rows, ZeRO-2, against HF + peft (``tests/helpers/lora.py``'s adapters and reference).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.lora import ALPHA, RANK
+from tests.helpers.ulysses import GRAD_RTOL, LOGIT_TOL, LOSS_RTOL, grad_ratios, hf_reference, rows
+from tests.helpers.zoo import save_base
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+
+CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, LoRA)
+    "llama": ("llama-tied-llama3", "documents", 1, False, False),
+    "gemma2": ("gemma2-tied-hd", "documents", 2, False, False),
+    "llama_mqa": ("llama-mqa-linear-hd", "concat", 0, False, False),
+    "qwen2": ("qwen2-untied-linear", "documents", 3, True, False),
+    "llama_lora": ("llama-tied-llama3", "concat", 2, False, True),
+}
+
+def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None,
+              lora: bool = False, **extra):
+    from tests.helpers.ulysses import SEQ
+    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+    from toolkit.config import validate
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
+                    "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra,
+                    **({"lora": {"rank": RANK, "alpha": ALPHA}} if lora else {})})
+    plan = build_plan(cfg, [world])
+    model = build_model(plan, plan.ds_config(world))
+    if lora:  # the seeded non-zero adapters the peft reference gets
+        from tests.helpers.lora import adapter_values
+        with torch.no_grad():
+            for name, value in adapter_values(model).items():
+                model.get_parameter(name).copy_(value)
+    return plan, DeepSpeedEngine(plan, model)
+
+
+def observed_step(engine, micro_batches, tokens):
+    """``train_step`` as the trainer calls it, recording this rank's logits of each forward and every
+    parameter's whole gradient at the accumulation boundary (before the optimizer steps)."""
+    from deepspeed.utils import safe_get_full_grad
+    logits, grads = [], {}
+    forward, step = engine._forward, engine.engine.step
+
+    def recording_forward(mb, router=True):
+        out = forward(mb, router)
+        logits.append(out.logits.detach().clone())
+        return out
+
+    def recording_step():
+        if engine.engine.is_gradient_accumulation_boundary():
+            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+                          if p.requires_grad})
+        step()
+    engine._forward, engine.engine.step = recording_forward, recording_step
+    stats = engine.train_step(micro_batches, tokens, 1e-3)
+    engine._forward, engine.engine.step = forward, step
+    return stats, logits, grads
+
+
+def peft_reference(base: str, micro_batches: list[dict]) -> dict:
+    """HF + peft on whole plain rows (``tests/helpers/lora.reference``): logits, adapter grads, the loss
+    and the adapters' grad norm, as ``hf_reference`` gives them."""
+    from tests.helpers.lora import reference
+    from toolkit.loss import IGNORE_INDEX, token_loss_sum
+    logits, grads = reference(base, micro_batches)
+    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    loss = sum(token_loss_sum(x, mb["labels"])[0].item() for x, mb in zip(logits, micro_batches)) / tokens
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    return {"logits": logits, "grads": grads, "loss": loss, "grad_norm": norm}
+
+
+def _cases_rank(rank, world, bases, cases):
+    from toolkit.loss import IGNORE_INDEX
+    out = {}
+    for name, (variant, packing, stage, ckpt, lora) in cases.items():
+        micro = rows(packing)
+        tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, lora=lora)
+        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
+        stats, logits, grads = observed_step(engine, micro, tokens)
+        # fp32 at every stage (DeepSpeed's zero.Init made bf16 weights on CPU when given dtype=fp32)
+        assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
+        out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads,
+                     "layout": engine.layout_record(), "local_tokens": [int((engine._labels(mb) != IGNORE_INDEX).sum())
+                                                                         for mb in micro]}
+        engine.engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory):
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path_factory.mktemp("ulysses")
+    bases = {v: save_base(v, root / "bases") for v, *_ in CASES.values()}
+    ranks = run_ranks(_cases_rank, 2, tmp_path_factory.mktemp("ulysses_ranks"), bases, CASES, timeout=600)
+    return ranks, bases
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
+    from transformers import AutoModelForCausalLM
+    ranks, bases = sp_runs
+    variant, packing, *_ = CASES[case]
+    got = [r[case] for r in ranks]
+    assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": CASES[case][2], "sp": 2}
+    if packing == "documents":  # the halves of the rows hold uneven loss tokens
+        assert got[0]["local_tokens"] != got[1]["local_tokens"], [g["local_tokens"] for g in got]
+    if CASES[case][4]:
+        ref = peft_reference(bases[variant], rows(packing))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
+        ref = hf_reference(model, rows(packing))
+    gaps = []  # the whole rows' logits: rank 0's half, then rank 1's
+    for i, want in enumerate(ref["logits"]):
+        whole = torch.cat([got[0]["logits"][i], got[1]["logits"][i]], dim=1)
+        real = ~want.isnan()
+        gaps.append((whole[real] - want[real]).abs().max().item())
+    ratios = grad_ratios(got[0]["grads"], ref["grads"])
+    worst = max(ratios, key=ratios.get)
+    print(f"\n{case}: logit gap {max(gaps):.2e}, loss {got[0]['loss']:.6f} vs {ref['loss']:.6f}, grad norm "
+          f"{got[0]['grad_norm']:.6f} vs {ref['grad_norm']:.6f}, worst grad {ratios[worst]:.2e} ({worst})")
+    assert max(gaps) < LOGIT_TOL
+    for r in got:
+        assert r["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
+    assert ratios[worst] < GRAD_RTOL, worst
+    assert all(torch.equal(got[0]["grads"][n], got[1]["grads"][n]) for n in got[0]["grads"])
+
+
+def _rows(run_dir):
+    import json
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_sp2_checkpoint_resumes_at_sp1(tmp_path, data_cache):
+    """``toolkit train`` at zero.sp=2 (2 ranks: its ZeRO checkpoint has 2 partitions) saves step 2 and
+    goes on to step 3; the step-2 checkpoint resumed by one rank at sp=1 (converted to 1 partition,
+    as any DP change) takes the same step 3: checkpoints do not depend on sp. The metrics count each
+    token once (the same tokens per step at either sp)."""
+    import shutil
+
+    from tests.helpers.runs import resumes, train
+    common = ("data.packing=documents", "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=3",
+              "checkpoint.every=2", "train.export_hf=false")
+    sp2 = tmp_path / "sp2"
+    train(sp2, data_cache, *common, "zero.sp=2", nproc=2)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(sp2, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+    train(resumed, data_cache, *common, "zero.sp=1", nproc=1)
+    assert [(ckpt, step, how) for ckpt, step, how in resumes(resumed)] == [("step_00000002", 2, "converted")]
+    meta = (sp2 / "checkpoints" / "step_00000002" / "meta.json").read_text()
+    assert '"sp": 2' in meta
+    went_on = {r["step"]: r for r in _rows(sp2) if "loss" in r}
+    again = [r for r in _rows(resumed) if r.get("step") == 3 and "loss" in r][-1]
+    print(f"\nstep 3: sp=2 {went_on[3]['loss']:.7f}, resumed at sp=1 {again['loss']:.7f}")
+    assert again["loss"] == pytest.approx(went_on[3]["loss"], rel=1e-5)
+    assert again["grad_norm"] == pytest.approx(went_on[3]["grad_norm"], rel=1e-4)
+    assert again["tokens"] == went_on[3]["tokens"] == 4 * 32
