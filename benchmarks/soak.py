@@ -402,14 +402,13 @@ AT_SCALE = {  # name: (HF config fields, config overrides, nodes of 8 GPUs)
         ["data.seq_len=4096", "train.global_batch_size=1024", "train.micro_batch_size=1", "model.dtype=bf16",
          "backend=megatron", "megatron.tp=8", "megatron.pp=4"], 128),
 }
-MAX_BACKOFF_S = 30.0  # restart.backoff_s x 2^(k-1) is capped there (toolkit/launch/agent.py); k counts every restart
 SCALE_ASSUMPTIONS = {"storage_gb_per_s_per_node": 2.0, "rank_start_s": 60.0, "crash_detect_s": 1.0,
                      "mtbf_hours": [3, 12, 48]}
 
 
 def at_scale() -> dict:
-    """The goodput the defaults give (``checkpoint.every``, synchronous saves, the backoff at its 30 s
-    cap, ``hang_timeout_s``) for two larger jobs: step time from the estimator (``toolkit estimate``: H100
+    """The goodput the defaults give (``checkpoint.every``, synchronous saves, ``restart.backoff_s``: a
+    job that got past its previous failure restarts after the first backoff, ``hang_timeout_s``) for two larger jobs: step time from the estimator (``toolkit estimate``: H100
     SXM, MFU 0.4), save and load time from the checkpoint's bytes over the nodes' storage bandwidth,
     a rank start of ``SCALE_ASSUMPTIONS['rank_start_s']``; a crash is seen in about a second, a hang
     after ``hang_timeout_s``."""
@@ -428,7 +427,7 @@ def at_scale() -> dict:
         step_s = step_time(cfg, spec, lay, Cluster(nodes=nodes)).total_s
         io_s = checkpoint_seconds(spec.total, nodes, a["storage_gb_per_s_per_node"])
         r = cfg.restart
-        backoff = MAX_BACKOFF_S  # a long job's steady state: the agent never resets its restart count
+        backoff = r.backoff_s  # the agent's backoff starts over once the job got past its last failure
         recovery = {"crash": recovery_seconds(io_s, step_s, start_s=a["rank_start_s"], backoff_s=backoff,
                                               detect_s=a["crash_detect_s"]),
                     "hang": recovery_seconds(io_s, step_s, start_s=a["rank_start_s"], backoff_s=backoff,

@@ -35,7 +35,9 @@ def _fake_run(run_dir, with_restart: bool = True):
     if with_restart:
         events = [{"time": T0 + 19, "kind": "failure", "rank": 1, "exit_code": -9, "step": 37},
                   {"time": T0 + 20, "kind": "restart", "attempt": 1},
-                  {"time": T0 + 33, "kind": "recovered", "time_to_recover_s": 14.2}]
+                  {"time": T0 + 33, "kind": "recovered", "step": 31, "time_to_recover_s": 14.2,
+                   "breakdown_s": {"backoff": 1.0, "torn_down": 1.2, "rendezvous": 1.6, "ranks_started": 1.7,
+                                   "checkpoint_loaded": 12.9, "first_step_done": 14.1}}]
         (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
 
 
@@ -56,6 +58,8 @@ def test_report_writes_plots_and_summary(tmp_path):
     assert "- steps logged: 60 (last 60 of 60)" in md
     assert "- eval loss: best 3.2827 at step 60; last 3.2827 at step 60" in md
     assert "events: failure x1, recovered x1, restart x1" in md and "time to recover: 14.2 s" in md
+    assert ("recovery to step 31: backoff 1.00 s, torn down 1.20 s, rendezvous 1.60 s, ranks started 1.70 s, "
+            "checkpoint loaded 12.90 s, first step done 14.10 s") in md
     assert "resumed at step(s): 30" in md and "![loss](loss.png)" in md
     assert _has_colour(out / "loss.png", PURPLE)  # the resume line
     assert _has_colour(out / "throughput.png", RED) and _has_colour(out / "throughput.png", PURPLE)

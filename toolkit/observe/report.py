@@ -282,6 +282,14 @@ def _packing_lines(run: Run, steps: list[int]) -> list[str]:
     return [line]
 
 
+def _breakdown_line(recovered: dict) -> str:
+    """Where a recovery's time went: each stage's end in seconds since the failure was detected, in
+    the order they happened (``restarted`` from the agent, the rest from the restarted rank 0)."""
+    marks = sorted(recovered["breakdown_s"].items(), key=lambda kv: kv[1])
+    return (f"  - recovery to step {recovered.get('step')}: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f} s"
+            for k, v in marks) + " (since the failure was detected)")
+
+
 def _event_lines(run: Run) -> list[str]:
     if not run.events and not run.resumes:
         return ["- no failures, restarts or preemptions"]
@@ -292,6 +300,7 @@ def _event_lines(run: Run) -> list[str]:
     recovered = [e["time_to_recover_s"] for e in run.events if e["kind"] == "recovered" and "time_to_recover_s" in e]
     if recovered:
         lines.append(f"- time to recover: {', '.join(f'{s:.1f} s' for s in recovered)}")
+    lines += [_breakdown_line(e) for e in run.events if e["kind"] == "recovered" and e.get("breakdown_s")]
     if run.resumes:
         lines.append("- resumed at step(s): " + ", ".join(str(r["step"]) for r in run.resumes))
     return lines
