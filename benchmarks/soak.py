@@ -409,9 +409,10 @@ SCALE_ASSUMPTIONS = {"storage_gb_per_s_per_node": 2.0, "rank_start_s": 60.0, "cr
 def at_scale() -> dict:
     """The goodput the defaults give (``checkpoint.every``, synchronous saves, ``restart.backoff_s``: a
     job that got past its previous failure restarts after the first backoff, ``hang_timeout_s``) for
-    two larger jobs: step time from the estimator (``toolkit estimate``: H100 SXM, MFU 0.4), save and load time from the checkpoint's bytes over the nodes' storage bandwidth,
-    a rank start of ``SCALE_ASSUMPTIONS['rank_start_s']``; a crash is seen in about a second, a hang
-    after ``hang_timeout_s``."""
+    two larger jobs: step time from the estimator (``toolkit estimate``: H100 SXM, MFU 0.4), save and
+    load time from the checkpoint's bytes over the nodes' storage bandwidth, a rank start of
+    ``SCALE_ASSUMPTIONS['rank_start_s']``; a crash is seen in about a second, a hang after
+    ``hang_timeout_s``."""
     from transformers import LlamaConfig
 
     from toolkit.config import load_config
