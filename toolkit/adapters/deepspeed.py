@@ -368,7 +368,7 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(_hf_zero3_load(plan, ds_config, dtype), plan)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
+    with _zero_init(ds_config, dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
     if plan.config.model.init == "pretrained":
@@ -376,6 +376,29 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     else:
         hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
     return hf.finish(model, plan)
+
+
+@contextlib.contextmanager
+def _zero_init(ds_config: dict, dtype: torch.dtype):
+    """DeepSpeed's ``zero.Init`` making parameters of ``dtype``, with RoPE buffers as HF makes them.
+
+    The dtype comes from the config (its bf16/fp16 sections say the run's dtype), not ``dtype=``:
+    DeepSpeed 0.19.8 ``partition_parameters.py`` ``Init._set_dtype`` reads an explicit dtype as
+    ``dtype or torch.float16 if is_fp16_supported() else torch.bfloat16 if is_bf16_supported else
+    torch.float32``, which on an accelerator without fp16 (the CPU one) ignores ``dtype`` and gives
+    bfloat16: an fp32 ZeRO-3 run on CPU got bf16 parameters (fp32 masters) and bf16 RoPE buffers.
+    ``zero.Init`` also casts every float tensor made inside it, ``torch.arange`` included, so RoPE's
+    ``inv_freq`` (fp32 in HF, whatever the weights' dtype) would be rounded to a bf16/fp16 run's
+    dtype; transformers' ``prevent_arange_dtype_change`` (entered first, as its own ZeRO-3 loads
+    do) keeps it fp32."""
+    import deepspeed
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    init = deepspeed.zero.Init(config_dict_or_path=ds_config)
+    if init.dtype != dtype:
+        raise RuntimeError(f"DeepSpeed's zero.Init would build {init.dtype} parameters for a {dtype} run: the "
+                           f"DeepSpeed config's bf16/fp16 sections must say model.dtype")
+    with prevent_arange_dtype_change(), init:
+        yield
 
 
 def _hf_zero3_load(plan: Plan, ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
