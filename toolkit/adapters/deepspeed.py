@@ -15,6 +15,7 @@ from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
+from toolkit.adapters.ds_zero3 import hf_zero3_load, zero_init
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.ulysses import (
     SequenceSplit,
@@ -413,11 +414,8 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
-        return hf.finish(_hf_zero3_load(plan, ds_config, dtype), plan)
-    # dtype=None: zero.Init takes it from the config's bf16/fp16 flags (the plan writes both). DeepSpeed
-    # 0.19.8 ignores an explicit dtype where fp16 is unsupported (`dtype or fp16 if fp16 else bf16 ...`
-    # binds as `(dtype or fp16) if fp16 else bf16`): on CPU a model.dtype=fp32 run held bf16 weights.
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None), no_init_weights():
+        return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan)
+    with zero_init(ds_config, dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
     if plan.config.model.init == "pretrained":
@@ -425,16 +423,6 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     else:
         hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
     return hf.finish(model, plan)
-
-
-def _hf_zero3_load(plan: Plan, ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' own ZeRO-3 load (its checkpoint conversions; rank 0 reads, ranks keep shares)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from toolkit.adapters.hf import model_dir
-    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
-    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)
 
 
 def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:

@@ -1,0 +1,43 @@
+"""Building an HF model under DeepSpeed's ZeRO-3 (``zero.Init``): the right dtype, HF's RoPE buffers."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from toolkit.plan import Plan
+
+
+@contextlib.contextmanager
+def zero_init(ds_config: dict, dtype: torch.dtype):
+    """DeepSpeed's ``zero.Init`` making parameters of ``dtype``, with RoPE buffers as HF makes them.
+
+    The dtype comes from the config (its bf16/fp16 sections say the run's dtype), not ``dtype=``:
+    DeepSpeed 0.19.8 ``partition_parameters.py`` ``Init._set_dtype`` reads an explicit dtype as
+    ``dtype or torch.float16 if is_fp16_supported() else torch.bfloat16 if is_bf16_supported else
+    torch.float32``, which on an accelerator without fp16 (the CPU one) ignores ``dtype`` and gives
+    bfloat16: an fp32 ZeRO-3 run on CPU got bf16 parameters (fp32 masters) and bf16 RoPE buffers.
+    ``zero.Init`` also casts every float tensor made inside it, ``torch.arange`` included, so RoPE's
+    ``inv_freq`` (fp32 in HF, whatever the weights' dtype) would be rounded to a bf16/fp16 run's
+    dtype; transformers' ``prevent_arange_dtype_change`` (entered first, as its own ZeRO-3 loads
+    do) keeps it fp32."""
+    import deepspeed
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    init = deepspeed.zero.Init(config_dict_or_path=ds_config)
+    if init.dtype != dtype:
+        raise RuntimeError(f"DeepSpeed's zero.Init would build {init.dtype} parameters for a {dtype} run: the "
+                           f"DeepSpeed config's bf16/fp16 sections must say model.dtype")
+    with prevent_arange_dtype_change(), init:
+        yield
+
+
+def hf_zero3_load(plan: "Plan", ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' own ZeRO-3 load (its checkpoint conversions; rank 0 reads, ranks keep shares)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from toolkit.adapters.hf import model_dir
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
+    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)
