@@ -70,6 +70,24 @@ def test_to_hf_is_peft_merge_and_unload_of_it(peft_dcp, tmp_path):
         _close(out(input_ids=peft_batch(out.config.vocab_size)).logits, reference["logits"])
 
 
+def test_accelerates_layout_with_the_trainers_adapter_config_converts_the_same(peft_dcp, tmp_path):
+    """HF Trainer's ``checkpoint-N/``: the DCP in ``pytorch_model_fsdp_0/``, adapter_config.json in
+    ``checkpoint-N/`` itself; and a toolkit LoRA checkpoint's torch_dist directory is not taken for one."""
+    from safetensors.torch import load_file
+
+    from toolkit.lora.dcp import find_peft_dcp
+    ckpt, base, _ = peft_dcp
+    trainer = tmp_path / "checkpoint-2"
+    shutil.copytree(ckpt, trainer / "pytorch_model_fsdp_0")
+    (trainer / "pytorch_model_fsdp_0" / "adapter_config.json").rename(trainer / "adapter_config.json")
+    convert(ckpt, tmp_path / "plain", to="peft", hf_config=str(base))
+    convert(trainer, tmp_path / "trainer", to="peft", hf_config=str(base))
+    plain, got = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("plain", "trainer"))
+    assert sorted(plain) == sorted(got) and all(torch.equal(plain[k], got[k]) for k in plain)
+    (trainer / "meta.json").write_text('{"lora": {}}')
+    assert find_peft_dcp(trainer / "pytorch_model_fsdp_0") is None
+
+
 def test_refusals_name_the_problem(peft_dcp, tmp_path):
     ckpt, base, _ = peft_dcp
     with pytest.raises(ConvertError, match="--to peft or --to hf"):
