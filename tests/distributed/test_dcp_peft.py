@@ -44,7 +44,7 @@ def test_to_peft_loads_in_peft_with_the_fsdp2_models_adapters_and_logits(peft_dc
     from transformers import AutoModelForCausalLM
     ckpt, base, reference = peft_dcp
     summary = convert(ckpt, tmp_path / "adapter", to="peft", hf_config=str(base))
-    assert summary["from"] == "dcp (peft LoRA)" and summary["tensors"] == 16
+    assert summary["from"] == "dcp (peft LoRA)" and summary["tensors"] == 17
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       str(tmp_path / "adapter")).eval()
     state = model.state_dict()
