@@ -347,7 +347,8 @@ PEFT_TARGETS = ["q_proj", "v_proj"]
 
 def save_fsdp2_peft_dcp(rank: int, world: int, family: str, out: str, base: str) -> dict | None:
     """Rank body: peft's ``get_peft_model`` (LoRA r 4, alpha 8 on ``PEFT_TARGETS``, ``lm_head`` trained in
-    full as a module to save) of a tiny HF model, then FSDP2 (each decoder layer, then the root), AdamW on the adapters, ``STEPS`` steps,
+    full as a module to save) of a tiny HF model, then FSDP2 (each decoder layer, then the root),
+    AdamW on the trained tensors, ``STEPS`` steps,
     ``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict})``; rank 0 saves
     the base (``save_pretrained``, before wrapping) to ``base`` and peft's adapter_config.json beside
     the DCP (as HF Trainer does), and returns the full model state dict and the FSDP2 peft model's
