@@ -338,3 +338,62 @@ def fsdp2_toolkit_run(rank: int, world: int, config_dir: str, batches: list[dict
         dist.all_reduce(total)
         losses.append(total.item() / tokens)
     return losses
+
+
+# --- an FSDP2 model wrapped by peft (LoRA), saved with DCP ---------------------------------------------
+
+PEFT_TARGETS = ["q_proj", "v_proj"]
+
+
+def save_fsdp2_peft_dcp(rank: int, world: int, family: str, out: str, base: str) -> dict | None:
+    """Rank body: peft's ``get_peft_model`` (LoRA r 4, alpha 8 on ``PEFT_TARGETS``, ``lm_head`` trained in
+    full as a module to save) of a tiny HF model, then FSDP2 (each decoder layer, then the root),
+    AdamW on the trained tensors, ``STEPS`` steps,
+    ``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict})``; rank 0 saves
+    the base (``save_pretrained``, before wrapping) to ``base`` and peft's adapter_config.json beside
+    the DCP (as HF Trainer does), and returns the full model state dict and the FSDP2 peft model's
+    logits on a fixed batch: the reference."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit.families.tiny import tiny_model
+    model = tiny_model(family).train()
+    if rank == 0:
+        model.save_pretrained(base)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS, lora_dropout=0.0,
+                                            modules_to_save=["lm_head"]))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(100 + rank)
+    vocab = model.config.vocab_size
+    for _ in range(STEPS):
+        ids = torch.randint(0, vocab, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=out)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=peft_batch(vocab)).logits
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        config = model.peft_config["default"]
+        config.base_model_name_or_path = base
+        config.save_pretrained(out)
+        return {"model": full, "logits": logits}
+    return None
+
+
+def peft_batch(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def build_fsdp2_peft_dcp(tmp_path: Path, family: str = "llama", world: int = 2) -> tuple[Path, Path, dict]:
+    """(DCP directory with adapter_config.json, the base's HF directory, rank 0's reference)."""
+    ckpt, base = tmp_path / "dcp", tmp_path / "base"
+    reference = run_ranks(save_fsdp2_peft_dcp, world, tmp_path, family, str(ckpt), str(base))[0]
+    return ckpt, base, reference

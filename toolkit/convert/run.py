@@ -32,8 +32,12 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
                                                zero_stage, weights_only, base, vocab_divisor)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.lora.convert import convert_adapter, open_adapter
-        adapter, described = open_adapter(Path(src), base)
-        summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
+        adapter, described = open_adapter(Path(src), base, hf_config)
+        try:
+            summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
+        finally:
+            if adapter.base_source is not None:
+                adapter.base_source.close()
         return {**summary, "from": described["format"], "seconds": round(time.perf_counter() - tic, 3)}
     if base is not None:
         raise ConvertError(f"--base {base}: applies to LoRA sources only (an HF-PEFT directory or a toolkit LoRA "
@@ -68,7 +72,11 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
     from toolkit.formats.detect import resolve_run_dir
     from toolkit.formats.staging import staged
     from toolkit.lora.checkpoint import read_lora_checkpoint, write_lora
+    from toolkit.lora.dcp import find_peft_dcp
     from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    if find_peft_dcp(src) is not None:
+        raise ConvertError(f"{src}: a DCP of a peft LoRA model converts --to peft or --to hf (merged); for a toolkit "
+                           f"LoRA run convert it --to peft first, then that adapter directory --to {to}")
     if is_peft_dir(src):  # a step-0 checkpoint, no optimizer state
         from toolkit.lora.convert import peft_dir_as_checkpoint
         source = peft_dir_as_checkpoint(src, base)
@@ -92,11 +100,14 @@ def _is_lora(src) -> bool:
 
 
 def is_lora_source(src) -> bool:
-    """An HF-PEFT directory, or a toolkit LoRA checkpoint (or the run directory holding one)."""
+    """An HF-PEFT directory, a DCP of a peft model, or a toolkit LoRA checkpoint (or the run directory
+    holding one)."""
     from toolkit.formats.detect import resolve_run_dir
+    from toolkit.lora.dcp import find_peft_dcp
     from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
     src = Path(src)
-    return src.exists() and (is_peft_dir(src) or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
+    return src.exists() and (is_peft_dir(src) or find_peft_dcp(src) is not None
+                             or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 
 
 def _vocab_divisor(source, requested: int | None) -> int:

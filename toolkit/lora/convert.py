@@ -49,6 +49,9 @@ class Adapter:
     model: torch.nn.Module
     hf_config: dict
     base: str | None
+    base_source: object = None
+    """The base's weights as a ``Source`` where the adapter's checkpoint holds them (a peft model's
+    DCP: ``lora/dcp.py``); else ``base`` (an HF directory) is read for a merge."""
 
     def trained(self) -> dict[str, torch.Tensor]:
         """The trained tensors by peft parameter name (``base_model.model.<hf>.lora_A.default.weight``)."""
@@ -251,7 +254,7 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
     if to not in ("hf", "peft"):
         raise ConvertError(f"{src}: a LoRA adapter converts --to peft (the adapter) or --to hf (merged onto its "
                            f"base), not --to {to}")
-    if to == "hf" and adapter.base is None:
+    if to == "hf" and adapter.base is None and adapter.base_source is None:
         raise ConvertError(f"{src}: the LoRA base was a random init (seed); --to hf needs a pretrained base: use the "
                            "run's hf_final/, or --to peft")
     trained = adapter.trained()
@@ -259,7 +262,7 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
         if to == "peft":
             save_peft(adapter.model, trained, stage, adapter.base)
         else:
-            base = HFSource(Path(adapter.base))
+            base = adapter.base_source or HFSource(Path(adapter.base))
             try:
                 write_hf(merged_source(base, adapter.model, trained), stage, max_shard_bytes=max_shard_bytes)
             finally:
@@ -269,11 +272,17 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
             "optimizer_state": False, "reader": "torch", "seconds": 0.0}
 
 
-def open_adapter(src: Path, base: str | None) -> tuple[Adapter, dict]:
-    """(the adapter, a description) of a LoRA source: an HF-PEFT directory or a toolkit LoRA
+def open_adapter(src: Path, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:
+    """(the adapter, a description) of a LoRA source: an HF-PEFT directory, a DCP of a peft model
+    (``lora/dcp.py``; ``hf_config``: its base's config.json, else the one beside it) or a toolkit LoRA
     checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
     from toolkit.formats.detect import resolve_run_dir
+    from toolkit.lora.dcp import find_peft_dcp
     from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    if find_peft_dcp(src) is not None:
+        from toolkit.lora.dcp import adapter_from_dcp, dcp_hf_config
+        adapter = adapter_from_dcp(src, base, dcp_hf_config(src, hf_config))
+        return adapter, {"format": adapter.base_source.format, "step": adapter.base_source.step}
     if is_peft_dir(src):
         return adapter_from_peft_dir(src, base), {"format": "peft"}
     ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
