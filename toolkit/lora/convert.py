@@ -14,58 +14,30 @@ merges those.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from toolkit.formats.errors import ConvertError
+from toolkit.lora.adapter import Adapter, assign_trained, check_mergeable
 from toolkit.lora.checkpoint import meta_peft_model
 from toolkit.lora.files import PEFT_CONFIG, PEFT_WEIGHTS
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, merged_weight, peft_config
 from toolkit.lora.spec import LoraSpec
 
-UNMERGEABLE = {
-    "use_dora": "DoRA rescales each merged column by a trained magnitude",
-    "lora_bias": "it trains a bias for the adapted layers",
-    "target_parameters": "it adapts raw parameters (target_parameters), not linear layers",
-    "trainable_token_indices": "it trains embedding rows (trainable_token_indices)",
-    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
-    "layer_replication": "it replicates layers of the base",
-    "use_qalora": "QA-LoRA pools the inputs of quantized layers",
-    "use_bdlora": "its adapters are block-diagonal",
-}
-"""adapter_config.json fields (when set) that make an adapter something other than W + s x B @ A."""
 ADAPTER_LOGIT_RTOL = 1e-5
 """``--verify``: max |logit difference| between peft's unmerged forward of SRC and DST, relative to
 SRC's largest |logit|. The merge is exact in fp32 (the tensors are compared bit for bit); the
 forwards differ by summation order only: measured <= 6e-7 x the largest logit on the tests' models."""
 
 
-@dataclass
-class Adapter:
-    """A LoRA adapter as the converter holds it: peft's model of the base on the meta device with the
-    trained tensors (fp32) in its adapter parameters (and modules to save), and the base's path."""
-    model: torch.nn.Module
-    hf_config: dict
-    base: str | None
-    base_source: object = None
-    """The base's weights as a ``Source`` where the adapter's checkpoint holds them (a peft model's
-    DCP: ``lora/dcp.py``); else ``base`` (an HF directory) is read for a merge."""
-
-    def trained(self) -> dict[str, torch.Tensor]:
-        """The trained tensors by peft parameter name (``base_model.model.<hf>.lora_A.default.weight``)."""
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-
-
-# --- reading -----------------------------------------------------------------------------------
 
 def adapter_from_checkpoint(ckpt: Path, meta: dict) -> Adapter:
     """A toolkit LoRA checkpoint's adapters, of either backend (``lora/checkpoint.py``'s ``read_lora_checkpoint``)."""
     from toolkit.lora.checkpoint import read_lora_checkpoint
     source = read_lora_checkpoint(ckpt, meta)
     model = meta_peft_model(source.hf_config, peft_config(LoraSpec(**meta["lora"])))
-    _assign(model, source.trained(), f"{ckpt}")
+    assign_trained(model, source.trained(), f"{ckpt}")
     base = meta.get("base_model", {})
     return Adapter(model, source.hf_config, base.get("path") if base.get("init") == "pretrained" else None)
 
@@ -77,7 +49,7 @@ def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None =
     from peft.utils import load_peft_weights
     config = PeftConfig.from_pretrained(str(path))
     config.inference_mode = False  # the adapter's tensors are what a conversion carries: mark them trainable
-    _check_mergeable(config, path)
+    check_mergeable(config, path)
     if hf_config is None:
         base = str(_base_dir(path, base or config.base_model_name_or_path, given=base is not None))
         hf_config = json.loads((Path(base) / "config.json").read_text())
@@ -125,20 +97,6 @@ def peft_dir_as_checkpoint(path: Path, base: str | None):
                       step=0, trainer_state={"step": 0})
 
 
-def _assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """The trained tensors into the meta model's trainable parameters, by name, all of them."""
-    expected = {n for n, p in model.named_parameters() if p.requires_grad}
-    if expected != set(tensors):
-        raise ConvertError(f"{where}: the trained tensors are not this LoRA spec's: missing "
-                           f"{sorted(expected - set(tensors))[:5]}, unexpected {sorted(set(tensors) - expected)[:5]}")
-    params = dict(model.named_parameters())
-    wrong = [f"{n} {tuple(t.shape)} (this base needs {tuple(params[n].shape)})" for n, t in tensors.items()
-             if t.shape != params[n].shape]
-    if wrong:
-        raise ConvertError(f"{where}: the adapter does not fit this base: {'; '.join(wrong[:3])}; is it the right base?")
-    model.load_state_dict(tensors, strict=False, assign=True)
-
-
 def _load_saved(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
     """An HF-PEFT state dict into the meta model: which saved key is which parameter is asked of
     peft's own saving (``get_peft_model_state_dict`` over a marker per parameter); every adapter
@@ -153,18 +111,7 @@ def _load_saved(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Pa
     if missing or unexpected:
         raise ConvertError(f"{path / PEFT_WEIGHTS} does not fit its adapter_config.json on this base: missing "
                            f"{missing[:5]}, unexpected {unexpected[:5]}; is it the right base?")
-    _assign(model, {param_of[k]: v for k, v in saved.items()}, str(path))
-
-
-def _check_mergeable(config, path: Path) -> None:
-    if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
-        raise ConvertError(f"{path}: a {config.peft_type} adapter; toolkit convert reads LoRA adapters only")
-    reasons = [f"{field} ({why})" for field, why in UNMERGEABLE.items() if getattr(config, field, None)]
-    if getattr(config, "bias", "none") != "none":
-        reasons.append(f"bias={config.bias!r} (it trains biases of the base)")
-    if reasons:
-        raise ConvertError(f"{path}: this adapter is not a plain LoRA (W + scaling x B @ A): {'; '.join(reasons)}. "
-                           "Merge it with peft's merge_and_unload()")
+    assign_trained(model, {param_of[k]: v for k, v in saved.items()}, str(path))
 
 
 def _base_dir(adapter: Path, base: str | None, given: bool) -> Path:

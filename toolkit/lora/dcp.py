@@ -111,8 +111,8 @@ def adapter_from_dcp(path: Path, base: str | None, hf_config: dict):
     adapter_config.json beside the DCP, its trained tensors from the DCP (every one, exactly)."""
     from peft import PeftConfig
 
+    from toolkit.lora.adapter import Adapter, assign_trained, check_mergeable
     from toolkit.lora.checkpoint import meta_peft_model
-    from toolkit.lora.convert import Adapter, _assign, _check_mergeable
     source = PeftBaseSource(Path(path), hf_config)
     config_path = _config_path(Path(path))
     if config_path is None:
@@ -124,9 +124,9 @@ def adapter_from_dcp(path: Path, base: str | None, hf_config: dict):
                            "the DCP directory or its parent")
     config = PeftConfig.from_pretrained(str(config_path.parent))
     config.inference_mode = False
-    _check_mergeable(config, config_path.parent)
+    check_mergeable(config, config_path.parent)
     model = meta_peft_model(hf_config, config)
-    _assign(model, {n: source.adapter_tensor(n) for n in source.adapter_keys}, f"{path} with {config_path}")
+    assign_trained(model, {n: source.adapter_tensor(n) for n in source.adapter_keys}, f"{path} with {config_path}")
     adapter = Adapter(model, hf_config, base or config.base_model_name_or_path)
     adapter.base_source = source
     return adapter
