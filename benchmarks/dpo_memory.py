@@ -1,7 +1,7 @@
 """Peak resident memory per rank of DPO against supervised fine-tuning (SFT) on the same layout, model,
 sequence length and batch, measured side by side in one run: DPO holds no second (reference) model.
 
-    python benchmarks/dpo_memory.py                        # ZeRO-1 on 2 ranks, seq 1024, micro-batch 2 x 2 (~6 min, 2 shared cores)
+    python benchmarks/dpo_memory.py          # ZeRO-1 on 2 ranks, seq 1024, micro-batch 2 x 2 (~6 min, 2 shared cores)
     python benchmarks/dpo_memory.py --stage 3 --seq 512
 
 A Llama of 29M parameters (hidden 512, 4 layers, vocabulary 16384; 118 MB of fp32 weights: a
