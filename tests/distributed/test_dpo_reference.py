@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.dpo import write_preference_data
+from tests.helpers.dpo import held_models, write_preference_data
 from tests.helpers.ranks import run_ranks
 from toolkit.loss import IGNORE_INDEX
 
@@ -80,3 +80,36 @@ def test_offline_reference_equals_the_online_model_exactly(lora_rank, demo_base,
         gap = np.abs(r["offline"] - r["online"]).max()
         print(f"\nlora rank {lora_rank}: max |offline - online| {gap:.1e}")
         assert np.array_equal(r["offline"], r["online"])
+
+
+def _held(rank, world, base, data, cache, run_dir, objective):
+    from toolkit.adapters.deepspeed import build_engine
+    from toolkit.config import validate
+    from toolkit.data import load_tokenizer, prepare_data
+    from toolkit.plan import build_plan
+    from toolkit.train.reference import prepare_reference
+    if objective == "dpo":
+        cfg = _config(base, data, cache, 0)
+    else:
+        cfg = validate({"model": {"name_or_path": str(base), "init": "pretrained"}, "zero": {"stage": 1},
+                        "data": {"seq_len": 128},
+                        "train": {"global_batch_size": 4, "micro_batch_size": MICRO}})
+    engine = build_engine(build_plan(cfg, [world]), run_dir, rank)
+    if objective == "dpo":  # the reference pass a DPO run makes before training
+        ref = prepare_reference(cfg, engine, prepare_data(cfg, load_tokenizer(cfg)), log=lambda line: None)
+        assert ref.scores["train"].size
+    return held_models(engine)
+
+
+def test_a_dpo_run_holds_one_model_as_supervised_fine_tuning_does(demo_base, tmp_path):
+    """After its reference pass a DPO engine holds what a supervised one holds: one transformers model,
+    the same parameter bytes, no other live parameters (no reference model kept)."""
+    data = write_preference_data(tmp_path / "pairs.jsonl", n=20)
+    held = {}
+    for objective in ("sft", "dpo"):
+        (tmp_path / objective).mkdir()
+        held[objective] = run_ranks(_held, 1, tmp_path / objective, str(demo_base), str(data),
+                                    str(tmp_path / "cache"), str(tmp_path / objective), objective)[0]
+    print(f"\n{held}")
+    assert held["dpo"] == held["sft"]
+    assert held["dpo"]["models"] == 1

@@ -70,3 +70,20 @@ def write_preference_data(path, n: int = 160, seed: int = 0):
     path.write_text("".join(json.dumps(r) + "\n" for r in preference_texts(n, seed)))
     return path
 
+
+
+def held_models(engine) -> dict:
+    """What the process holds (gc): ``models``, live transformers models not inside another (a reference
+    model beside the policy would be a second); ``live_param_bytes``, all live parameters' bytes (unique
+    storages); ``param_bytes``, the engine module's parameters' bytes."""
+    import gc
+
+    from transformers import PreTrainedModel
+    gc.collect()
+    objects = gc.get_objects()
+    models = [o for o in objects if isinstance(o, PreTrainedModel)]
+    inner = {id(m) for o in models for m in o.modules() if m is not o}
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in objects if isinstance(p, torch.nn.Parameter)}
+    return {"models": sum(id(o) not in inner for o in models), "live_param_bytes": sum(storages.values()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in engine.engine.module.parameters())}
