@@ -297,7 +297,6 @@ class MegatronEngine:
         """``[mbs, width]`` fp64 log-probability sums of each document's answer per micro-batch, from
         the model as it is (built, before any step: the starting model; a LoRA run's adapters start at
         B = 0, adding exactly nothing), on the last stage's TP rank 0 of every DP replica; None elsewhere."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         vocab = self.hf_config.vocab_size
 
         def step(data_iterator, model):
@@ -309,6 +308,13 @@ class MegatronEngine:
                 return output.sum() * 0, device.tensor(1, dtype=torch.int), {"sums": sums}
             return model(**self._model_inputs(mb)), loss_func
 
+        out = self._forward_only(step, micro_batches, beat)
+        return [d["sums"] for d in out] if self.is_last_stage and self.tp_rank == 0 else None
+
+    def _forward_only(self, step, micro_batches, beat=None) -> list[dict]:
+        """megatron's schedule of ``step`` over ``micro_batches``, forward only, in eval mode; the loss
+        functions' outputs (on the last stage). ``beat()`` as each micro-batch is taken."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
         for chunk in self.model:
             chunk.eval()
         iters = [_beating(micro_batches, beat) if beat else iter(micro_batches) for _ in self.model]
@@ -319,14 +325,13 @@ class MegatronEngine:
             forward_only=True)
         for chunk in self.model:
             chunk.train()
-        return [d["sums"] for d in out] if self.is_last_stage and self.tp_rank == 0 else None
+        return out
 
     @torch.no_grad()
     def logits(self, micro_batches) -> list[torch.Tensor] | None:
         """Full-vocabulary logits ``[mbs, seq, vocab]`` (padding dropped) per micro-batch, on the last
         pipeline stage's TP rank 0 (CP rank 0) of every DP replica (each for its own micro-batches); None on
         other ranks. For parity checks."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         vocab = self.hf_config.vocab_size
 
@@ -339,16 +344,7 @@ class MegatronEngine:
         def step(data_iterator, model):
             return model(**self._model_inputs(device.to_device(next(data_iterator)))), loss_func
 
-        for chunk in self.model:
-            chunk.eval()
-        iters = [iter(micro_batches) for _ in self.model]
-        ids = micro_batches[0]["input_ids"]
-        out = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0], model=self.model,
-            num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
-            forward_only=True)
-        for chunk in self.model:
-            chunk.train()
+        out = self._forward_only(step, micro_batches)
         mine = self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
         return [d["logits"] for d in out] if mine else None
 
