@@ -139,3 +139,58 @@ def _chunk_logp_grad(x: torch.Tensor, target: torch.Tensor, grad_picked: torch.T
     logp = F.log_softmax(x.float(), dim=-1)
     grad_logp = torch.zeros_like(logp).scatter_(1, target, grad_picked)
     return torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
+
+
+def tiled_token_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_loss_sum`` of ``head(hidden)`` without the [tokens, vocab] logits ever existing whole.
+
+    hidden: the decoder's last hidden states ``[batch, seq, hidden]``, head: the lm_head (an
+    ``nn.Linear``, called as a module so ZeRO-3 gathers its weight), labels ``[batch, seq]`` shifted.
+    ``rows`` tokens at a time (default ``loss_chunk_rows``: the same fp32 bound as the chunked loss);
+    the backward recomputes each tile's logits (``TiledLogitsLoss``)."""
+    require_on_device(labels, "labels")
+    rows = rows or loss_chunk_rows(head.out_features)
+    loss = TiledLogitsLoss.apply(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head, rows)
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+class TiledLogitsLoss(torch.autograd.Function):
+    """Summed cross entropy of ``head(hidden)`` [N, V] against [N] targets, ``rows`` tokens at a time.
+
+    Only the hidden states are saved. The forward takes each tile's logits (no grad) and its token
+    losses as ``ChunkedCrossEntropy`` does; the backward recomputes a tile's logits with grad, hands
+    them the gradient ``_chunk_grad`` gives (the whole-tensor kernels) and runs autograd through the
+    head for that tile alone: the head's weight gradient accumulates over the tiles and the hidden
+    states' gradient is written tile by tile. Under DeepSpeed ZeRO, ``ds_grad_is_ready`` holds the
+    head's gradient back from reduction until its last tile (as DeepSpeed's own tiled functions do)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, target: torch.Tensor, head: torch.nn.Module, rows: int) -> torch.Tensor:
+        ctx.head, ctx.rows = head, rows
+        with torch.no_grad():
+            token_losses = torch.cat([F.nll_loss(F.log_softmax(head(h).float(), dim=-1), t,
+                                                 ignore_index=IGNORE_INDEX, reduction="none")
+                                      for h, t in zip(hidden.split(rows), target.split(rows))])
+        valid = target != IGNORE_INDEX
+        ctx.save_for_backward(hidden, target, valid.sum().float())
+        picked = (-token_losses).unsqueeze(1)
+        return F.nll_loss(picked, target.masked_fill(valid, 0), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, target, total_weight = ctx.saved_tensors
+        params = [p for p in ctx.head.parameters() if p.requires_grad]
+        grad_hidden = torch.empty_like(hidden)
+        tiles = list(zip(hidden.split(ctx.rows), target.split(ctx.rows), grad_hidden.split(ctx.rows)))
+        for i, (h, t, g) in enumerate(tiles):
+            for p in params:
+                p.ds_grad_is_ready = i == len(tiles) - 1
+            h = h.detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = ctx.head(h)
+                grad_logits = _chunk_grad(logits.detach(), t, grad_loss, total_weight).to(logits.dtype)
+                torch.autograd.backward(logits, grad_logits)
+            g.copy_(h.grad)
+        return grad_hidden, None, None, None
