@@ -151,7 +151,10 @@ def tiled_token_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     the backward recomputes each tile's logits (``TiledLogitsLoss``)."""
     require_on_device(labels, "labels")
     rows = rows or loss_chunk_rows(head.out_features)
-    loss = TiledLogitsLoss.apply(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head, rows)
+    params = [p for p in head.parameters() if p.requires_grad]
+    partitioned = any(hasattr(p, "ds_tensor") for p in params)  # ZeRO-3: whole only inside the head's call
+    loss = TiledLogitsLoss.apply(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head, rows,
+                                 params if partitioned else [], *([] if partitioned else params))
     return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -161,36 +164,48 @@ class TiledLogitsLoss(torch.autograd.Function):
     Only the hidden states are saved. The forward takes each tile's logits (no grad) and its token
     losses as ``ChunkedCrossEntropy`` does; the backward recomputes a tile's logits with grad, hands
     them the gradient ``_chunk_grad`` gives (the whole-tensor kernels) and runs autograd through the
-    head for that tile alone: the head's weight gradient accumulates over the tiles and the hidden
-    states' gradient is written tile by tile. Under DeepSpeed ZeRO, ``ds_grad_is_ready`` holds the
-    head's gradient back from reduction until its last tile (as DeepSpeed's own tiled functions do)."""
+    head for that tile alone, writing the hidden states' gradient tile by tile.
+
+    The head's weight gradient: whole weights (no ZeRO, ZeRO 1-2) are inputs of this function, their
+    gradient summed over the tiles and returned, so autograd accumulates it once, with whatever else
+    the weight feeds (tied embeddings) and DeepSpeed's hooks reduce it once. ZeRO-3's weights are
+    whole only inside the head's call: each tile's backward accumulates into them, with
+    ``ds_grad_is_ready`` holding the reduction back until the last tile (as DeepSpeed's own tiled
+    functions do)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, target: torch.Tensor, head: torch.nn.Module, rows: int) -> torch.Tensor:
-        ctx.head, ctx.rows = head, rows
+    def forward(ctx, hidden: torch.Tensor, target: torch.Tensor, head: torch.nn.Module, rows: int,
+                partitioned: list, *params: torch.Tensor) -> torch.Tensor:
+        ctx.head, ctx.rows, ctx.partitioned = head, rows, partitioned
         with torch.no_grad():
             token_losses = torch.cat([F.nll_loss(F.log_softmax(head(h).float(), dim=-1), t,
                                                  ignore_index=IGNORE_INDEX, reduction="none")
                                       for h, t in zip(hidden.split(rows), target.split(rows))])
         valid = target != IGNORE_INDEX
-        ctx.save_for_backward(hidden, target, valid.sum().float())
+        ctx.save_for_backward(hidden, target, valid.sum().float(), *params)
         picked = (-token_losses).unsqueeze(1)
         return F.nll_loss(picked, target.masked_fill(valid, 0), ignore_index=IGNORE_INDEX, reduction="sum")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
-        hidden, target, total_weight = ctx.saved_tensors
-        params = [p for p in ctx.head.parameters() if p.requires_grad]
+        hidden, target, total_weight, *params = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
+        grad_params = [torch.zeros_like(p) for p in params]
         tiles = list(zip(hidden.split(ctx.rows), target.split(ctx.rows), grad_hidden.split(ctx.rows)))
         for i, (h, t, g) in enumerate(tiles):
-            for p in params:
+            for p in ctx.partitioned:
                 p.ds_grad_is_ready = i == len(tiles) - 1
             h = h.detach().requires_grad_(True)
             with torch.enable_grad():
                 logits = ctx.head(h)
                 grad_logits = _chunk_grad(logits.detach(), t, grad_loss, total_weight).to(logits.dtype)
-                torch.autograd.backward(logits, grad_logits)
-            g.copy_(h.grad)
-        return grad_hidden, None, None, None
+                if params:
+                    grads = torch.autograd.grad(logits, [h, *params], grad_logits)
+                    for acc, grad in zip(grad_params, grads[1:]):
+                        acc += grad
+                    g.copy_(grads[0])
+                else:
+                    torch.autograd.backward(logits, grad_logits)
+                    g.copy_(h.grad)
+        return grad_hidden, None, None, None, None, *grad_params
