@@ -142,19 +142,21 @@ def _chunk_logp_grad(x: torch.Tensor, target: torch.Tensor, grad_picked: torch.T
 
 
 def tiled_token_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows: int | None = None, tied: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_loss_sum`` of ``head(hidden)`` without the [tokens, vocab] logits ever existing whole.
 
     hidden: the decoder's last hidden states ``[batch, seq, hidden]``, head: the lm_head (an
     ``nn.Linear``, called as a module so ZeRO-3 gathers its weight), labels ``[batch, seq]`` shifted.
     ``rows`` tokens at a time (default ``loss_chunk_rows``: the same fp32 bound as the chunked loss);
-    the backward recomputes each tile's logits (``TiledLogitsLoss``)."""
+    the backward recomputes each tile's logits (``TiledLogitsLoss``). ``tied``: head weights that also
+    feed an earlier part of the model (tied input embeddings), whose ZeRO-3 reduction waits for it."""
     require_on_device(labels, "labels")
     rows = rows or loss_chunk_rows(head.out_features)
     params = [p for p in head.parameters() if p.requires_grad]
     partitioned = any(hasattr(p, "ds_tensor") for p in params)  # ZeRO-3: whole only inside the head's call
     loss = TiledLogitsLoss.apply(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head, rows,
-                                 params if partitioned else [], *([] if partitioned else params))
+                                 [(p, any(p is t for t in tied)) for p in params] if partitioned else [],
+                                 *([] if partitioned else params))
     return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -171,7 +173,8 @@ class TiledLogitsLoss(torch.autograd.Function):
     the weight feeds (tied embeddings) and DeepSpeed's hooks reduce it once. ZeRO-3's weights are
     whole only inside the head's call: each tile's backward accumulates into them, with
     ``ds_grad_is_ready`` holding the reduction back until the last tile (as DeepSpeed's own tiled
-    functions do)."""
+    functions do); a weight tied to the input embeddings is held back past the last tile, its
+    reduction then comes with the embedding's gradient."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, target: torch.Tensor, head: torch.nn.Module, rows: int,
@@ -194,8 +197,8 @@ class TiledLogitsLoss(torch.autograd.Function):
         grad_params = [torch.zeros_like(p) for p in params]
         tiles = list(zip(hidden.split(ctx.rows), target.split(ctx.rows), grad_hidden.split(ctx.rows)))
         for i, (h, t, g) in enumerate(tiles):
-            for p in ctx.partitioned:
-                p.ds_grad_is_ready = i == len(tiles) - 1
+            for p, tied in ctx.partitioned:
+                p.ds_grad_is_ready = i == len(tiles) - 1 and not tied
             h = h.detach().requires_grad_(True)
             with torch.enable_grad():
                 logits = ctx.head(h)
@@ -208,4 +211,6 @@ class TiledLogitsLoss(torch.autograd.Function):
                 else:
                     torch.autograd.backward(logits, grad_logits)
                     g.copy_(h.grad)
+        for p, _ in ctx.partitioned:  # a tied weight's reduction comes with its other use's gradient
+            p.ds_grad_is_ready = True
         return grad_hidden, None, None, None, None, *grad_params

@@ -153,7 +153,8 @@ class DeepSpeedEngine:
         and the lm_head a tile at a time (``loss.tiled_token_loss_sum``), never the whole logits."""
         mb = mb | {"labels": self._labels(mb)}
         if self.hidden:
-            total, count = tiled_token_loss_sum(self.hidden.take(), self.hidden.head, mb["labels"])
+            total, count = tiled_token_loss_sum(self.hidden.take(), self.hidden.head, mb["labels"],
+                                                tied=self.hidden.tied)
             return total, count.double().view(1)
         return hf_loss_sum(self.objective, out.logits, mb)
 

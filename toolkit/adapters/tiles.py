@@ -70,6 +70,8 @@ class HiddenStates:
 
     def __init__(self, model: torch.nn.Module):
         self.head = model.get_output_embeddings()
+        embedding = model.get_input_embeddings().weight
+        self.tied = tuple(p for p in self.head.parameters() if p is embedding)
         self.value = None
         model.get_decoder().register_forward_hook(self._keep)
 
