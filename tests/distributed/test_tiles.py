@@ -8,7 +8,8 @@ tiny models tile at all; the rules that pick them in a real run are ``tiles.mlp_
 - llama (tied embeddings: the lm_head's tiled gradient adds to the embedding's), ZeRO-2;
 - qwen2 (attention biases, untied), ZeRO-3 with activation checkpointing: the MLP and lm_head
   weights gathered again inside each tile's recompute;
-- llama tied, ZeRO-3: the partitioned head's tile gradients and the embedding's reduced together.
+- llama tied, ZeRO-3: the partitioned head's tile gradients and the embedding's reduced together;
+- llama with one KV head, ZeRO-1.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ CASES = {  # name: (zoo variant, ZeRO stage, activation checkpointing)
     "llama": ("llama-tied-llama3", 2, False),
     "qwen2": ("qwen2-untied-linear", 3, True),
     "llama_zero3": ("llama-tied-llama3", 3, False),
+    "llama_mqa_zero1": ("llama-mqa-linear-hd", 1, False),
 }
 
 
