@@ -376,6 +376,10 @@ class RunConfig(_Section):
         if dpo and size > 1:  # a document's log-probability sum would span the ranks of its row
             raise ValueError(f"train.objective=dpo does not run with {key}={size} yet (each answer's "
                              f"log-probability sum would be split over the ranks of its row); set {key}=1")
+        tiled = [f"zero.{k}" for k in ("tiled_mlp", "tiled_loss") if getattr(self.zero, k)]
+        if tiled and self.backend == "megatron":
+            raise ValueError(f"{' and '.join(tiled)} tile the HF model on DeepSpeed, but backend=megatron; unset "
+                             f"{', '.join(tiled)} (megatron's own recompute and its vocabulary-parallel loss apply)")
         if dpo and self.zero.tiled_loss:
             raise ValueError("zero.tiled_loss=true takes the token cross-entropy only; train.objective=dpo needs "
                              "per-token log-probabilities from whole logits: set zero.tiled_loss=false")

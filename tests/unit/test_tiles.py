@@ -56,3 +56,5 @@ def test_refusals():
     with pytest.raises(ValueError, match="zero.tiled_loss=true .* train.objective=dpo"):
         validate({"zero": {"tiled_loss": True}, "train": {"objective": "dpo"},
                   "data": {"template": "preference"}})
+    with pytest.raises(ValueError, match="zero.tiled_mlp tile the HF model on DeepSpeed, but backend=megatron"):
+        validate({"zero": {"tiled_mlp": True}, "backend": "megatron"})
