@@ -1,8 +1,14 @@
 """Peak resident memory per rank of one training step at long sequences, DeepSpeed Ulysses (``zero.sp``)
-against one rank holding the whole row, measured side by side in one run.
+against one rank holding the whole row, measured side by side in one run; with ``--tiles``, sequence
+tiles (``zero.tiled_mlp`` + ``zero.tiled_loss``) against none on a wide model.
 
     python benchmarks/long_context.py                         # seq 8k, 16k, 32k; sp 1 and 2 (~10 min on 2 cores)
     python benchmarks/long_context.py --seqs 4096 --sps 1,2
+    python benchmarks/long_context.py --tiles --seqs 4096,8192,16384 --sps 1   # tiles off / on, WIDE model
+
+``--tiles`` runs the ``WIDE`` model (the same but intermediate 2048 and vocabulary 16384: the MLP's
+[tokens, intermediate] and the [tokens, vocab] logits, which tiles bound, dominate) with tiles off and
+on at each sequence length and sp, results to benchmarks/results/long_context_tiles.json.
 
 A small-hidden Llama (hidden 128, 2 layers, 4 heads / 2 KV heads, vocabulary 256: the activations, not
 the weights, dominate), fp32, ZeRO-0, one row per step, plain rows (causal: torch's CPU flash kernel, no
@@ -28,6 +34,7 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 256,
          "max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
          "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+WIDE = {**MODEL, "intermediate_size": 2048, "vocab_size": 16384}
 
 
 def _memory_mib() -> dict:
@@ -36,19 +43,21 @@ def _memory_mib() -> dict:
     return {"rss": kb["VmRSS"] / 1024, "hwm": kb["VmHWM"] / 1024}
 
 
-def _rank(rank, world, model_dir, seq, sp):
+def _rank(rank, world, model_dir, seq, sp, tiles=False, vocab=256):
     import torch
 
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.config import validate
     from toolkit.plan import build_plan
-    cfg = validate({"model": {"name_or_path": model_dir}, "zero": {"stage": 0, "sp": sp},
+    zero = {"stage": 0, "sp": sp, "tiled_mlp": tiles, "tiled_loss": tiles}
+    cfg = validate({"model": {"name_or_path": model_dir}, "zero": zero,
                     "data": {"seq_len": seq, "packing": "concat"},
                     "train": {"global_batch_size": 1, "micro_batch_size": 1, "lr": 1e-4}})
     plan = build_plan(cfg, [world])
     engine = DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
     g = torch.Generator().manual_seed(0)
-    mb = {"input_ids": torch.randint(1, 256, (1, seq), generator=g), "labels": torch.randint(1, 256, (1, seq), generator=g)}
+    mb = {"input_ids": torch.randint(1, vocab, (1, seq), generator=g),
+          "labels": torch.randint(1, vocab, (1, seq), generator=g)}
     engine.train_step([mb], seq, 1e-4)  # warm-up: optimizer state, one-time buffers
     import ctypes
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap the warm-up freed goes back: the step's own peak is seen
@@ -62,23 +71,25 @@ def _rank(rank, world, model_dir, seq, sp):
             "loss": stats.loss}
 
 
-def run(seqs: list[int], sps: list[int]) -> list[dict]:
+def run(seqs: list[int], sps: list[int], tiles: tuple[bool, ...] = (False,), model: dict = MODEL) -> list[dict]:
     from tests.helpers.ranks import run_ranks
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(MODEL))
+        (model_dir / "config.json").write_text(json.dumps(model))
         for seq in seqs:
             for sp in sps:
-                out = Path(tmp) / f"s{seq}_sp{sp}"
-                out.mkdir()
-                ranks = run_ranks(_rank, sp, out, str(model_dir), seq, sp, timeout=1800)
-                rows.append({"seq": seq, "sp": sp, "ranks": ranks,
-                             "peak_mib": max(r["step_peak_mib"] for r in ranks),
-                             "step_s": max(r["step_s"] for r in ranks)})
-                print(f"seq {seq} sp {sp}: peak {rows[-1]['peak_mib']:.0f} MiB per rank, step {rows[-1]['step_s']:.1f} s",
-                      flush=True)
+                for tiled in tiles:
+                    out = Path(tmp) / f"s{seq}_sp{sp}_t{int(tiled)}"
+                    out.mkdir()
+                    ranks = run_ranks(_rank, sp, out, str(model_dir), seq, sp, tiled, model["vocab_size"],
+                                      timeout=1800)
+                    rows.append({"seq": seq, "sp": sp, "tiles": tiled, "ranks": ranks,
+                                 "peak_mib": max(r["step_peak_mib"] for r in ranks),
+                                 "step_s": max(r["step_s"] for r in ranks)})
+                    print(f"seq {seq} sp {sp} tiles {tiled}: peak {rows[-1]['peak_mib']:.0f} MiB per rank, "
+                          f"step {rows[-1]['step_s']:.1f} s, loss {ranks[0]['loss']:.6f}", flush=True)
     return rows
 
 
@@ -91,15 +102,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tiles_table(rows: list[dict]) -> str:
+    off = {(r["seq"], r["sp"]): r["peak_mib"] for r in rows if not r["tiles"]}
+    lines = ["| seq | sp | peak MiB per rank, no tiles | with tiles | ratio | step s no tiles / tiles |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["tiles"]:
+            plain = next(x for x in rows if (x["seq"], x["sp"]) == (r["seq"], r["sp"]) and not x["tiles"])
+            lines.append(f"| {r['seq']} | {r['sp']} | {off[r['seq'], r['sp']]:.0f} | {r['peak_mib']:.0f} | "
+                         f"{r['peak_mib'] / off[r['seq'], r['sp']]:.2f} | {plain['step_s']:.1f} / {r['step_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,16384,32768")
     parser.add_argument("--sps", default="1,2")
+    parser.add_argument("--tiles", action="store_true", help="the WIDE model, zero.tiled_mlp+tiled_loss off and on")
     args = parser.parse_args()
-    rows = run([int(s) for s in args.seqs.split(",")], [int(s) for s in args.sps.split(",")])
-    out = REPO / "benchmarks" / "results" / "long_context.json"
-    out.write_text(json.dumps({"model": MODEL, "rows": rows}, indent=2))
-    print(table(rows))
+    seqs, sps = [int(s) for s in args.seqs.split(",")], [int(s) for s in args.sps.split(",")]
+    model = WIDE if args.tiles else MODEL
+    rows = run(seqs, sps, (False, True) if args.tiles else (False,), model)
+    out = REPO / "benchmarks" / "results" / ("long_context_tiles.json" if args.tiles else "long_context.json")
+    out.write_text(json.dumps({"model": model, "rows": rows}, indent=2))
+    print(tiles_table(rows) if args.tiles else table(rows))
 
 
 if __name__ == "__main__":

@@ -167,6 +167,13 @@ class ZeroConfig(_Section):
     ``sp`` consecutive ranks, attention heads exchanged by all-to-all, so a rank holds the activations of
     seq_len / sp tokens; world = dp x sp (ZeRO shards over the whole world). Needs the attention heads
     and seq_len divisible by sp (the plan names the valid sizes)."""
+    tiled_mlp: bool = False
+    """Each decoder layer's MLP through DeepSpeed's ``TiledMLP`` (``adapters/tiles.py``): the sequence in
+    ceil(seq / hidden) tiles, the MLP's [tokens, intermediate] activations existing one tile at a time
+    and recomputed in the backward. Dense gate/up/down MLPs only (MoE models are refused)."""
+    tiled_loss: bool = False
+    """The lm_head and the loss taken a tile of tokens at a time (``loss.tiled_token_loss_sum``): the
+    [tokens, vocab] logits never exist whole, each tile's recomputed in the backward. SFT only."""
 
 
 class MegatronConfig(_Section):
@@ -369,6 +376,13 @@ class RunConfig(_Section):
         if dpo and size > 1:  # a document's log-probability sum would span the ranks of its row
             raise ValueError(f"train.objective=dpo does not run with {key}={size} yet (each answer's "
                              f"log-probability sum would be split over the ranks of its row); set {key}=1")
+        tiled = [f"zero.{k}" for k in ("tiled_mlp", "tiled_loss") if getattr(self.zero, k)]
+        if tiled and self.backend == "megatron":
+            raise ValueError(f"{' and '.join(tiled)} tile the HF model on DeepSpeed, but backend=megatron; unset "
+                             f"{', '.join(tiled)} (megatron's own recompute and its vocabulary-parallel loss apply)")
+        if dpo and self.zero.tiled_loss:
+            raise ValueError("zero.tiled_loss=true takes the token cross-entropy only; train.objective=dpo needs "
+                             "per-token log-probabilities from whole logits: set zero.tiled_loss=false")
         if self.dpo.label_smoothing and self.dpo.loss != "sigmoid":
             raise ValueError(f"dpo.label_smoothing={self.dpo.label_smoothing} applies to dpo.loss=sigmoid only "
                              f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")

@@ -139,3 +139,78 @@ def _chunk_logp_grad(x: torch.Tensor, target: torch.Tensor, grad_picked: torch.T
     logp = F.log_softmax(x.float(), dim=-1)
     grad_logp = torch.zeros_like(logp).scatter_(1, target, grad_picked)
     return torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
+
+
+def tiled_token_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                         rows: int | None = None, tied: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_loss_sum`` of ``head(hidden)`` without the [tokens, vocab] logits ever existing whole.
+
+    hidden: the decoder's last hidden states ``[batch, seq, hidden]``, head: the lm_head (an
+    ``nn.Linear``, called as a module so ZeRO-3 gathers its weight), labels ``[batch, seq]`` shifted.
+    ``rows`` tokens at a time (default ``loss_chunk_rows``: the same fp32 bound as the chunked loss);
+    the backward recomputes each tile's logits (``TiledLogitsLoss``). ``tied``: head weights that also
+    feed an earlier part of the model (tied input embeddings), whose ZeRO-3 reduction waits for it."""
+    require_on_device(labels, "labels")
+    rows = rows or loss_chunk_rows(head.out_features)
+    params = [p for p in head.parameters() if p.requires_grad]
+    partitioned = any(hasattr(p, "ds_tensor") for p in params)  # ZeRO-3: whole only inside the head's call
+    loss = TiledLogitsLoss.apply(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head, rows,
+                                 [(p, any(p is t for t in tied)) for p in params] if partitioned else [],
+                                 *([] if partitioned else params))
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+class TiledLogitsLoss(torch.autograd.Function):
+    """Summed cross entropy of ``head(hidden)`` [N, V] against [N] targets, ``rows`` tokens at a time.
+
+    Only the hidden states are saved. The forward takes each tile's logits (no grad) and its token
+    losses as ``ChunkedCrossEntropy`` does; the backward recomputes a tile's logits with grad, hands
+    them the gradient ``_chunk_grad`` gives (the whole-tensor kernels) and runs autograd through the
+    head for that tile alone, writing the hidden states' gradient tile by tile.
+
+    The head's weight gradient: whole weights (no ZeRO, ZeRO 1-2) are inputs of this function, their
+    gradient summed over the tiles and returned, so autograd accumulates it once, with whatever else
+    the weight feeds (tied embeddings) and DeepSpeed's hooks reduce it once. ZeRO-3's weights are
+    whole only inside the head's call: each tile's backward accumulates into them, with
+    ``ds_grad_is_ready`` holding the reduction back until the last tile (as DeepSpeed's own tiled
+    functions do); a weight tied to the input embeddings is held back past the last tile, its
+    reduction then comes with the embedding's gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, target: torch.Tensor, head: torch.nn.Module, rows: int,
+                partitioned: list, *params: torch.Tensor) -> torch.Tensor:
+        ctx.head, ctx.rows, ctx.partitioned = head, rows, partitioned
+        with torch.no_grad():
+            token_losses = torch.cat([F.nll_loss(F.log_softmax(head(h).float(), dim=-1), t,
+                                                 ignore_index=IGNORE_INDEX, reduction="none")
+                                      for h, t in zip(hidden.split(rows), target.split(rows))])
+        valid = target != IGNORE_INDEX
+        ctx.save_for_backward(hidden, target, valid.sum().float(), *params)
+        picked = (-token_losses).unsqueeze(1)
+        return F.nll_loss(picked, target.masked_fill(valid, 0), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, target, total_weight, *params = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_params = [torch.zeros_like(p) for p in params]
+        tiles = list(zip(hidden.split(ctx.rows), target.split(ctx.rows), grad_hidden.split(ctx.rows)))
+        for i, (h, t, g) in enumerate(tiles):
+            for p, tied in ctx.partitioned:
+                p.ds_grad_is_ready = i == len(tiles) - 1 and not tied
+            h = h.detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = ctx.head(h)
+                grad_logits = _chunk_grad(logits.detach(), t, grad_loss, total_weight).to(logits.dtype)
+                if params:
+                    grads = torch.autograd.grad(logits, [h, *params], grad_logits)
+                    for acc, grad in zip(grad_params, grads[1:]):
+                        acc += grad
+                    g.copy_(grads[0])
+                else:
+                    torch.autograd.backward(logits, grad_logits)
+                    g.copy_(h.grad)
+        for p, _ in ctx.partitioned:  # a tied weight's reduction comes with its other use's gradient
+            p.ds_grad_is_ready = True
+        return grad_hidden, None, None, None, None, *grad_params

@@ -16,8 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.lora import ALPHA, RANK
-from tests.helpers.ulysses import GRAD_RTOL, LOGIT_TOL, LOSS_RTOL, grad_ratios, hf_reference, rows
+from tests.helpers.ulysses import (
+    GRAD_RTOL,
+    LOGIT_TOL,
+    LOSS_RTOL,
+    grad_ratios,
+    hf_reference,
+    observed_step,
+    rows,
+    sp_engine,
+)
 from tests.helpers.zoo import save_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -29,49 +37,6 @@ CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, 
     "qwen2": ("qwen2-untied-linear", "documents", 3, True, False),
     "llama_lora": ("llama-tied-llama3", "concat", 2, False, True),
 }
-
-def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None,
-              lora: bool = False, **extra):
-    from tests.helpers.ulysses import SEQ
-    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
-    from toolkit.config import validate
-    from toolkit.plan import build_plan
-    cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
-                    "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
-                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra,
-                    **({"lora": {"rank": RANK, "alpha": ALPHA}} if lora else {})})
-    plan = build_plan(cfg, [world])
-    model = build_model(plan, plan.ds_config(world))
-    if lora:  # the seeded non-zero adapters the peft reference gets
-        from tests.helpers.lora import adapter_values
-        with torch.no_grad():
-            for name, value in adapter_values(model).items():
-                model.get_parameter(name).copy_(value)
-    return plan, DeepSpeedEngine(plan, model)
-
-
-def observed_step(engine, micro_batches, tokens):
-    """``train_step`` as the trainer calls it, recording this rank's logits of each forward and every
-    parameter's whole gradient at the accumulation boundary (before the optimizer steps)."""
-    from deepspeed.utils import safe_get_full_grad
-    logits, grads = [], {}
-    forward, step = engine._forward, engine.engine.step
-
-    def recording_forward(mb, router=True):
-        out = forward(mb, router)
-        logits.append(out.logits.detach().clone())
-        return out
-
-    def recording_step():
-        if engine.engine.is_gradient_accumulation_boundary():
-            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
-                          if p.requires_grad})
-        step()
-    engine._forward, engine.engine.step = recording_forward, recording_step
-    stats = engine.train_step(micro_batches, tokens, 1e-3)
-    engine._forward, engine.engine.step = forward, step
-    return stats, logits, grads
-
 
 def peft_reference(base: str, micro_batches: list[dict]) -> dict:
     """HF + peft on whole plain rows (``tests/helpers/lora.reference``): logits, adapter grads, the loss

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.helpers.lora import ALPHA, RANK
 from tests.helpers.packing import packed, random_documents
 from toolkit.loss import IGNORE_INDEX, token_loss_sum
 
@@ -70,3 +71,45 @@ def grad_ratios(got: dict, ref: dict) -> dict[str, float]:
     """Per parameter: max |got - ref| / max |ref|."""
     assert sorted(got) == sorted(ref), (sorted(set(got) ^ set(ref)))
     return {n: ((got[n] - g).abs().max() / g.abs().max()).item() for n, g in ref.items() if g.abs().max() > 0}
+
+
+def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None,
+              lora: bool = False, **extra):
+    from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
+    from toolkit.config import validate
+    from toolkit.plan import build_plan
+    cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
+                    "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra,
+                    **({"lora": {"rank": RANK, "alpha": ALPHA}} if lora else {})})
+    plan = build_plan(cfg, [world])
+    model = build_model(plan, plan.ds_config(world))
+    if lora:  # the seeded non-zero adapters the peft reference gets
+        from tests.helpers.lora import adapter_values
+        with torch.no_grad():
+            for name, value in adapter_values(model).items():
+                model.get_parameter(name).copy_(value)
+    return plan, DeepSpeedEngine(plan, model)
+
+
+def observed_step(engine, micro_batches, tokens):
+    """``train_step`` as the trainer calls it, recording this rank's logits of each forward and every
+    parameter's whole gradient at the accumulation boundary (before the optimizer steps)."""
+    from deepspeed.utils import safe_get_full_grad
+    logits, grads = [], {}
+    forward, step = engine._forward, engine.engine.step
+
+    def recording_forward(mb, router=True):
+        out = forward(mb, router)
+        logits.append(out.logits.detach().clone())
+        return out
+
+    def recording_step():
+        if engine.engine.is_gradient_accumulation_boundary():
+            grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()
+                          if p.requires_grad})
+        step()
+    engine._forward, engine.engine.step = recording_forward, recording_step
+    stats = engine.train_step(micro_batches, tokens, 1e-3)
+    engine._forward, engine.engine.step = forward, step
+    return stats, logits, grads

@@ -17,6 +17,7 @@ from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.ds_zero3 import hf_zero3_load, zero_init
 from toolkit.adapters.hf import model_dir, param_groups
+from toolkit.adapters.tiles import HiddenStates, tile_mlps
 from toolkit.adapters.ulysses import (
     SequenceSplit,
     average_zero3_grads_over_dp,
@@ -25,6 +26,7 @@ from toolkit.adapters.ulysses import (
 )
 from toolkit.config import ConfigError, RunConfig
 from toolkit.engine import DTYPES, StepStats
+from toolkit.loss import tiled_token_loss_sum
 from toolkit.objectives import DPO, STATS, hf_document_logps, hf_loss_sum, metrics
 from toolkit.plan import Plan
 
@@ -75,6 +77,9 @@ class DeepSpeedEngine:
         self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
+        if cfg.zero.tiled_mlp:
+            tile_mlps(model)
+        self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # config refuses it with DPO
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
@@ -101,7 +106,7 @@ class DeepSpeedEngine:
             forward_time.start()
             out = self._forward(mb)
             forward_time.stop()
-            loss_sum, stats = hf_loss_sum(self.objective, out.logits, mb | {"labels": self._labels(mb)})
+            loss_sum, stats = self._loss_sum(out, mb)
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
                 real = hf_attention.real_tokens(mb)
@@ -138,9 +143,21 @@ class DeepSpeedEngine:
         layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
         this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
         inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
+        if self.hidden:  # zero.tiled_loss: the loss runs the lm_head per tile on the hidden states
+            inputs["logits_to_keep"] = 1
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
         hf_attention.check_applied(inputs)
         return out
+
+    def _loss_sum(self, out, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hf_loss_sum`` of this rank's tokens; with zero.tiled_loss, from the decoder's hidden states
+        and the lm_head a tile at a time (``loss.tiled_token_loss_sum``), never the whole logits."""
+        mb = mb | {"labels": self._labels(mb)}
+        if self.hidden:
+            total, count = tiled_token_loss_sum(self.hidden.take(), self.hidden.head, mb["labels"],
+                                                tied=self.hidden.tied)
+            return total, count.double().view(1)
+        return hf_loss_sum(self.objective, out.logits, mb)
 
     def _labels(self, mb: dict) -> torch.Tensor:
         """The labels of the tokens this rank's forward scored."""
@@ -167,9 +184,9 @@ class DeepSpeedEngine:
         self.engine.eval()
         totals = device.zeros(2 if self.objective is None else 1 + STATS, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
-            logits = self._forward(mb, router=False).logits
-            loss_sum, stats = hf_loss_sum(self.objective, logits, mb | {"labels": self._labels(mb)})
-            del logits  # not alive while the next micro-batch's are computed
+            out = self._forward(mb, router=False)
+            loss_sum, stats = self._loss_sum(out, mb)
+            del out  # its logits are not alive while the next micro-batch's are computed
             totals += torch.cat([loss_sum.double().view(1), stats])
             if beat:
                 beat()

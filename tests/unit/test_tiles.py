@@ -1,0 +1,60 @@
+"""Sequence tiles (``zero.tiled_mlp``, ``zero.tiled_loss``; ``toolkit/adapters/tiles.py``,
+``loss.tiled_token_loss_sum``): the loss and every fp32 gradient equal HF's own untiled forward and
+backward (its logits, ``F.cross_entropy`` summed) on tiny llama and qwen2 (attention biases), with
+tiles that do not divide the sequence; and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit.adapters.tiles import HiddenStates, tile_mlps
+from toolkit.config import validate
+from toolkit.families.tiny import tiny_model
+from toolkit.loss import IGNORE_INDEX, tiled_token_loss_sum
+
+
+def _batch(vocab: int, batch: int = 2, seq: int = 40):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels[:, :5] = IGNORE_INDEX
+    return ids, labels
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiled_mlp_and_loss_equal_hf_untiled(family):
+    ref = tiny_model(family, seed=0, num_hidden_layers=2, hidden_size=16, intermediate_size=48)
+    ids, labels = _batch(ref.config.vocab_size)
+    loss = F.cross_entropy(ref(input_ids=ids).logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    loss.backward()
+    want = _grads(ref)
+
+    model = tiny_model(family, seed=0, num_hidden_layers=2, hidden_size=16, intermediate_size=48)
+    assert tile_mlps(model) == 2  # seq 40 over hidden 16: 3 tiles, the last shorter
+    hidden = HiddenStates(model)
+    out = model(input_ids=ids, logits_to_keep=1)
+    assert out.logits.shape[1] == 1
+    got_loss, valid = tiled_token_loss_sum(hidden.take(), model.get_output_embeddings(), labels, rows=24)
+    got_loss.backward()
+    got = _grads(model)
+    assert int(valid) == int((labels != IGNORE_INDEX).sum())
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        rel = ((got[name] - g).norm() / g.norm()).item()
+        assert rel < 1e-5, f"{name}: relative error {rel:.2e}"
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="zero.tiled_mlp=true .* mixture-of-experts"):
+        tile_mlps(tiny_model("mixtral", seed=0))
+    with pytest.raises(ValueError, match="zero.tiled_loss=true .* train.objective=dpo"):
+        validate({"zero": {"tiled_loss": True}, "train": {"objective": "dpo"},
+                  "data": {"template": "preference"}})
+    with pytest.raises(ValueError, match="zero.tiled_mlp tile the HF model on DeepSpeed, but backend=megatron"):
+        validate({"zero": {"tiled_mlp": True}, "backend": "megatron"})

@@ -1,0 +1,85 @@
+"""Sequence tiles on the HF path (``zero.tiled_mlp``, ``zero.tiled_loss``), as ALST does: the parts of a
+step whose activations grow with tokens x a wide dimension (the MLP's intermediate, the vocabulary)
+computed a tile of the sequence at a time, so a rank's peak does not grow with the whole sequence.
+
+The MLP goes through DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``):
+its forward runs each tile without grad and keeps only the MLP's input; its backward recomputes
+each tile with grad. The tile count is ALST's rule, ceil(seq / hidden) agreed on by every rank (the
+largest), so ZeRO-3's parameter gathering in each tile's recompute happens as often on every rank.
+The loss side (``HiddenStates`` + ``loss.tiled_token_loss_sum``) takes the decoder's last hidden
+states instead of the logits and runs the lm_head per tile.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.distributed as dist
+
+from toolkit.adapters import moe
+
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def tile_mlps(model: torch.nn.Module) -> int:
+    """Route every decoder layer's MLP through ``TiledMLP``; the number of MLPs tiled. Before
+    ``deepspeed.initialize`` (the instance's forward is replaced; ZeRO's hooks stay on the modules)."""
+    config = model.config
+    if moe.is_router_model(config):
+        raise ValueError(f"zero.tiled_mlp=true tiles dense gate/up/down MLPs, but {config.model_type} is a "
+                         "mixture-of-experts model (its experts take routed tokens); set zero.tiled_mlp=false")
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    plain = [m for m in mlps if all(hasattr(m, part) for part in _MLP_PARTS)]
+    if not mlps or len(plain) != len(mlps):
+        raise ValueError(f"zero.tiled_mlp=true needs MLPs of gate_proj/up_proj/down_proj/act_fn (LlamaMLP's "
+                         f"form), but {config.model_type} has {len(mlps) - len(plain)} of {len(mlps)} other; "
+                         "set zero.tiled_mlp=false")
+    for mlp in plain:
+        mlp.forward = types.MethodType(_tiled_forward, mlp)
+    return len(plain)
+
+
+def mlp_tiles(seq: int, hidden: int) -> int:
+    """ALST's tile count: ceil(seq / hidden), the largest over the ranks (each must gather ZeRO-3's
+    parameters as many times)."""
+    tiles = max(1, math.ceil(seq / hidden))
+    if dist.is_initialized():
+        t = torch.tensor(tiles, device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        tiles = int(t.item())
+    return tiles
+
+
+def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    tiles = mlp_tiles(x.shape[-2], x.shape[-1])
+    if tiles == 1:
+        return _mlp(self, x)
+    return TiledMLP.apply(_mlp, self, x, tiles, list(self.parameters()))
+
+
+class HiddenStates:
+    """The decoder's last hidden states of the next forward, caught by a hook on the decoder (the HF
+    CausalLM's ``model``), for a loss that runs the lm_head itself. The forward then asks for one
+    position's logits (``logits_to_keep=1``), so the whole [tokens, vocab] never exists."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.head = model.get_output_embeddings()
+        embedding = model.get_input_embeddings().weight
+        self.tied = tuple(p for p in self.head.parameters() if p is embedding)
+        self.value = None
+        model.get_decoder().register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output):
+        self.value = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def take(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("zero.tiled_loss: the decoder's forward hook saw no forward")
+        return value
