@@ -15,7 +15,7 @@ from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
 from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
-from toolkit.adapters.ds_zero3 import hf_zero3_load, zero_init
+from toolkit.adapters.ds_zero3 import fill_partitions, hf_zero3_load, zero_init
 from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.adapters.tiles import HiddenStates, tile_mlps
 from toolkit.adapters.ulysses import (
@@ -436,25 +436,10 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
     model.tie_weights()
     if plan.config.model.init == "pretrained":
-        _fill_partitions(model, hf.hf_checkpoint(plan), plan)
+        fill_partitions(model, hf.hf_checkpoint(plan), plan)
     else:
         hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
     return hf.finish(model, plan)
-
-
-def _fill_partitions(model: torch.nn.Module, source, plan: Plan) -> None:
-    """Each ZeRO-3 partition from the checkpoint: this rank reads only its elements of each tensor
-    (DeepSpeed partitions a parameter's flattened elements, padded, in rank order)."""
-    from toolkit.adapters.hf import checkpoint_pieces, page_returner, read_elements
-    pieces, give_back = checkpoint_pieces(model, plan, source), page_returner(source)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            part = param.ds_tensor
-            start = dist.get_rank(group=param.ds_process_group) * part.ds_numel
-            stop = min(param.ds_numel, start + part.ds_numel)
-            if stop > start:
-                part[:stop - start].copy_(read_elements(source, pieces[name], start, stop))
-            give_back()
 
 
 class _RouterLoss:

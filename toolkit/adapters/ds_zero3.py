@@ -1,10 +1,12 @@
-"""Building an HF model under DeepSpeed's ZeRO-3 (``zero.Init``): the right dtype, HF's RoPE buffers."""
+"""Building an HF model under DeepSpeed's ZeRO-3 (``zero.Init``): the right dtype, HF's RoPE buffers, and
+each rank's partitions filled from the checkpoint."""
 from __future__ import annotations
 
 import contextlib
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from toolkit.plan import Plan
@@ -41,3 +43,18 @@ def hf_zero3_load(plan: "Plan", ds_config: dict, dtype: torch.dtype) -> torch.nn
     from toolkit.adapters.hf import model_dir
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
     return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)
+
+
+def fill_partitions(model: torch.nn.Module, source, plan: "Plan") -> None:
+    """Each ZeRO-3 partition from the checkpoint: this rank reads only its elements of each tensor
+    (DeepSpeed partitions a parameter's flattened elements, padded, in rank order)."""
+    from toolkit.adapters.hf import checkpoint_pieces, page_returner, read_elements
+    pieces, give_back = checkpoint_pieces(model, plan, source), page_returner(source)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            part = param.ds_tensor
+            start = dist.get_rank(group=param.ds_process_group) * part.ds_numel
+            stop = min(param.ds_numel, start + part.ds_numel)
+            if stop > start:
+                part[:stop - start].copy_(read_elements(source, pieces[name], start, stop))
+            give_back()
