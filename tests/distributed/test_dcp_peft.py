@@ -75,7 +75,7 @@ def test_accelerates_layout_with_the_trainers_adapter_config_converts_the_same(p
     ``checkpoint-N/`` itself; and a toolkit LoRA checkpoint's torch_dist directory is not taken for one."""
     from safetensors.torch import load_file
 
-    from toolkit.lora.dcp import find_peft_dcp
+    from toolkit.lora.files import find_peft_dcp
     ckpt, base, _ = peft_dcp
     trainer = tmp_path / "checkpoint-2"
     shutil.copytree(ckpt, trainer / "pytorch_model_fsdp_0")

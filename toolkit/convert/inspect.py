@@ -10,8 +10,13 @@ from toolkit.formats.detect import open_source, resolve_run_dir
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
-    from toolkit.lora.dcp import find_peft_dcp
-    from toolkit.lora.files import inspect_lora_checkpoint, inspect_peft, is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import (
+        find_peft_dcp,
+        inspect_lora_checkpoint,
+        inspect_peft,
+        is_peft_dir,
+        lora_checkpoint_meta,
+    )
     from toolkit.storage import MANIFEST
     if Path(path).exists() and is_peft_dir(Path(path)) and find_peft_dcp(Path(path)) is None:
         return inspect_peft(Path(path))

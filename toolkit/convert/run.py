@@ -72,8 +72,7 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
     from toolkit.formats.detect import resolve_run_dir
     from toolkit.formats.staging import staged
     from toolkit.lora.checkpoint import read_lora_checkpoint, write_lora
-    from toolkit.lora.dcp import find_peft_dcp
-    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
     if find_peft_dcp(src) is not None:
         raise ConvertError(f"{src}: a DCP of a peft LoRA model converts --to peft or --to hf (merged); for a toolkit "
                            f"LoRA run convert it --to peft first, then that adapter directory --to {to}")
@@ -103,8 +102,7 @@ def is_lora_source(src) -> bool:
     """An HF-PEFT directory, a DCP of a peft model, or a toolkit LoRA checkpoint (or the run directory
     holding one)."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.lora.dcp import find_peft_dcp
-    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
     src = Path(src)
     return src.exists() and (is_peft_dir(src) or find_peft_dcp(src) is not None
                              or lora_checkpoint_meta(resolve_run_dir(src)) is not None)

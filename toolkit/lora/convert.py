@@ -224,8 +224,7 @@ def open_adapter(src: Path, base: str | None, hf_config: str | None = None) -> t
     (``lora/dcp.py``; ``hf_config``: its base's config.json, else the one beside it) or a toolkit LoRA
     checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.lora.dcp import find_peft_dcp
-    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
+    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
     if find_peft_dcp(src) is not None:
         from toolkit.lora.dcp import adapter_from_dcp, dcp_hf_config
         adapter = adapter_from_dcp(src, base, dcp_hf_config(src, hf_config))

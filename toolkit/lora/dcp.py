@@ -24,28 +24,7 @@ from toolkit.formats.errors import ConvertError
 from toolkit.lora.files import PEFT_CONFIG
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX
 
-MARKER = b".lora_A."
-"""In a DCP's ``.metadata`` (read as bytes, never unpickled): a peft LoRA model's adapter names."""
 LORA_KEY = re.compile(rf"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.{ADAPTER}\b|\.modules_to_save\.")
-
-
-def find_peft_dcp(path: Path) -> Path | None:
-    """The DCP directory (a plain one, or accelerate's ``pytorch_model_fsdp_0/``) of a peft model
-    (torch-free); a toolkit LoRA checkpoint (megatron's torch_dist keys its adapters by peft name too,
-    ``meta.json`` up to two levels above) is not one."""
-    import mmap
-
-    from toolkit.formats.describe import ACCELERATE_MODEL, find_dcp_dir
-    from toolkit.lora.files import lora_checkpoint_meta
-    path = Path(path)
-    if lora_checkpoint_meta(path) is not None or (path / "metadata.json").is_file():
-        return None
-    for folder in (path, path / ACCELERATE_MODEL):
-        if find_dcp_dir(folder) is not None and (folder / ".metadata").stat().st_size:
-            with open(folder / ".metadata", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(MARKER) >= 0 and m.find(PEFT_PREFIX.encode()) >= 0:
-                    return folder
-    return None
 
 
 def _config_path(folder: Path) -> Path | None:

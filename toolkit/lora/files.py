@@ -62,3 +62,24 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
+
+PEFT_DCP_MARKER = b".lora_A."
+"""In a DCP's ``.metadata`` (read as bytes, never unpickled): a peft LoRA model's adapter names."""
+
+
+def find_peft_dcp(path: Path) -> Path | None:
+    """The DCP directory (a plain one, or accelerate's ``pytorch_model_fsdp_0/``) of a peft model
+    (torch-free); a toolkit LoRA checkpoint (megatron's torch_dist keys its adapters by peft name too,
+    ``meta.json`` up to two levels above) is not one."""
+    import mmap
+
+    from toolkit.formats.describe import ACCELERATE_MODEL, find_dcp_dir
+    path = Path(path)
+    if lora_checkpoint_meta(path) is not None or (path / "metadata.json").is_file():
+        return None
+    for folder in (path, path / ACCELERATE_MODEL):
+        if find_dcp_dir(folder) is not None and (folder / ".metadata").stat().st_size:
+            with open(folder / ".metadata", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(PEFT_DCP_MARKER) >= 0 and m.find(b"base_model.model.") >= 0:  # lora.peft.PEFT_PREFIX
+                    return folder
+    return None
