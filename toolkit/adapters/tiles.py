@@ -15,7 +15,6 @@ import math
 import types
 
 import torch
-import torch.distributed as dist
 
 from toolkit.adapters import moe
 
@@ -41,14 +40,11 @@ def tile_mlps(model: torch.nn.Module) -> int:
 
 
 def mlp_tiles(seq: int, hidden: int) -> int:
-    """ALST's tile count: ceil(seq / hidden), the largest over the ranks (each must gather ZeRO-3's
-    parameters as many times)."""
-    tiles = max(1, math.ceil(seq / hidden))
-    if dist.is_initialized():
-        t = torch.tensor(tiles, device="cuda" if torch.cuda.is_available() else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        tiles = int(t.item())
-    return tiles
+    """ALST's tile count: ceil(seq / hidden). No collective is needed to agree on it (ZeRO-3 gathers
+    the MLP's parameters once per tile on every rank): every rank's rows are ``data.seq_len`` long
+    (``seq_len / sp`` each under zero.sp), so every rank computes the same count, with no host sync
+    per layer on a GPU."""
+    return max(1, math.ceil(seq / hidden))
 
 
 def _mlp(self, x: torch.Tensor) -> torch.Tensor:
