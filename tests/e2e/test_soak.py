@@ -33,6 +33,8 @@ def test_soak_survives_a_few_faults_and_reports_them(tmp_path, data_cache, backe
     assert result["faults_fired"] == result["faults_scheduled"] == 2, result["faults"]
     assert {r["cause"] for r in result["restart_log"]} <= causes and len(result["restart_log"]) >= 1
     recomputed = result["steps_recomputed"]
-    assert recomputed["each_resumed_newest_possible"] and recomputed["per_restart_max"] <= 3 + 1  # one interval (+ in flight)
+    # the soak saves asynchronously: a fault may strike while the newest save is still in flight (seen in CI:
+    # step 3's save uncommitted at the fault at step 5), so a restart rolls back under two intervals
+    assert recomputed["each_resumed_newest_possible"] and recomputed["per_restart_max"] <= 2 * 3 - 1
     assert 0 < result["goodput"]["goodput"] <= 1 and 0 < result["goodput_uninterrupted"]["goodput"] <= 1  # (timing: no order)
     assert abs(sum(result["goodput"]["seconds"].values()) - result["goodput"]["wall_s"]) < 0.5
