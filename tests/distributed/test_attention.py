@@ -268,12 +268,12 @@ def restarting_positions(row: list[int]) -> list[int]:
 
 
 def _packed_rank(rank, world):
-    from megatron.core import parallel_state
+    from tests.helpers.ranks import release_megatron
     results = {}
     for family, name in PACKED_CASES:
         tp, pp, extra = PACKED_LAYOUTS[name]
         results[(name, family)] = _packed_case(family, tp, pp, extra)
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return results
 
 

@@ -105,9 +105,7 @@ def packed(micro_batches):
 
 def _step_syncs(rank, world, family, layouts=LAYOUTS, megatron=None, hf_changes=None):
     """{(layers, micro-batches): the second training step's syncs by site}."""
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     out = {}
     for layers, n_micro in layouts:
         model = tiny_model(family, num_hidden_layers=layers, **(hf_changes or {}))
@@ -120,7 +118,7 @@ def _step_syncs(rank, world, family, layouts=LAYOUTS, megatron=None, hf_changes=
         with device.count_syncs() as syncs:
             engine.train_step(micro, tokens, 1e-3)
         out[(layers, n_micro)] = syncs.sites
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

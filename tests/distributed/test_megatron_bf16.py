@@ -31,9 +31,7 @@ accumulated in fp32): measured worst 0.0185 (llama), 0.0163 (gemma), 0.0181 (gem
 
 
 def _rank_bf16(rank, world):
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     out = {}
     for family in FAMILIES:
         model = tiny_model(family)
@@ -54,7 +52,7 @@ def _rank_bf16(rank, world):
             "param_dtypes": {n: p.dtype for c in engine.model for n, p in c.module.named_parameters()},
             "master_dtypes": _master_dtypes(engine),
             "norm_outputs": norm_outputs}
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

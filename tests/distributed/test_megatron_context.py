@@ -77,13 +77,13 @@ def _tokens(micro) -> int:
 
 
 def _rank_cases(rank, world, names):
-    from megatron.core import parallel_state
+    from tests.helpers.ranks import release_megatron
     results = {}
     for name in names:
         _, family, megatron, sections = CASES[name]
         for cp in (1, split(name)):
             results[(name, cp)] = _one_run(family, run_config(cp, megatron, sections))
-            parallel_state.destroy_model_parallel()
+            release_megatron()
     return results
 
 
@@ -219,9 +219,7 @@ def test_cp2_checkpoint_resumes_at_cp1_and_at_tp2_and_converts(tmp_path):
 
 def _saved_bytes(rank, world, seq):
     """Bytes autograd saves in one training forward of one row (weights excluded), at cp = 1 and 2."""
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     from toolkit.estimate.memory import _activations
     from toolkit.plan.model import model_spec
     model = tiny_model("llama", num_hidden_layers=2)
@@ -242,7 +240,7 @@ def _saved_bytes(rank, world, seq):
         out[cp] = {"measured": sum(n for ptr, n in saved.items() if ptr not in weights),
                    "estimated": _activations(cfg, spec, list(range(spec.layers)), 1, 1, "none", 4,
                                              materialized=False, kv_repeated=False, cp=cp)}
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

@@ -46,12 +46,12 @@ def run_config(tp: int, pp: int, **megatron):
 
 def _rank_parity(rank, world, layouts):
     """Each layout, and each of its families in turn on these ranks."""
-    from megatron.core import parallel_state
+    from tests.helpers.ranks import release_megatron
     results = {}
     for name, (tp, pp, extra, families) in layouts.items():
         for family in families:
             results[(name, family)] = _one_layout(family, tp, pp, extra)
-            parallel_state.destroy_model_parallel()
+            release_megatron()
     return results
 
 

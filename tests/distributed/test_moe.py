@@ -155,12 +155,12 @@ def hf_reference(model, micro_batches):
 
 def _rank_parity(rank, world):
     """Every layout and family in turn on these ranks (megatron's groups rebuilt for each)."""
-    from megatron.core import parallel_state
+    from tests.helpers.ranks import release_megatron
     results = {}
     for name, family in CASES:
         tp, pp, ep, extra = LAYOUTS[name]
         results[(name, family)] = _one_layout(family, tp, pp, ep, extra)
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return results
 
 

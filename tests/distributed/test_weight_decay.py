@@ -43,9 +43,7 @@ def _deepspeed_decay(family: str) -> dict[str, tuple[float, torch.Size]]:
 
 
 def _megatron_decay(family: str) -> dict[str, tuple[float, torch.Size]]:
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     model = tiny_model(family)
     engine = megatron_engine(_config("megatron"), model)
     micro = batches(model.config.vocab_size, n_micro=2)
@@ -57,7 +55,7 @@ def _megatron_decay(family: str) -> dict[str, tuple[float, torch.Size]]:
                 if p in opt.model_param_group_index_map:
                     group, _ = opt.model_param_group_index_map[p]
                     out[name] = (opt.optimizer.param_groups[group]["weight_decay"], p.shape)
-    parallel_state.destroy_model_parallel()
+    release_megatron()
     return out
 
 

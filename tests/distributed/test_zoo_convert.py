@@ -49,9 +49,7 @@ def megatron_loaded(converted, tmp_path_factory):
 
 
 def _megatron_loads(rank, world, ckpts):
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     from toolkit.config import validate
     out = {}
     for variant, (ckpt, tp, pp) in ckpts.items():
@@ -62,7 +60,7 @@ def _megatron_loads(rank, world, ckpts):
         engine = megatron_engine(cfg, model)
         engine.load(Path(ckpt))
         out[variant] = engine.hf_state()
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

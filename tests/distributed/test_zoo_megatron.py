@@ -43,9 +43,9 @@ def lora_config(base: str, layout: str):
 def _zoo_rank(rank, world, bases, root):
     from pathlib import Path
 
-    from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.ranks import release_megatron
     from toolkit.adapters.megatron import MegatronEngine
     from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
@@ -64,7 +64,7 @@ def _zoo_rank(rank, world, bases, root):
         results[variant] = {"logits": logits, "targets": plan.lora.targets, "grads": engine.adapter_state("main_grad")}
         if EXPORT[variant] == "lora-megatron":
             engine.export_hf(Path(root) / variant / "hf_final", None)
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return results
 
 

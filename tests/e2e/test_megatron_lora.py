@@ -93,9 +93,9 @@ def test_adapters_are_drawn_as_the_deepspeed_path_draws_them():
 
 
 def _rank_parity(rank, world, layouts, base_dirs, cases):
-    from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.ranks import release_megatron
     from toolkit.adapters.megatron import MegatronEngine
     from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
@@ -118,7 +118,7 @@ def _rank_parity(rank, world, layouts, base_dirs, cases):
                                        "trainable": sum(p.numel() for p in engine.parameters() if p.requires_grad),
                                        "optimized": sum(p.numel() for g in engine.optimizer.param_groups
                                                         for p in g["params"])}
-            parallel_state.destroy_model_parallel()
+            release_megatron()
     return results
 
 
@@ -175,9 +175,9 @@ def _rank_dropout(rank, world, base_dir):
     """TP=2, llama, dropout on the column sites: eval-mode logits, and the gradients of one
     train-mode forward/backward of every micro-batch from DROPOUT_SEED, with and without megatron's
     full recompute (counting each layer's forwards)."""
-    from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers.ranks import release_megatron
     from toolkit.adapters.megatron import MegatronEngine
     from toolkit.lora.peft import draw_adapters
     from toolkit.plan import build_plan
@@ -199,7 +199,7 @@ def _rank_dropout(rank, world, base_dir):
         engine.forward_backward(micro, tokens, complete_grads=True)
         out[recompute] = {"logits": logits, "grads": engine.adapter_state("main_grad"),
                           "layer_forwards": len(calls) / len(micro) / len(engine.model[0].module.decoder.layers)}
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

@@ -116,9 +116,7 @@ def _megatron_loaded(family: str, ckpt: str) -> dict:
     dist_checkpointing.load (through MegatronEngine.load, one rank: the distributed optimizer holds
     every parameter whole) puts into the model and megatron's distributed optimizer. Moments are
     mapped to HF names by the same export path as the weights (``hf_state``)."""
-    from megatron.core import parallel_state
-
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     from toolkit.config import validate
     model = tiny_model(family, seed=99)  # a different init: everything must come from the checkpoint
     cfg = validate({"backend": "megatron", "train": {"global_batch_size": 1, "micro_batch_size": 1}})
@@ -137,7 +135,7 @@ def _megatron_loaded(family: str, ckpt: str) -> dict:
                 steps.add(float(state["step"]))
     loaded = {"param": engine.hf_state(), "exp_avg": engine.hf_state("loaded_exp_avg"),
               "exp_avg_sq": engine.hf_state("loaded_exp_avg_sq")}
-    parallel_state.destroy_model_parallel()
+    release_megatron()
     return {"tensors": {n: {k: v[n] for k, v in loaded.items()} for n in loaded["param"]}, "steps": steps}
 
 
@@ -164,11 +162,11 @@ def write_config(path: Path, family: str) -> None:
 
 def megatron_load_families(rank: int, world: int, tp: int, pp: int, ckpts: dict[str, str], ep: int = 1):
     """``megatron_load`` of each family's checkpoint in turn on these ranks: {family: HF weights}."""
-    from megatron.core import parallel_state
+    from tests.helpers.ranks import release_megatron
     out = {}
     for family, ckpt in ckpts.items():
         out[family] = megatron_load(rank, world, family, tp, pp, ckpt, ep)["weights"]
-        parallel_state.destroy_model_parallel()
+        release_megatron()
     return out
 
 

@@ -102,10 +102,8 @@ def megatron_batches(vocab: int, steps: int) -> list[list[dict]]:
 def megatron_run(rank: int, world: int, family: str, path: str, steps: int) -> list[float]:
     """Rank body: the toolkit's megatron-core engine at TP ``world`` (megatron's distributed Adam),
     ``steps`` steps, its own ``dist_checkpointing`` save, then ``NEXT`` more: their losses."""
-    from megatron.core import parallel_state
-
     from tests.helpers.parity import batches
-    from tests.helpers.ranks import megatron_engine
+    from tests.helpers.ranks import megatron_engine, release_megatron
     from toolkit.families.tiny import tiny_model
     from toolkit.loss import IGNORE_INDEX
     model = tiny_model(family)
@@ -120,7 +118,7 @@ def megatron_run(rank: int, world: int, family: str, path: str, steps: int) -> l
         step(s)
     engine.save(Path(path), steps)
     losses = [step(s) for s in range(steps, steps + NEXT)]
-    parallel_state.destroy_model_parallel()
+    release_megatron()
     return losses
 
 
