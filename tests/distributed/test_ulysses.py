@@ -9,7 +9,11 @@ halves of rows), documents crossing the split. One 2-rank job runs every case:
 - qwen2 (q/k/v biases, untied), documents, ZeRO-3 with activation checkpointing;
 - gemma2 (attention and final softcaps, a window of 6 on every other layer), documents, ZeRO-2;
 - llama with one KV head (DeepSpeed's all-to-all replicates it over sp), plain rows, ZeRO-0;
-- LoRA on llama, plain rows, ZeRO-2, against HF + peft (``tests/helpers/lora.py``'s adapters and reference).
+- LoRA on llama, plain rows, ZeRO-2, against HF + peft (``tests/helpers/lora.py``'s adapters and reference);
+- mixtral (4 experts top-2, a window of 8, tied), documents, ZeRO-3 (its MoE blocks ZeRO-3 leaf modules), with
+  the router's load-balancing loss at a large coefficient: the reference adds transformers' own
+  ``load_balancing_loss_func`` over the whole micro-batch's real tokens (``router_reference``), and the
+  step's metrics must report the whole aux and each token's routing once.
 """
 from __future__ import annotations
 
@@ -36,7 +40,16 @@ CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, 
     "llama_mqa": ("llama-mqa-linear-hd", "concat", 0, False, False),
     "qwen2": ("qwen2-untied-linear", "documents", 3, True, False),
     "llama_lora": ("llama-tied-llama3", "concat", 2, False, True),
+    "mixtral": ("mixtral-tied-hd", "documents", 3, False, False),
 }
+AUX_COEFF = 0.1
+"""Large, so a wrong share of the load-balancing loss shows in every gradient (the routers' most)."""
+
+
+def _is_moe(variant: str) -> bool:
+    from tests.helpers.zoo import VARIANTS
+    from toolkit.adapters.moe import is_router_model
+    return is_router_model(VARIANTS[variant].config())
 
 def peft_reference(base: str, micro_batches: list[dict]) -> dict:
     """HF + peft on whole plain rows (``tests/helpers/lora.reference``): logits, adapter grads, the loss
@@ -56,12 +69,13 @@ def _cases_rank(rank, world, bases, cases):
     for name, (variant, packing, stage, ckpt, lora) in cases.items():
         micro = rows(packing)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
-        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, lora=lora)
+        train = {"moe_aux_loss_coeff": AUX_COEFF} if _is_moe(variant) else None
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, lora=lora, train=train)
         assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
         stats, logits, grads = observed_step(engine, micro, tokens)
         # fp32 at every stage (DeepSpeed's zero.Init made bf16 weights on CPU when given dtype=fp32)
         assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
-        out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads,
+        out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads, "extra": stats.extra,
                      "layout": engine.layout_record(), "local_tokens": [int((engine._labels(mb) != IGNORE_INDEX).sum())
                                                                          for mb in micro]}
         engine.engine.destroy()
@@ -90,7 +104,7 @@ def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
         ref = peft_reference(bases[variant], rows(packing))
     else:
         model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
-        ref = hf_reference(model, rows(packing))
+        ref = hf_reference(model, rows(packing), aux_coeff=AUX_COEFF if _is_moe(variant) else None)
     gaps = []  # the whole rows' logits: rank 0's half, then rank 1's
     for i, want in enumerate(ref["logits"]):
         whole = torch.cat([got[0]["logits"][i], got[1]["logits"][i]], dim=1)
@@ -106,6 +120,12 @@ def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
     assert ratios[worst] < GRAD_RTOL, worst
     assert all(torch.equal(got[0]["grads"][n], got[1]["grads"][n]) for n in got[0]["grads"])
+    if "aux" in ref:  # the whole aux (not a rank's share), and each token's routing counted once
+        print(f"{case}: aux {got[0]['extra']['moe_aux_loss']:.7f} vs {ref['aux']:.7f}, tokens per expert "
+              f"{got[0]['extra']['moe_expert_tokens']}")
+        for r in got:
+            assert r["extra"]["moe_aux_loss"] == pytest.approx(ref["aux"], rel=LOSS_RTOL)
+            assert r["extra"]["moe_expert_tokens"] == ref["expert_tokens"]
 
 
 def _rows(run_dir):

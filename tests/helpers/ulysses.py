@@ -46,25 +46,58 @@ def documents_of(mb: dict) -> list[tuple[int, int]]:
     return spans
 
 
-def hf_reference(model, micro_batches: list[dict]) -> dict:
+def hf_reference(model, micro_batches: list[dict], aux_coeff: float | None = None) -> dict:
     """HF's own model on each document alone (positions from 0, its own causal mask, window and
     softcap as transformers applies them): logits per micro-batch (real tokens; padding NaN), grads of
-    sum(token losses) / valid tokens, the loss and the gradient's global norm."""
+    sum(token losses) / valid tokens, the loss and the gradient's global norm.
+
+    ``aux_coeff`` (a mixture-of-experts model): the objective adds ``aux_coeff`` x the mean over the
+    micro-batches of ``router_reference``'s aux, the toolkit's contract (``toolkit/adapters/moe.py``);
+    ``aux`` and ``expert_tokens`` are then what the step's metrics must report."""
     model.zero_grad()
     tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    total, logits = 0.0, []
+    total, logits, auxes, counts = 0.0, [], [], 0
     for mb in micro_batches:
         row = torch.full((*mb["input_ids"].shape, model.config.vocab_size), float("nan"))
+        objective, routed = 0.0, []  # MoE: the aux loss joins the documents of a micro-batch
         for start, stop in documents_of(mb):
-            out = model(input_ids=mb["input_ids"][:, start:stop]).logits
-            loss, _ = token_loss_sum(out, mb["labels"][:, start:stop])
-            (loss / tokens).backward()
+            ids = mb["input_ids"][:, start:stop]
+            out = model(input_ids=ids) if aux_coeff is None else model(input_ids=ids, output_router_logits=True)
+            loss, _ = token_loss_sum(out.logits, mb["labels"][:, start:stop])
             total += loss.item()
-            row[:, start:stop] = out.detach()
+            row[:, start:stop] = out.logits.detach()
+            if aux_coeff is None:
+                (loss / tokens).backward()
+            else:
+                objective, routed = objective + loss / tokens, routed + [out.router_logits]
+        if aux_coeff is not None:
+            aux, layer_counts = router_reference(model.config, routed)
+            (objective + aux_coeff * aux / len(micro_batches)).backward()
+            auxes.append(aux.item())
+            counts = counts + layer_counts
         logits.append(row)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
-    return {"logits": logits, "grads": grads, "loss": total / tokens, "grad_norm": norm, "tokens": tokens}
+    out = {"logits": logits, "grads": grads, "loss": total / tokens, "grad_norm": norm, "tokens": tokens}
+    if aux_coeff is not None:
+        out |= {"aux": sum(auxes) / len(auxes), "expert_tokens": counts.tolist()}
+    return out
+
+
+def router_reference(config, routed: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's aux loss and tokens per expert ``[layers, E]`` from the router logits of its
+    documents run alone (``routed``: per document, one ``[len, E]`` tensor per MoE layer), by
+    transformers' own ``load_balancing_loss_func`` of the family over the whole micro-batch's real
+    tokens. The toolkit's aux is the mean over layers of each layer's loss, so the function is given one
+    layer at a time (given every layer, transformers pools their counts and probabilities into one
+    term instead: equal for one layer); the padded tail never reaches it (documents only)."""
+    import importlib
+    hf = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    experts, k = routed[0][0].shape[-1], config.num_experts_per_tok
+    layers = [torch.cat([z.reshape(-1, experts) for z in layer]) for layer in zip(*routed)]
+    aux = sum(hf.load_balancing_loss_func((z,), experts, k) for z in layers) / len(layers)
+    counts = torch.stack([torch.nn.functional.one_hot(z.topk(k).indices, experts).sum((0, 1)) for z in layers])
+    return aux, counts
 
 
 def grad_ratios(got: dict, ref: dict) -> dict[str, float]:
@@ -74,13 +107,13 @@ def grad_ratios(got: dict, ref: dict) -> dict[str, float]:
 
 
 def sp_engine(base: str, world: int, stage: int, packing: str, ckpt: bool, sp: int = 2, zero: dict | None = None,
-              lora: bool = False, **extra):
+              lora: bool = False, train: dict | None = None, **extra):
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.config import validate
     from toolkit.plan import build_plan
     cfg = validate({"model": {"name_or_path": base, "init": "pretrained", "activation_checkpointing": ckpt},
                     "zero": zero or {"stage": stage, "sp": sp}, "data": {"seq_len": SEQ, "packing": packing},
-                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3}, **extra,
+                    "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-3, **(train or {})}, **extra,
                     **({"lora": {"rank": RANK, "alpha": ALPHA}} if lora else {})})
     plan = build_plan(cfg, [world])
     model = build_model(plan, plan.ds_config(world))

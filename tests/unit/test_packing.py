@@ -188,7 +188,7 @@ def test_packed_batch_gives_the_gradients_of_the_same_documents_padded(family):
 def test_moe_routing_statistics_count_real_tokens_only():
     """The same documents padded one per row and packed: the router loss sees the same real tokens
     (tokens per expert equal, aux equal); counting padding would make them differ."""
-    from toolkit.adapters.deepspeed import _RouterLoss
+    from toolkit.adapters.ds_moe import RouterLoss
     model = hf_attention.use_document_attention(tiny_model("qwen2_moe"))
     docs = random_documents(10, seed=5, lengths=(4, 15))
     cfg = validate({})
@@ -197,7 +197,7 @@ def test_moe_routing_statistics_count_real_tokens_only():
         mb = micro_batch(packed(docs, 32, mode))
         out = model(**hf_attention.forward_inputs(mb), output_router_logits=True)
         for masked in (True, False):
-            router = _RouterLoss(cfg, model)
+            router = RouterLoss(cfg, model)
             aux = router.loss(out.router_logits, hf_attention.real_tokens(mb) if masked else None)
             results[mode, masked] = (router.stats.counts.clone(), float(aux.detach()))
     (c_docs, a_docs), (c_pad, a_pad) = results["documents", True], results["pad", True]

@@ -36,12 +36,19 @@ def test_the_world_is_dp_by_sp_and_deepspeed_sees_dp_ranks_of_data():
      r"num_attention_heads=6 and num_key_value_heads=3 do not split over zero.sp=4 .* choose sp in \[1, 3, 6\]"),
     (dict(world=4, sp=4, hf={"num_attention_heads": 4, "num_key_value_heads": 2}, data={"seq_len": 30}),
      r"data.seq_len=30 is not divisible by zero.sp=4.* a multiple of 4, or sp in \[1, 2\]"),
-    (dict(world=2, sp=2, family="mixtral"), r"zero.sp=2 with a mixture-of-experts model .* unset zero.sp"),
     (dict(world=2, sp=2, backend="megatron"), r"zero.sp=2 is DeepSpeed's .* backend=megatron; unset zero.sp"),
 ])
 def test_refusals_name_the_valid_choices(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         plan(**kwargs)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_models_take_sp(family):
+    """MoE is no longer refused: the load-balancing loss sums the routers' counts over the sequence
+    group (``adapters/ds_moe.py``; ``tests/distributed/test_ulysses.py`` checks it against HF)."""
+    lay = plan(world=2, sp=2, family=family, zero={"stage": 3}).layout(2)
+    assert (lay.dp, lay.sp, lay.zero_stage) == (1, 2, 3)
 
 
 def test_more_ranks_than_kv_heads_replicate_them_as_deepspeed_does():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.ds_lora import saved_layout, to_universal
+from toolkit.adapters.ds_moe import RouterLoss, experts_as_leaf_modules
 from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.ds_zero3 import fill_partitions, hf_zero3_load, zero_init
 from toolkit.adapters.hf import model_dir, param_groups
@@ -24,7 +25,7 @@ from toolkit.adapters.ulysses import (
     forget_sequence_groups,
     same_zero_files,
 )
-from toolkit.config import ConfigError, RunConfig
+from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import tiled_token_loss_sum
 from toolkit.objectives import DPO, STATS, hf_document_logps, hf_loss_sum, metrics
@@ -71,12 +72,13 @@ class DeepSpeedEngine:
         self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
         self.objective, self.eval_metrics = DPO.of(cfg), {}
-        self.router = _RouterLoss(cfg, model) if moe.is_router_model(model.config) else None
-        if self.router and cfg.zero.stage == 3:
-            _experts_as_leaf_modules(model)
         self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
+        self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
+            if moe.is_router_model(model.config) else None
+        if self.router and cfg.zero.stage == 3:
+            experts_as_leaf_modules(model)
         if cfg.zero.tiled_mlp:
             tile_mlps(model)
         self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # config refuses it with DPO
@@ -109,8 +111,7 @@ class DeepSpeedEngine:
             loss_sum, stats = self._loss_sum(out, mb)
             objective = loss_sum * scale
             if self.router:  # DeepSpeed averages over DP: / micro-batches makes it the global mean
-                real = hf_attention.real_tokens(mb)
-                objective = objective + self.router.loss(out.router_logits, real) / len(micro_batches)
+                objective = objective + self.router.loss(out.router_logits, self._real_tokens(mb)) / len(micro_batches)
             self.engine.backward(objective, scale_wrt_gas=False)
             del out, objective  # else this micro-batch's logits [b, s, V] live through the next forward
             if i == len(micro_batches) - 1 and self._norm_not_recorded:
@@ -162,6 +163,12 @@ class DeepSpeedEngine:
     def _labels(self, mb: dict) -> torch.Tensor:
         """The labels of the tokens this rank's forward scored."""
         return self.seq.local(mb["labels"]) if self.seq else mb["labels"]
+
+    def _real_tokens(self, mb: dict) -> torch.Tensor | None:
+        """``hf_attention.real_tokens`` of the tokens this rank's forward routed (its slice under zero.sp)."""
+        if self.seq is None or mb.get("document_ids") is None:
+            return hf_attention.real_tokens(mb)
+        return hf_attention.real_tokens({"document_ids": self.seq.local(mb["document_ids"])})
 
     @property
     def _norm_not_recorded(self) -> bool:
@@ -440,50 +447,3 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     else:
         hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
     return hf.finish(model, plan)
-
-
-class _RouterLoss:
-    """The load-balancing loss of ``toolkit/adapters/moe.py`` from HF's ``router_logits`` (one ``[T, E]``
-    tensor per MoE layer), and its statistics."""
-
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module):
-        config = model.config
-        self.coeff = moe.aux_loss_coeff(cfg.train.moe_aux_loss_coeff, config)
-        self.top_k = getattr(config, "num_experts_per_tok", None)
-        if not self.top_k:
-            raise ConfigError(f"{config.model_type}: an HF mixture-of-experts config without num_experts_per_tok; "
-                              "the load-balancing loss needs the router's top-k (set it in config.json)")
-        self.stats: moe.RouterStats | None = None
-
-    def loss(self, router_logits, real: torch.Tensor | None = None) -> torch.Tensor | float:
-        """``coeff`` x the mean over MoE layers of this micro-batch's aux loss (recorded in ``stats``);
-        ``router_logits``: one ``[tokens, E]`` (or ``[batch, seq, E]``) tensor per MoE layer; ``real``
-        ``[tokens]`` bool: the tokens that count (padding of rows packed by documents does not)."""
-        if not router_logits:
-            return 0.0  # a model without MoE layers in this configuration
-        experts = router_logits[0].shape[-1]
-        if self.stats is None:
-            self.stats = moe.RouterStats(len(router_logits), experts)
-        total = 0.0
-        tokens = router_logits[0].reshape(-1, experts).shape[0] if real is None else real.sum().clamp(min=1)
-        for layer, logits in enumerate(router_logits):
-            logits = logits.reshape(-1, experts)
-            counts = moe.routed_counts(logits.detach(), int(self.top_k), real)  # masks, not indexing: no host sync
-            aux = moe.load_balancing_loss(logits, counts, tokens, real)
-            self.stats.add(layer, counts, aux)
-            total = total + aux
-        return self.coeff * total / len(router_logits)
-
-
-def _experts_as_leaf_modules(model: torch.nn.Module) -> None:
-    """ZeRO-3 gathers a module's parameters in its forward hook. Where experts are modules of
-    their own (transformers 4, custom MoE code), an expert that receives no tokens on one rank is
-    not called there, and the ranks' gathers no longer match (a hang). Every module holding an
-    ``experts`` child (transformers' sparse MoE blocks) becomes a ZeRO-3 leaf: its parameters are
-    gathered all at once when the block runs (transformers 5 packs the experts into one module,
-    which is always called; one gather per block is then still fewer collectives)."""
-    from deepspeed.utils import set_z3_leaf_modules
-    blocks = sorted({type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)},
-                    key=lambda c: c.__name__)
-    if blocks:
-        set_z3_leaf_modules(model, blocks)

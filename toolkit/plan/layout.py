@@ -111,8 +111,8 @@ def valid_sp(heads: int, kv_heads: int) -> list[int]:
 
 
 def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
-    """``zero.sp``: DeepSpeed only, dividing the world, the heads and the sequence; no MoE (its router's
-    load-balancing loss is over a whole row's tokens)."""
+    """``zero.sp``: DeepSpeed only, dividing the world, the heads and the sequence. MoE models are fine:
+    their load-balancing loss sums the routers' counts over the sequence group (``adapters/ds_moe.py``)."""
     sp = cfg.zero.sp
     if cfg.backend != "deepspeed":
         raise ConfigError(f"zero.sp={sp} is DeepSpeed's Ulysses sequence parallelism and backend={cfg.backend}; "
@@ -130,10 +130,6 @@ def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by zero.sp={sp}, which splits every "
                           f"row's tokens; choose seq_len a multiple of {sp}, or sp in "
                           f"{[s for s in heads if cfg.data.seq_len % s == 0 and world % s == 0]}")
-    if spec.experts:
-        raise ConfigError(f"zero.sp={sp} with a mixture-of-experts model ({spec.model_type}, {spec.experts} experts) "
-                          "is not supported: the router's load-balancing loss is taken over a whole row's tokens; "
-                          "unset zero.sp")
 
 
 def _micro_batches(cfg: RunConfig, dp: int) -> int:
