@@ -15,7 +15,7 @@ from tests.helpers.offload import expected_bytes, host_saves
 from tests.helpers.ulysses import observed_step, rows, sp_engine
 from tests.helpers.zoo import save_base
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 CASES = {  # name: (zoo variant, ZeRO stage, zero.sp)
     "llama_zero2": ("llama-tied-llama3", 2, 1),

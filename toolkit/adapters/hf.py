@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolkit.device import host_checkpoint
 from toolkit.config import ConfigError
+from toolkit.device import host_checkpoint
 from toolkit.parallel import unit_seed
 from toolkit.plan import Plan
 
