@@ -174,6 +174,13 @@ class ZeroConfig(_Section):
     tiled_loss: bool = False
     """The lm_head and the loss taken a tile of tokens at a time (``loss.tiled_token_loss_sum``): the
     [tokens, vocab] logits never exist whole, each tile's recomputed in the backward. SFT only."""
+    offload_activations: bool = False
+    """With model.activation_checkpointing: each checkpointed layer's saved input (micro-batch x
+    seq_len / sp x hidden per layer, in the model's dtype) kept in host memory, pinned on GPUs, instead
+    of on the device, as DeepSpeed's ALST does for long sequences (``device.host_checkpoint``: torch's
+    ``save_on_cpu`` around its checkpoint). Saves layers x that on the device; costs as much host
+    memory per rank and a device-to-host copy of each layer's input in the forward and back in the
+    backward, on the compute stream (a slower step). The math is unchanged."""
 
 
 class MegatronConfig(_Section):
@@ -380,6 +387,7 @@ class RunConfig(_Section):
         if tiled and self.backend == "megatron":
             raise ValueError(f"{' and '.join(tiled)} tile the HF model on DeepSpeed, but backend=megatron; unset "
                              f"{', '.join(tiled)} (megatron's own recompute and its vocabulary-parallel loss apply)")
+        self._offload_activations_fits()
         if dpo and self.zero.tiled_loss:
             raise ValueError("zero.tiled_loss=true takes the token cross-entropy only; train.objective=dpo needs "
                              "per-token log-probabilities from whole logits: set zero.tiled_loss=false")
@@ -387,6 +395,19 @@ class RunConfig(_Section):
             raise ValueError(f"dpo.label_smoothing={self.dpo.label_smoothing} applies to dpo.loss=sigmoid only "
                              f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")
         return self
+
+    def _offload_activations_fits(self) -> None:
+        """zero.offload_activations moves what HF's activation checkpointing keeps, on DeepSpeed only."""
+        if not self.zero.offload_activations:
+            return
+        if self.backend == "megatron":
+            raise ValueError("zero.offload_activations=true offloads the HF model's checkpointed layer inputs on "
+                             "DeepSpeed, but backend=megatron; unset zero.offload_activations (megatron-core has its "
+                             "own activation offloading, cpu_offloading in its TransformerConfig)")
+        if not self.model.activation_checkpointing:
+            raise ValueError("zero.offload_activations=true keeps each checkpointed layer's input on the host, but "
+                             "model.activation_checkpointing=false keeps every activation on the device; set "
+                             "model.activation_checkpointing=true (or unset zero.offload_activations)")
 
 
 # --- loading -----------------------------------------------------------------------------------

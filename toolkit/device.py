@@ -29,6 +29,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import save_on_cpu
 from torch.overrides import TorchFunctionMode
 
 STRICT_ENV = "TOOLKIT_STRICT_DEVICES"
@@ -92,6 +93,18 @@ def use_tf32(enabled: bool) -> None:
     for an fp32 run's peak), or strict IEEE fp32. Nothing changes on the CPU."""
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high" if enabled else "highest")
+
+
+def host_checkpoint(function, *args, **kwargs):
+    """torch's non-reentrant activation checkpoint whose saved inputs (an HF decoder layer's hidden
+    states, [b, s, h]) torch's ``save_on_cpu`` keeps in host memory until the backward's recompute
+    brings them back (``zero.offload_activations``). transformers 5.24's own
+    ``activation_checkpointing_enable(offload=True)`` is this with host memory always pinned, which
+    raises on a machine without an accelerator; here it is pinned only when a GPU copies to it (on
+    the CPU the "copy" is the tensor itself, so the hooks run and nothing moves)."""
+    from torch.utils.checkpoint import checkpoint
+    with save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 class Stopwatch:

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit.config import ConfigError
+from toolkit.device import host_checkpoint
 from toolkit.parallel import unit_seed
 from toolkit.plan import Plan
 
@@ -175,6 +176,9 @@ def model_dir(name_or_path: str) -> str:
 def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     if plan.config.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if plan.config.backend == "deepspeed" and plan.config.zero.offload_activations:
+            # the same layers checkpointed, their saved inputs kept on the host (the config refuses it otherwise)
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
     model.config.use_cache = False
     # rows carry document_ids, or the model caps or windows its attention: the toolkit's attention
     # applies them whatever transformers would choose (5.17 gives gemma2 sdpa, which drops the softcap)

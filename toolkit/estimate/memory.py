@@ -43,7 +43,9 @@ of these for seq_len / sp tokens per rank (q, k, v after its all-to-all hold all
 sp of the heads: the same elements), and ZeRO shards over dp x sp ranks (D = dp·sp above); the
 logits and loss below count N / sp tokens. With activation checkpointing only each layer's input (h per
 token, h / t with sequence parallelism) is kept, plus one layer's full activations while it is
-recomputed. DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
+recomputed; ``zero.offload_activations`` moves those kept inputs (layers x b·s/sp·h·w) to host memory
+(``host``), where one layer's input at a time comes back for its recompute (inside that layer's full
+activations). DeepSpeed runs one micro-batch at a time; Megatron's 1F1B keeps up to pp micro-batches
 in flight on the first stage (so its layers x pp, i.e. all layers' worth when pp divides evenly).
 
 Logits and loss (``logits_loss``, part of the activations), N = b·s tokens, V the vocabulary::
@@ -158,12 +160,22 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     loss = chunked_loss_bytes(cfg, spec, w, lay.sp)
     acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp)
             + loss for r in ("none", "full")}
+    offloaded = offloaded_inputs(cfg, spec, lay, w)
+    acts["full"] -= offloaded
     share = phi * w / (d if stage == 3 else 1)
     on_host = host + (0.0 if lay.offload_params and stage == 3 else share)  # offloaded weights: in host already
     largest = largest_tensor(spec)
     return Memory(weights, grads, optim, buffers, acts[lay.recompute if lay.recompute in acts else "none"],
-                  acts["none"], acts["full"], host, phi, logits_loss=loss,
+                  acts["none"], acts["full"], host + (offloaded if lay.recompute == "full" else 0.0), phi, logits_loss=loss,
                   host_load=on_host + 4 * largest, host_export=on_host + (w + 4) * largest, largest_tensor=largest)
+
+
+def offloaded_inputs(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int) -> float:
+    """``zero.offload_activations``: the checkpointed layers' inputs kept on the host, layers x b·s/sp·h·w
+    (one comes back to the device for its layer's recompute, inside that layer's full activations)."""
+    if not lay.offload_activations:
+        return 0.0
+    return spec.layers * cfg.train.micro_batch_size * cfg.data.seq_len / lay.sp * spec.hidden * w
 
 
 def _megatron_stage_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, stage: int,
@@ -280,9 +292,10 @@ def _variants(cfg: RunConfig, world: int):
             base = changed("model", activation_checkpointing=ckpt)
             zero = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=s, offload_optimizer=True) for s in (2, 3)] + \
                 [dict(stage=3, offload_optimizer=True, offload_params=True)]
-            for z in zero:
+            for z in zero:  # activations offloaded as set, where they are checkpointed
                 yield base.model_copy(update={"zero": base.zero.model_copy(update={
-                    "offload_optimizer": False, "offload_params": False, **z})})
+                    "offload_optimizer": False, "offload_params": False,
+                    "offload_activations": cfg.zero.offload_activations and ckpt, **z})})
         return
     for recompute in ("none", "selective", "full"):
         for mp in sorted({tp * pp for tp in divisors(world) for pp in divisors(world // tp)}):

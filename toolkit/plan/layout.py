@@ -39,6 +39,8 @@ class Layout(BaseModel):
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_activations: bool = False
+    """zero.offload_activations: the checkpointed layers' inputs kept in host memory."""
     recompute: Literal["none", "selective", "full"] = "none"
     """megatron.recompute; on DeepSpeed ``full`` is HF's activation checkpointing."""
     micro_batches: int = 1
@@ -53,6 +55,7 @@ class Layout(BaseModel):
         if self.backend == "deepspeed":
             off = "+offload_opt" if self.offload_optimizer else ""
             off += "+offload_params" if self.offload_params else ""
+            off += "+offload_activations" if self.offload_activations else ""
             return f"ZeRO-{self.zero_stage}{off} dp={self.dp}" + (f" sp={self.sp}" if self.sp > 1 else "") + \
                 f" ckpt={self.recompute}"
         return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
@@ -98,6 +101,7 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
     if cfg.backend == "deepspeed":
         lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, zero_stage=cfg.zero.stage,
                      offload_optimizer=cfg.zero.offload_optimizer, offload_params=cfg.zero.offload_params,
+                     offload_activations=cfg.zero.offload_activations,
                      recompute="full" if cfg.model.activation_checkpointing else "none")
     else:
         lay = _megatron_layout(cfg, spec, world)
