@@ -103,22 +103,11 @@ def pytest_configure(config):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     from toolkit.compat import torch_extensions
     torch_extensions.install()  # every process of the suite, DeepSpeed's own ops tests too: one build
-    _one_share_of_the_cores_per_worker(config)
     if not hasattr(config, "workerinput"):
         import uuid
 
         from tests.helpers import container_image
         os.environ.setdefault(container_image.BUILD_ID_ENV, uuid.uuid4().hex)
-
-
-def _one_share_of_the_cores_per_worker(config) -> None:
-    """Under ``-n N`` each xdist worker's in-process tensor work gets cores / N threads, not all cores:
-    two workers each running torch on both cores (while the other starts gloo ranks) oversubscribe
-    them, and idle OpenMP threads spin. The ranks a test starts set their own (launcher, ranks.py)."""
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 0) or 0)
-    if workers > 1:
-        import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_unconfigure(config):

@@ -208,9 +208,13 @@ class TiledLogitsLoss(torch.autograd.Function):
                     for acc, grad in zip(grad_params, grads[1:]):
                         acc += grad
                     g.copy_(grads[0])
+                    del grads
                 else:
                     torch.autograd.backward(logits, grad_logits)
                     g.copy_(h.grad)
+            # free this tile's logits and their gradient before the next tile makes its own (kept alive
+            # by the names until reassigned, they added two tiles of logits to the peak: measured)
+            del logits, grad_logits
         for p, _ in ctx.partitioned:  # a tied weight's reduction comes with its other use's gradient
             p.ds_grad_is_ready = True
         return grad_hidden, None, None, None, None, *grad_params

@@ -70,7 +70,7 @@ def _cases_rank(rank, world, bases, cases):
         micro = rows(packing)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         train = {"moe_aux_loss_coeff": AUX_COEFF} if _is_moe(variant) else None
-        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, lora=lora, train=train)
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, sp=world, lora=lora, train=train)
         assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
         stats, logits, grads = observed_step(engine, micro, tokens)
         # fp32 at every stage (DeepSpeed's zero.Init made bf16 weights on CPU when given dtype=fp32)
@@ -91,23 +91,43 @@ def sp_runs(tmp_path_factory):
     return ranks, bases
 
 
+SP4 = {"llama_sp4": ("llama-tied-llama3", "documents", 2, False, False)}
+"""sp = 4 on 4 ranks (more ranks than cores only costs spinning): 4 query heads, one each, and 2 KV heads,
+each replicated over 2 ranks by DeepSpeed's all-to-all; every rank a quarter of each row."""
+
+
+@pytest.fixture(scope="module")
+def sp4_runs(tmp_path_factory):
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path_factory.mktemp("ulysses_sp4")
+    bases = {v: save_base(v, root / "bases") for v, *_ in SP4.values()}
+    return run_ranks(_cases_rank, 4, root, bases, SP4, timeout=600), bases
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
+    check_against_hf(*sp_runs, CASES, case)
+
+
+def test_sp4_equals_hf_on_each_document_alone(sp4_runs):
+    check_against_hf(*sp4_runs, SP4, "llama_sp4")
+
+
+def check_against_hf(ranks: list[dict], bases: dict, cases: dict, case: str) -> None:
     from transformers import AutoModelForCausalLM
-    ranks, bases = sp_runs
-    variant, packing, *_ = CASES[case]
+    variant, packing, *_ = cases[case]
     got = [r[case] for r in ranks]
-    assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": CASES[case][2], "sp": 2}
-    if packing == "documents":  # the halves of the rows hold uneven loss tokens
-        assert got[0]["local_tokens"] != got[1]["local_tokens"], [g["local_tokens"] for g in got]
-    if CASES[case][4]:
+    assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": cases[case][2], "sp": len(ranks)}
+    if packing == "documents":  # the slices of the rows hold uneven loss tokens
+        assert len({str(g["local_tokens"]) for g in got}) > 1, [g["local_tokens"] for g in got]
+    if cases[case][4]:
         ref = peft_reference(bases[variant], rows(packing))
     else:
         model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
         ref = hf_reference(model, rows(packing), aux_coeff=AUX_COEFF if _is_moe(variant) else None)
-    gaps = []  # the whole rows' logits: rank 0's half, then rank 1's
+    gaps = []  # the whole rows' logits: rank 0's slice, then rank 1's, ...
     for i, want in enumerate(ref["logits"]):
-        whole = torch.cat([got[0]["logits"][i], got[1]["logits"][i]], dim=1)
+        whole = torch.cat([g["logits"][i] for g in got], dim=1)
         real = ~want.isnan()
         gaps.append((whole[real] - want[real]).abs().max().item())
     ratios = grad_ratios(got[0]["grads"], ref["grads"])
@@ -119,7 +139,7 @@ def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
         assert r["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
     assert ratios[worst] < GRAD_RTOL, worst
-    assert all(torch.equal(got[0]["grads"][n], got[1]["grads"][n]) for n in got[0]["grads"])
+    assert all(torch.equal(got[0]["grads"][n], g["grads"][n]) for g in got[1:] for n in got[0]["grads"])
     if "aux" in ref:  # the whole aux (not a rank's share), and each token's routing counted once
         print(f"{case}: aux {got[0]['extra']['moe_aux_loss']:.7f} vs {ref['aux']:.7f}, tokens per expert "
               f"{got[0]['extra']['moe_expert_tokens']}")

@@ -55,8 +55,17 @@ Logits and loss (``logits_loss``, part of the activations), N = b·s tokens, V t
       the logits in the model's dtype (kept for the loss's backward) and, in the backward, their
       gradient, plus at most three fp32 chunks of rows at once (log-probabilities, their gradient,
       the chunk's gradient before its cast). Never an fp32 [N, V].
+    DeepSpeed with ``zero.tiled_loss`` (``toolkit.loss.tiled_token_loss_sum``):
+        (w + 3·4)·min(N, r)·V  +  w·N·h  (+ w·V·h when N > r)
+      one tile's logits with grad and its three fp32 rows, the hidden states' gradient the
+      backward writes tile by tile, and with several tiles one tile's lm_head gradient before it is
+      added to the others'; no [N, V] tensor.
     Megatron (vocab-parallel loss, fp32 upcast): 3·4·N·V/t on the last stage
       the fp32 logits, the softmax it saves and their gradient.
+
+``zero.tiled_mlp`` (DeepSpeed's ``TiledMLP``, T = ceil(s / h) tiles): a layer keeps its MLP's input
+only (already among the 4h), not the MLP's intermediates; one tile's intermediates, 1/T of a
+layer's, live while that tile is recomputed in the backward.
 
 Host memory per rank (``host_load``, ``host_export``): the CPU-side peak of loading the model and of
 writing ``hf_final/``, beyond the fixed runtime (Python, libraries), with Λ the largest tensor's
@@ -157,9 +166,10 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     if lay.offload_params and stage == 3:
         host += weights
         weights = 0.0
-    loss = chunked_loss_bytes(cfg, spec, w, lay.sp)
-    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp)
-            + loss for r in ("none", "full")}
+    loss = (tiled_loss_bytes if cfg.zero.tiled_loss else chunked_loss_bytes)(cfg, spec, w, lay.sp)
+    tiles = mlp_tile_count(cfg, spec, lay.sp) if cfg.zero.tiled_mlp else 1
+    acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp,
+                            mlp_tiles=tiles) + loss for r in ("none", "full")}
     offloaded = offloaded_inputs(cfg, spec, lay, w)
     acts["full"] -= offloaded
     share = phi * w / (d if stage == 3 else 1)
@@ -226,12 +236,13 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_flight: int, recompute: str,
                  w: int, materialized: bool, sp: bool = False, kv_repeated: bool = True, cp: int = 1,
-                 seq_split: int = 1) -> float:
+                 seq_split: int = 1, mlp_tiles: int = 1) -> float:
     """Bytes autograd keeps for ``in_flight`` micro-batches on these layers (see the module docstring);
     ``sp``: sequence parallelism splits the norms' tensors and the layer inputs over the t TP ranks;
     ``kv_repeated``: K and V are kept at every query head's width (GQA expanded); ``cp``: context
     parallelism, each rank holding s / cp of every row; ``seq_split``: each rank holds seq_len /
-    seq_split tokens of every row (DeepSpeed's Ulysses, ``zero.sp``)."""
+    seq_split tokens of every row (DeepSpeed's Ulysses, ``zero.sp``); ``mlp_tiles`` > 1: the MLP
+    through TiledMLP (its intermediates kept for one tile at a time, during its recompute)."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len // seq_split
     h, mlp = spec.hidden, spec.mlp_width
     split = t if sp else 1
@@ -239,11 +250,19 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
     scores = spec.heads * s / t if materialized and recompute != "selective" else 0
     kv = h if kv_repeated else spec.kv_width * (kv_copies(spec.kv_heads // t, cp) if spec.kv_heads % t == 0 else 1)
     attention = (3 * h + 2 * kv) / t
-    per_token = 4 * h / split + attention + (4 if spec.glu else 2) * mlp / t + scores
+    intermediates = (4 if spec.glu else 2) * mlp / t
+    tiled = mlp_tiles > 1  # TiledMLP keeps only its input (among the 4h); a tile's intermediates in backward
+    per_token = 4 * h / split + attention + (0 if tiled else intermediates) + scores
     layer = per_token * tokens * w
     kept = len(layers) * (tokens * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
-    return kept + recomputing
+    return kept + recomputing + (intermediates * tokens / mlp_tiles * w if tiled else 0)
+
+
+def mlp_tile_count(cfg: RunConfig, spec: ModelSpec, seq_split: int = 1) -> int:
+    """``zero.tiled_mlp``'s tiles for a rank's rows (``toolkit.adapters.tiles.mlp_tiles``: ALST's rule)."""
+    from toolkit.adapters.tiles import mlp_tiles
+    return mlp_tiles(cfg.data.seq_len // seq_split, spec.hidden)
 
 
 def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int, seq_split: int = 1) -> float:
@@ -252,6 +271,14 @@ def chunked_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int, seq_split: int =
     from toolkit.loss import loss_chunk_rows
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // seq_split
     return 2 * w * tokens * spec.vocab + 3 * 4 * min(tokens, loss_chunk_rows(spec.vocab)) * spec.vocab
+
+
+def tiled_loss_bytes(cfg: RunConfig, spec: ModelSpec, w: int, seq_split: int = 1) -> float:
+    """``zero.tiled_loss``: (w + 3·4)·min(N, r)·V + w·N·h (+ w·V·h when N > r; module docstring)."""
+    from toolkit.loss import loss_chunk_rows
+    tokens, rows = cfg.train.micro_batch_size * cfg.data.seq_len // seq_split, loss_chunk_rows(spec.vocab)
+    tile_head_grad = w * spec.vocab * spec.hidden if tokens > rows else 0
+    return (w + 3 * 4) * min(tokens, rows) * spec.vocab + w * tokens * spec.hidden + tile_head_grad
 
 
 def _vocab_parallel_loss_bytes(cfg: RunConfig, spec: ModelSpec, t: int) -> float:
