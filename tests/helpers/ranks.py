@@ -90,9 +90,12 @@ def _drop_gradient_hooks() -> None:
     went out of scope lived on with its process groups (17 gloo groups, 51 threads per engine). Dropping
     the accumulators breaks it."""
     from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer import TransformerConfig
     for obj in gc.get_objects():
         if isinstance(obj, DistributedDataParallel):
             obj.grad_accs.clear()
+        elif isinstance(obj, TransformerConfig):  # the engine's callbacks: closures over the engine
+            obj.finalize_model_grads_func = obj.no_sync_func = obj.grad_scale_func = obj.param_sync_func = None
 
 
 def _process_groups(values) -> list:
