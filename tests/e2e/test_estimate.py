@@ -269,25 +269,11 @@ def _stage_memory(cfg, lay, rank: int):
 def test_activation_model_within_8_percent_of_what_autograd_saves():
     """The demo Llama, one micro-batch of 4 x 256 tokens, fp32: bytes autograd saves for backward
     (saved-tensor hooks; weights excluded) against the per-layer activation model."""
-    import torch
-
     from toolkit.adapters.hf import build_model
     from toolkit.estimate.memory import _activations
-    from toolkit.loss import token_loss_sum
     from toolkit.plan import build_plan
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])
-    model = build_model(build_plan(cfg, [2]))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    ids = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        token_loss_sum(model(input_ids=ids).logits, ids)
-    logits = 4 * 256 * 2048 * 4  # what the loss saves (fp32 here): the model counts it in logits_loss
-    measured = sum(n for ptr, n in saved.items() if ptr not in weights) - logits
+    measured = _saved_for_backward(build_model(build_plan(cfg, [2])))
     shape = model_spec(_hf(cfg))
     estimated = _activations(cfg, shape, list(range(shape.layers)), 1, 1, "none", 4, materialized=False)
     print(f"layers: estimated {estimated / 2**20:.1f} MiB, autograd saved {measured / 2**20:.1f} MiB")
