@@ -90,7 +90,7 @@ GPU = Shape(LLAMA_1B, seq_len=4096, micro_batch=2, accum=2, steps=12, warmup=4, 
 REHEARSAL = Shape(LLAMA_TINY, seq_len=64, micro_batch=2, accum=1, steps=4, warmup=1, dtype="fp32", fixed_seq=32,
                   matmul_n=256, pytest_workers=0,
                   test_filter={"tests_parity": "fp32 and llama", "tests_kernels": "sdpa or packed and llama",
-                               "tests_train": "(kill_resume or packed_documents_give) and megatron"})
+                               "tests_train": "kill_resume and megatron"})  # the harness, not every test
 
 
 @dataclass
