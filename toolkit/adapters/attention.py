@@ -134,13 +134,20 @@ class TokenLayout:
 
     def spans(self) -> list[tuple[int, int, int]]:
         """(row, first token, tokens) of each document of each row, in order (a row without
-        ``document_ids`` is one span); read to the host once per micro-batch."""
+        ``document_ids`` is one span); read once per micro-batch, for the CPU's attention only.
+
+        The read is made outside torch's function modes: on the CPU it waits for nothing, and
+        ``device.SyncCounter``, which counts on the CPU what would make a GPU's host wait, would
+        count a read no GPU run makes (``attend`` calls this on CPU tensors only)."""
         if "spans" not in self._memo:
             b, s = self.position_ids.shape
             if self.document_ids is None:
                 self._memo["spans"] = [(row, 0, s) for row in range(b)]
             else:
-                starts = _document_starts(self.document_ids).nonzero().tolist()  # [[row, token], ...] in order
+                if self.document_ids.device.type != "cpu":
+                    raise ValueError("TokenLayout.spans reads document boundaries on the CPU only")
+                with torch._C.DisableTorchFunction():  # [[row, token], ...] in order
+                    starts = _document_starts(self.document_ids).nonzero().tolist()
                 ends = starts[1:] + [[b, 0]]
                 self._memo["spans"] = [(r, t, (s if r2 != r else t2) - t) for (r, t), (r2, t2) in zip(starts, ends)]
         return self._memo["spans"]
