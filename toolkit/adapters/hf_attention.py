@@ -62,6 +62,12 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, layout, window=sliding_window or None, scale=scale, softcap=softcap,
                  dropout=dropout, score_mod=_score_mod(softcap))
+    # A copy only under zero.sp, and the one DeepSpeed's wrapper would make itself: the kernel's output
+    # follows the queries' layout, there [b, heads/sp, s, d] (ulysses_sp.py makes them contiguous), and
+    # the wrapper reshapes [b, s, heads/sp, d] to [s, b, heads/sp * d] for its all-to-all, a copy unless
+    # token-major (measured: returning the view moved the same bytes into that reshape). HF's own
+    # [b, s, heads, d] queries and the CPU's document spans give it token-major: no copy. It also keeps
+    # what reaches the wrapper's collective contiguous (NCCL refuses strided tensors).
     return out.transpose(1, 2).contiguous(), None
 
 
