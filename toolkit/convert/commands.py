@@ -21,7 +21,11 @@ def cmd_convert(args) -> int:
           f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['reader']} reader, "
           f"{summary['seconds']} s -> {args.dst}")
     if args.verify:
-        report = _verify(args)
+        try:
+            report = _verify(args)
+        except ConvertError as exc:
+            print(f"toolkit convert: error: {exc}", file=sys.stderr)
+            return 2
         print("\n".join(report.lines()))
         return 0 if report.ok else 1
     return 0
