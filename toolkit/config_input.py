@@ -42,12 +42,12 @@ def decode_utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line, column = _line_and_column(data, exc.start)
+        line, column = line_and_column(data, exc.start)
         raise ConfigError(f"{where}:{line}:{column}: byte 0x{data[exc.start]:02x} is not UTF-8; save the file "
                           "as UTF-8") from None
 
 
-def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
+def line_and_column(data: bytes, offset: int) -> tuple[int, int]:
     """1-based line and (byte) column of ``offset`` in ``data``."""
     newline = b"\n"
     return data.count(newline, 0, offset) + 1, offset - (data.rfind(newline, 0, offset) + 1) + 1
