@@ -180,3 +180,18 @@ def test_a_global_batch_no_micro_batch_fits_names_the_fixes_that_exist():
     assert ("train.global_batch_size=16 cannot be split over dp=3 data-parallel ranks (16 is not a multiple of 3); "
             "choose train.global_batch_size a multiple of 3 x train.micro_batch_size=4 (12, 24, 36), "
             "or a data-parallel size in [1, 2, 4, 8, 16]") in message, message
+
+
+@pytest.mark.parametrize("sets, says, never", [
+    ([], "model in runs/demo/hf_final", "adapter"),
+    (["lora.rank=4"], "model in runs/demo/hf_final, LoRA adapter in runs/demo/adapter", "no hf_final"),
+    (["train.export_hf=false"], "no hf_final (train.export_hf=false); the last checkpoint holds the model: "
+                                "toolkit convert runs/demo DIR", "model in"),
+    (["train.export_hf=false", "checkpoint.every=0"], "no model written (train.export_hf=false, checkpoint.every=0)",
+     "model in"),
+])
+def test_the_last_line_of_a_run_says_what_it_wrote(sets, says, never):
+    """"model in RUN/hf_final" was printed with train.export_hf=false, which writes none."""
+    from toolkit.launch.run import done_line
+    line = done_line(load_config(None, sets))
+    assert says in line and never not in line, line
