@@ -51,6 +51,15 @@ def test_pickle_allowlist(tmp_path):
         safe_load(tmp_path / "cut.pt")
 
 
+@pytest.mark.parametrize("to, flags", [("zero", {"dp": 0}), ("megatron", {"dp": 0}), ("zero", {"dp": -2})])
+def test_a_data_parallel_size_below_one_is_refused_not_read_as_the_default(tmp_path, to, flags):
+    """``convert --dp 0`` wrote a checkpoint described for dp 1 (``dp or 1``)."""
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with pytest.raises(ConvertError, match=rf"--dp {flags['dp']}: each must be >= 1"):
+        convert(tmp_path / "hf", tmp_path / "out", to=to, **flags)
+    assert not (tmp_path / "out").exists()
+
+
 class _RunsCommand:
     """Pickles as a call of os.system (``posix.system`` on Linux): what a malicious checkpoint holds."""
 
