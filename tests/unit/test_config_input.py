@@ -170,6 +170,18 @@ def test_shipped_megatron_presets_load(preset):
     assert cfg.megatron.tp >= 1
 
 
+def test_a_preset_file_is_read_by_the_same_rules(tmp_path):
+    from toolkit.plan.presets import with_megatron_preset
+    preset = tmp_path / "layout.yaml"
+    preset.write_text("tp: 2\npp: 1\ntp: 4\n")
+    cfg = load_config(None, ["backend=megatron", f"megatron.preset={preset}"])
+    with pytest.raises(ConfigError, match=rf"{preset}:3:1: duplicate key 'tp' \(first at line 1\)"):
+        with_megatron_preset(cfg)
+    preset.write_bytes(b"tp: 2 # \xff\n")
+    with pytest.raises(ConfigError, match=rf"{preset}:1:9: byte 0xff is not UTF-8"):
+        with_megatron_preset(cfg)
+
+
 def test_a_global_batch_no_micro_batch_fits_names_the_fixes_that_exist():
     """``--nproc 3`` said ``choose micro_batch_size in []``."""
     cfg = load_config(None, ["nproc=3"])
