@@ -7,6 +7,7 @@ the value, the constraint and the fix; unknown keys suggest the nearest valid on
 from __future__ import annotations
 
 import difflib
+import os
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,11 @@ class _Section(BaseModel):
     # strict: no coercion between kinds (``true`` is not 1, ``2.0`` is not 2, ``"3"`` is not 3); an
     # integer is a number where a float is asked. No inf or nan anywhere.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _paths_as_text(cls, value):
+        return os.fspath(value) if isinstance(value, os.PathLike) else value  # the Python API's pathlib paths
 
 
 class ModelConfig(_Section):

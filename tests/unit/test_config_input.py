@@ -81,6 +81,10 @@ def test_booleans_integers_and_text_are_strict(setting):
         load_config(None, [setting])
 
 
+def test_paths_given_through_the_python_api_are_text(tmp_path):
+    assert validate({"data": {"path": tmp_path / "d.jsonl"}}).data.path == str(tmp_path / "d.jsonl")
+
+
 def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
     """YAML 1.1 reads ``1e-4`` (no dot) as text; with strict numbers the loader must read it as YAML 1.2 does."""
     path = tmp_path / "run.yaml"
