@@ -1,5 +1,7 @@
 """examples/slurm and examples/kubernetes: the scripts run as written, with stand-ins for Slurm's
-srun and scontrol that start the tasks on this machine; the manifest agrees with the CLI."""
+srun and scontrol that start the tasks on this machine; the Kubeflow Trainer v2 manifests validate
+against the Trainer API's published models (kubeflow-trainer-api) and agree with the CLI, and the
+TrainJob's command runs as two "nodes" here with the variables the torch runtime gives each pod."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubeflow_trainer_api import models as trainer_api
 
 from tests.helpers.runs import REPO, TINY, losses
 from toolkit.parallel import free_port
@@ -28,6 +31,17 @@ rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
 SCONTROL = "#!/bin/bash\necho 127.0.0.1\n"
 
 
+def _tiny_config(path: Path, data_cache: Path) -> Path:
+    """The TINY run as a YAML config file."""
+    sets = dict(s.split("=", 1) for s in [*TINY, f"data.cache_dir={data_cache}"])
+    raw: dict = {}
+    for key, value in sets.items():
+        section, field = key.split(".")
+        raw.setdefault(section, {})[field] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 def _sbatch(script: str, tmp_path: Path, data_cache: Path, tasks_per_node: int, **env) -> subprocess.CompletedProcess:
     """Run an sbatch script as Slurm would on the first node of a 2-node allocation."""
     bin_dir = tmp_path / "bin"
@@ -35,13 +49,7 @@ def _sbatch(script: str, tmp_path: Path, data_cache: Path, tasks_per_node: int, 
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    config = tmp_path / "config.yaml"
-    sets = dict(s.split("=", 1) for s in [*TINY, f"data.cache_dir={data_cache}"])
-    raw: dict = {}
-    for key, value in sets.items():
-        section, field = key.split(".")
-        raw.setdefault(section, {})[field] = yaml.safe_load(value)
-    config.write_text(yaml.safe_dump(raw))
+    config = _tiny_config(tmp_path / "config.yaml", data_cache)
     slurm = {"SLURM_JOB_NAME": "toolkit-test", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2",
              "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_NTASKS": str(2 * tasks_per_node),
              "SLURM_GPUS_ON_NODE": str(tasks_per_node)}
@@ -74,7 +82,116 @@ def test_sbatch_scripts_parse():
         subprocess.run(["bash", "-n", str(REPO / "examples/slurm" / script)], check=True)
 
 
-def test_pytorchjob_node_count_and_rank_wiring_agree_with_the_cli():
+KUBE = REPO / "examples/kubernetes"
+
+
+def _manifest(name: str) -> dict:
+    return yaml.safe_load((KUBE / name).read_text())
+
+
+def api_problems(manifest: dict, model) -> list[str]:
+    """Why ``manifest`` is not a valid object of the Trainer API's ``model``: a field of the wrong type
+    (the model refuses it), or one the API does not have (the generated models drop unknown keys
+    silently, so the manifest must survive a round trip unchanged)."""
+    try:
+        parsed = model.from_dict(manifest)
+    except ValueError as exc:  # pydantic's ValidationError
+        return [str(exc)]
+    return [f"{path}: {what}" for path, what in _differences(manifest, parsed.to_dict())]
+
+
+def _differences(given, kept, path: str = "") -> list[tuple[str, str]]:
+    if isinstance(given, dict) and isinstance(kept, dict):
+        out = [(f"{path}.{k}", "not a field of the API") for k in given if k not in kept]
+        return out + [d for k in given if k in kept for d in _differences(given[k], kept[k], f"{path}.{k}")]
+    if isinstance(given, list) and isinstance(kept, list) and len(given) == len(kept):
+        return [d for i, (g, k) in enumerate(zip(given, kept)) for d in _differences(g, k, f"{path}[{i}]")]
+    return [] if given == kept else [(path, f"{given!r} read back as {kept!r}")]
+
+
+def test_trainjob_and_runtime_validate_against_the_trainer_v2_models():
+    runtime, job = _manifest("runtime.yaml"), _manifest("trainjob.yaml")
+    assert (runtime["apiVersion"], runtime["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime")
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert api_problems(runtime, trainer_api.TrainerV1alpha1TrainingRuntime) == []
+    assert api_problems(job, trainer_api.TrainerV1alpha1TrainJob) == []
+
+
+def test_the_api_check_catches_a_wrong_field_and_a_wrong_type():
+    job = _manifest("trainjob.yaml")
+    job["spec"]["trainer"]["numProcsPerNode"] = job["spec"]["trainer"].pop("numProcPerNode")  # misspelled
+    assert api_problems(job, trainer_api.TrainerV1alpha1TrainJob) == [
+        ".spec.trainer.numProcsPerNode: not a field of the API"]
+    job = _manifest("trainjob.yaml")
+    job["spec"]["trainer"]["numNodes"] = "2"
+    assert "numNodes" in api_problems(job, trainer_api.TrainerV1alpha1TrainJob)[0]
+
+
+def _node_container(runtime: dict) -> tuple[dict, dict]:
+    """The runtime's trainer Job spec and its "node" container (where the torch runtime puts PET_*)."""
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    trainer = [j for j in jobs if j["template"]["metadata"]["labels"].get(
+        "trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"]
+    assert len(trainer) == 1 and trainer[0]["name"] == "node"
+    job_spec = trainer[0]["template"]["spec"]
+    containers = [c for c in job_spec["template"]["spec"]["containers"] if c["name"] == "node"]
+    assert len(containers) == 1
+    return job_spec, containers[0]
+
+
+def test_trainjob_wiring_agrees_with_the_cli_and_the_runtime():
+    runtime, job = _manifest("runtime.yaml"), _manifest("trainjob.yaml")
+    ref, trainer = job["spec"]["runtimeRef"], job["spec"]["trainer"]
+    assert (ref["kind"], ref["name"]) == (runtime["kind"], runtime["metadata"]["name"])
+    assert "torch" in runtime["spec"]["mlPolicy"]  # the runtime that sets the PET_* variables
+    job_spec, node = _node_container(runtime)
+    assert trainer["image"] == node["image"]
+    # N nodes x M GPUs: PET_NPROC_PER_NODE is numProcPerNode only when set (else "auto", which
+    # --nproc refuses), and must equal the GPUs per pod.
+    assert trainer["numNodes"] >= 2 and trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+    script = trainer["args"][0]
+    assert trainer["command"] == ["bash", "-c"] and script.lstrip().startswith("exec toolkit train ")
+    for flag, var in (("--nproc", "PET_NPROC_PER_NODE"), ("--nnodes", "PET_NNODES"), ("--node-rank", "PET_NODE_RANK"),
+                      ("--rdzv-endpoint", "PET_MASTER_ADDR:$PET_MASTER_PORT")):
+        assert f'{flag} "${var}"' in script, flag
+    # One owner of restarts: the toolkit's supervisor; the controller retries nothing but preemption.
+    assert "--max-restarts" in script
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 0
+    assert job_spec["backoffLimit"] == 0 and job_spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert job_spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onExitCodes": {"containerName": "node", "operator": "In", "values": [75]}}]
+    from toolkit.launch.agent import PREEMPTED_EXIT
+    assert PREEMPTED_EXIT == 75
+    mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
+    volumes = {v["name"]: v for v in job_spec["template"]["spec"]["volumes"]}
+    assert {"/runs", "/dev/shm", "/config", "/data"} <= set(mounts) and set(mounts.values()) <= set(volumes)
+    assert "persistentVolumeClaim" in volumes[mounts["/runs"]] and "--run-dir /runs/" in script
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.slow
+def test_trainjob_command_trains_on_two_nodes_with_the_torch_runtime_variables(tmp_path, data_cache):
+    """The TrainJob's script, run as the pods of a 2-node job run it: each with the PET_* values the
+    torch runtime injects (node rank from the Job's completion index, node 0's address), the
+    mounts (/config, /runs) pointed at folders here."""
+    script = _manifest("trainjob.yaml")["spec"]["trainer"]["args"][0]
+    config = _tiny_config(tmp_path / "config.yaml", data_cache)
+    script = script.replace("/config/config.yaml", str(config)).replace("/runs/", f"{tmp_path}/runs/")
+    port = str(free_port())
+    nodes = [subprocess.Popen(["bash", "-c", script], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env={**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(rank),
+                                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port,
+                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+             for rank in range(2)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_dir = tmp_path / "runs" / "toolkit-train"
+    assert len(losses(run_dir)) == 6 and (run_dir / "hf_final" / "config.json").is_file()
+    assert "1 rank(s) x 2 node(s)" in outputs[0]
+
+
+def test_legacy_pytorchjob_node_count_and_rank_wiring_agree_with_the_cli():
     job = yaml.safe_load((REPO / "examples/kubernetes/pytorchjob.yaml").read_text())
     assert job["kind"] == "PyTorchJob"
     specs = job["spec"]["pytorchReplicaSpecs"]
