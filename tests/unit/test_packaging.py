@@ -107,8 +107,8 @@ def _install_sh_with(tmp_path: Path, torch_cuda: str, nvcc_release: str | None, 
     and the DeepSpeed build variables it was started with."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    scripts = {"python": f"#!/bin/bash\necho '{torch_cuda}'\n",
-               "pip": "#!/bin/bash\necho \"pip $* | DS_ACCELERATOR=${DS_ACCELERATOR:-} DS_BUILD_FUSED_ADAM=${DS_BUILD_FUSED_ADAM:-}\"\n"}
+    ds_env = "DS_ACCELERATOR=${DS_ACCELERATOR:-} DS_BUILD_FUSED_ADAM=${DS_BUILD_FUSED_ADAM:-}"
+    scripts = {"python": f"#!/bin/bash\necho '{torch_cuda}'\n", "pip": f'#!/bin/bash\necho "pip $* | {ds_env}"\n'}
     if nvcc_release:
         scripts["nvcc"] = f"#!/bin/bash\necho 'Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.88'\n"
     for name, text in scripts.items():
@@ -148,3 +148,14 @@ def test_gpu_image_prebuilds_fused_adam_only_with_an_nvcc_of_torchs_cuda(tmp_pat
         assert not deepspeed_built and "NOT prebuilding DeepSpeed's FUSED_ADAM" in proc.stdout
         assert "torch.optim.AdamW(fused=True)" in proc.stdout
     assert pips[-1].split(" | ")[0].endswith(f"-e {REPO}[megatron]")
+
+
+@pytest.mark.parametrize("kind,dockerfile", [("gpu", "docker/Dockerfile"), ("cpu", "docker/Dockerfile.cpu")])
+def test_make_image_targets_build_each_dockerfile(kind, dockerfile):
+    """`make image-gpu` / `image-cpu` (docs/docker.md): docker where an engine answers, else the podman
+    recipe this machine builds with; the GPU image is too large for CI, so only the target is checked."""
+    plan = subprocess.run(["make", "-n", f"image-{kind}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert f"docker build -f {dockerfile} -t hf-parallel-toolkit:{kind} ." in plan
+    assert f"-m tests.helpers.container_image --build {kind}" in plan
+    from tests.helpers import container_image
+    assert container_image.IMAGES[kind][0] == dockerfile
