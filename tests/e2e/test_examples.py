@@ -1,7 +1,7 @@
 """examples/slurm and examples/kubernetes: the scripts run as written, with stand-ins for Slurm's
 srun and scontrol that start the tasks on this machine; the Kubeflow Trainer v2 manifests validate
 against the Trainer API's published models (kubeflow-trainer-api) and agree with the CLI, and the
-TrainJob's command runs as two "nodes" here with the variables the torch runtime gives each pod."""
+TrainJob's command gives `toolkit train` each pod's place from the variables the torch runtime sets."""
 from __future__ import annotations
 
 import os
@@ -169,26 +169,38 @@ def test_trainjob_wiring_agrees_with_the_cli_and_the_runtime():
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
 
 
-@pytest.mark.slow
-def test_trainjob_command_trains_on_two_nodes_with_the_torch_runtime_variables(tmp_path, data_cache):
-    """The TrainJob's script, run as the pods of a 2-node job run it: each with the PET_* values the
-    torch runtime injects (node rank from the Job's completion index, node 0's address), the
-    mounts (/config, /runs) pointed at folders here."""
+def _trainjob_command_args(tmp_path: Path, **pet: str) -> list[str]:
+    """What `toolkit train` receives from the TrainJob's command in a pod given the torch runtime's
+    ``PET_*`` values: the script run by bash with a stand-in `toolkit` that writes its arguments."""
     script = _manifest("trainjob.yaml")["spec"]["trainer"]["args"][0]
-    config = _tiny_config(tmp_path / "config.yaml", data_cache)
-    script = script.replace("/config/config.yaml", str(config)).replace("/runs/", f"{tmp_path}/runs/")
-    port = str(free_port())
-    nodes = [subprocess.Popen(["bash", "-c", script], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env={**os.environ, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(rank),
-                                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port,
-                                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-             for rank in range(2)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    run_dir = tmp_path / "runs" / "toolkit-train"
-    assert len(losses(run_dir)) == 6 and (run_dir / "hf_final" / "config.json").is_file()
-    assert "1 rank(s) x 2 node(s)" in outputs[0]
+    bin_dir, out = tmp_path / "bin", tmp_path / "argv"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "toolkit").write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {out}\n")
+    (bin_dir / "toolkit").chmod(0o755)
+    subprocess.run(["bash", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin", **pet}, check=True, timeout=30)
+    return out.read_text().splitlines()
+
+
+def test_trainjob_command_maps_the_torch_runtime_variables_to_the_cli(tmp_path):
+    """The pods of a 2-node job with the values the torch runtime injects (node rank from the Job's
+    completion index, node 0's DNS name, port 29500): `toolkit train`'s own parser reads them as this
+    pod's place in the job, and the pod is an agent that starts its ranks. The launch path those flags
+    take is the one examples/slurm/train.sbatch runs for real above (one agent per node, c10d
+    rendezvous on node 0). Left "auto" (numProcPerNode unset), --nproc is refused."""
+    from toolkit.cli import _parser
+    from toolkit.parallel import launched_externally
+    pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "8", "PET_MASTER_ADDR": "toolkit-train-node-0-0.toolkit-train",
+           "PET_MASTER_PORT": "29500"}
+    for rank in range(2):
+        argv = _trainjob_command_args(tmp_path, **pet, PET_NODE_RANK=str(rank))
+        args = _parser().parse_args(argv)
+        assert (args.command, args.config, args.run_dir) == ("train", "/config/config.yaml", "/runs/toolkit-train")
+        assert (args.nproc, args.nnodes, args.min_nnodes, args.node_rank) == (8, 2, 2, rank)
+        assert args.rdzv_endpoint == "toolkit-train-node-0-0.toolkit-train:29500" and args.max_restarts == 3
+        assert launched_externally(own_rendezvous=args.rdzv_endpoint is not None) is False
+    auto = _trainjob_command_args(tmp_path, **{**pet, "PET_NPROC_PER_NODE": "auto"}, PET_NODE_RANK="0")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(auto)
 
 
 def test_legacy_pytorchjob_node_count_and_rank_wiring_agree_with_the_cli():
