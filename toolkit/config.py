@@ -130,7 +130,8 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(4, ge=1, description="samples per forward of a rank")
     lr: float = Field(3e-3, ge=0, description="the peak learning rate; 0 holds the weights fixed, a negative one "
                                               "would climb the loss")
-    min_lr: float = Field(3e-4, ge=0, description="the learning rate the schedule decays to")
+    min_lr: float | None = Field(None, ge=0, description="the learning rate the schedule decays to; "
+                                                        "default: lr / 10")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(20, ge=0, description="steps of linear warmup to lr; 0: none")
     weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled decay; 0: none")
@@ -153,9 +154,11 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> "TrainConfig":
+        if self.min_lr is None:  # follows lr, so setting a lower lr alone is never refused
+            # object.__setattr__: validate_assignment would rerun this validator
+            object.__setattr__(self, "min_lr", self.lr / 10)
         if self.min_lr > self.lr:  # the schedule would climb from lr to min_lr
-            default = "" if "min_lr" in self.model_fields_set else " (its default)"
-            raise ValueError(f"train.min_lr={self.min_lr}{default} is above train.lr={self.lr}: the schedule decays "
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
                              "from lr to min_lr; set train.min_lr <= train.lr (0 decays to zero, equal keeps lr "
                              "constant)")
         return self

@@ -21,7 +21,6 @@ OUT_OF_RANGE = {
     "train.warmup_steps=-5": r"train.warmup_steps=-5 must be >= 0",
     "train.min_lr=-1e-5": r"train.min_lr=-1e-05 must be >= 0",
     "train.min_lr=0.01": r"train.min_lr=0.01 is above train.lr=0.003: the schedule decays from lr to min_lr",
-    "train.lr=1e-4": r"train.min_lr=0.0003 \(its default\) is above train.lr=0.0001",
     "train.weight_decay=-0.1": r"train.weight_decay=-0.1 must be >= 0",
     "train.grad_clip=-1": r"train.grad_clip=-1 must be >= 0",
     "train.adam_beta1=1": r"train.adam_beta1=1 must be < 1",
@@ -59,6 +58,14 @@ def test_bounds_that_mean_off_or_equal_are_accepted():
     assert cfg.train.grad_clip == 0 and cfg.train.min_lr == cfg.train.lr == 3e-3
     frozen = load_config(None, ["train.lr=0", "train.min_lr=0"])  # weights held fixed: losses measured on them
     assert frozen.train.lr == frozen.train.min_lr == 0
+
+
+def test_min_lr_follows_lr_unless_set():
+    """A lower ``train.lr`` alone is a fine-tuning run's usual setting: its floor follows it (lr / 10, the
+    default lr's 3e-4 as before), so it is never refused for a floor the user did not set."""
+    assert load_config(None, ["train.lr=1e-5"]).train.min_lr == pytest.approx(1e-6)
+    assert load_config(None, []).train.min_lr == pytest.approx(3e-4)
+    assert load_config(None, ["train.lr=1e-5", "train.min_lr=0"]).train.min_lr == 0
 
 
 STRICT = {
