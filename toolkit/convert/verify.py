@@ -89,7 +89,8 @@ def _check_transformers_knows(source: Source, report: Report) -> None:
 
 def _model(source: Source, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32,
+                                             trust_remote_code=False)
     state = {n: source.read(n).to(dtype).float() for n in source.names()}
     from toolkit.families import find_family, pack
     state = pack(find_family(source.model_type), model.config, state)  # MoE: experts into their module

@@ -166,7 +166,9 @@ def _data_line(cfg: RunConfig, data) -> str:
     evals = f", {len(data.eval)} eval rows" if data.eval is not None else ""
     return (f"# data: {cfg.data.path} - {data.num_documents} documents, {data.num_tokens} tokens -> "
             f"{len(data.train)} train rows of {cfg.data.seq_len} ({data.packing}){evals}; tokenized and packed "
-            f"into {data_cache_dir(cfg)}, where the run reads them")
+            f"into {data_cache_dir(cfg)}, where the run reads them"
+            + (f"; {data.num_identical_pairs} of {data.num_pairs} pairs dropped: their chosen and rejected answers "
+               "are the same" if data.num_identical_pairs else ""))
 
 
 def _launch(plan: Plan, nodes: Nodes, state) -> int:
@@ -202,8 +204,20 @@ def _run_ranks(cfg: RunConfig, nodes: Nodes, plan_path: Path, env: dict[str, str
     print(f"toolkit: {cfg.backend} on {cfg.nproc} rank(s) x {nodes.nnodes} node(s); run dir {cfg.run_dir}", flush=True)
     code = _run_supervised(spec, entrypoint, [*lead, str(plan_path)], env)
     if code == 0:
-        print(f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, model in {cfg.run_dir}/hf_final", flush=True)
+        print(done_line(cfg), flush=True)
     return code
+
+
+def done_line(cfg: RunConfig) -> str:
+    """What a finished run left, as it left it (no hf_final where train.export_hf=false)."""
+    if not cfg.train.export_hf:
+        model = ("no model written (train.export_hf=false, checkpoint.every=0)" if not cfg.checkpoint.every else
+                 f"no hf_final (train.export_hf=false); the last checkpoint holds the model: toolkit convert "
+                 f"{cfg.run_dir} DIR writes it as an HF model")
+    else:
+        model = f"model in {cfg.run_dir}/hf_final" + (f", LoRA adapter in {cfg.run_dir}/adapter" if cfg.lora.enabled
+                                                       else "")
+    return f"toolkit: done; metrics in {cfg.run_dir}/metrics.jsonl, {model}"
 
 
 def _rank_entrypoint(cfg: RunConfig):

@@ -109,10 +109,13 @@ class Trainer:
         if data.packing != "concat":
             handled = "split" if d.overflow == "split" else "dropped"
             line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({handled})"
+        if data.num_identical_pairs:  # no margin to learn from (toolkit/data/templates.py)
+            line += (f"; {data.num_identical_pairs:,} of {data.num_pairs:,} pairs dropped: their chosen and "
+                     "rejected answers are the same")
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,
-                          "overflow": d.overflow})
+                          "overflow": d.overflow, "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         self.hooks.before_step(self.step + 1)
