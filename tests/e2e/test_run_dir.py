@@ -153,6 +153,28 @@ def test_read_only_places_are_one_message_with_the_path_in_every_command(tmp_pat
     assert not any(ro.iterdir())
 
 
+def test_a_read_that_fails_in_inspect_is_one_message_with_the_path(tmp_path, alone):
+    """A read that fails on a file already open carries no path: the command names its own (before:
+    an OSError traceback). The failing read is real: config.json links to /proc/self/mem (EIO at 0)."""
+    src = tmp_path / "hf"
+    shutil.copytree(alone / "hf_final", src)
+    (src / "config.json").unlink()
+    (src / "config.json").symlink_to("/proc/self/mem")
+    code, out, err = refused(["inspect", str(src)])
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert f"toolkit: error: {src}: input/output error (EIO)" in err
+
+
+def test_convert_onto_a_full_disk_names_it_however_torch_words_it(tmp_path, alone):
+    """Before: torch's RuntimeError('... unexpected pos ...') as a traceback."""
+    disk = tmp_path / "disk"
+    with small_disk(disk, 2 << 20):  # the tiny model's 5 MB of fp32 weights do not fit
+        code, out, err = refused(["convert", str(alone / "hf_final"), str(disk / "out"), "--to", "zero"])
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert f"the disk holding {disk} is full" in err and f"{disk / 'out'} was not written" in err
+        assert not any(disk.iterdir())  # the staging folder is dropped: the room is back
+
+
 def test_verify_of_a_model_type_transformers_lacks_is_one_message(tmp_path, alone):
     """The conversion is done, but --verify's logits need a transformers model: say so, with the
     tensors' result, exit 2 (before: a ValueError traceback listing every model type)."""
