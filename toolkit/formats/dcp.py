@@ -28,6 +28,7 @@ from toolkit.formats.dcp_metadata import load_metadata
 from toolkit.formats.describe import ACCELERATE_MODEL, ACCELERATE_OPTIM, describe_dcp
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.megatron import read_region
+from toolkit.formats.safeload import refused_global
 
 ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
 HPARAMS = ("lr", "betas", "eps", "weight_decay")
@@ -245,10 +246,10 @@ def unpickle_item(data: bytes, where, key: str):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        raise ConvertError(f"{where}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: an "
-                           "optimizer's hyperparameters are plain numbers, and unpickling anything else could run "
-                           "code (do not trust this checkpoint)") from None
+        name, _ = refused_global(exc)
+        raise ConvertError(f"{where}: refusing to unpickle {name or 'a class'} in {key}: an optimizer's "
+                           "hyperparameters are plain numbers, and unpickling anything else could run code (do not "
+                           "trust this checkpoint)") from None
 
 
 class _BytesPlanner:
