@@ -137,7 +137,7 @@ class TokenLayout:
         ``document_ids`` is one span); read once per micro-batch, for the CPU's attention only.
 
         The read is made outside torch's function modes: on the CPU it waits for nothing, and
-        ``device.SyncCounter``, which counts on the CPU what would make a GPU's host wait, would
+        ``syncs.SyncCounter``, which counts on the CPU what would make a GPU's host wait, would
         count a read no GPU run makes (``attend`` calls this on CPU tensors only)."""
         if "spans" not in self._memo:
             b, s = self.position_ids.shape

@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from toolkit import device
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
@@ -28,6 +27,7 @@ from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
+from toolkit.syncs import strict_sync_counter
 from toolkit.train.reference import ReferenceScores, check_resumed, prepare_reference
 from toolkit.train.schedule import lr_at
 
@@ -35,8 +35,9 @@ from toolkit.train.schedule import lr_at
 class Trainer:
     """One rank's training loop over any ``Engine`` (``toolkit.build_engine``): ``fit()`` trains
     ``plan.config.train.steps`` global batches of ``data`` (``PackedData``), resuming from ``run_dir``'s
-    newest complete checkpoint when ``resume=auto``, and writes ``run_dir``/metrics.jsonl, checkpoints
-    and ``run_dir``/hf_final (``train.export_hf``). Needs the job's process group."""
+    newest complete checkpoint of its run (``checkpoint/lineage.py``) when ``resume=auto`` and on every
+    restart, and writes ``run_dir``/metrics.jsonl, checkpoints and ``run_dir``/hf_final (``train.export_hf``).
+    Needs the job's process group."""
 
     def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path,
                  heartbeat: Heartbeat | None = None):
@@ -71,7 +72,7 @@ class Trainer:
         if self.dpo:  # before a checkpoint loads: the engine still holds the starting model
             self.reference = prepare_reference(self.cfg, self.engine, self.data, log=self.metrics.note,
                                                beat=self._phase("load"))
-        if self.cfg.resume == "auto":
+        if self.cfg.resume == "auto" or self._recovering:  # a restart continues this run, --resume never too
             self._phase("load")
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
@@ -108,19 +109,22 @@ class Trainer:
         if data.packing != "concat":
             handled = "split" if d.overflow == "split" else "dropped"
             line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({handled})"
+        if data.num_identical_pairs:  # no margin to learn from (toolkit/data/templates.py)
+            line += (f"; {data.num_identical_pairs:,} of {data.num_pairs:,} pairs dropped: their chosen and "
+                     "rejected answers are the same")
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,
-                          "overflow": d.overflow})
+                          "overflow": d.overflow, "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         self.hooks.before_step(self.step + 1)
         self.monitor.add_busy(time.perf_counter() - tic)  # data wait (and an injected delay) count as busy
         if self.profiler:
             self.profiler.before_step(self.step + 1)
-        with device.strict_sync_counter() as syncs:
+        with strict_sync_counter() as syncs:
             stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, self.cfg.train))
-        if syncs is not None:  # strict mode: what would make a GPU's host wait (toolkit/device.py)
+        if syncs is not None:  # strict mode: what would make a GPU's host wait (toolkit/syncs.py)
             stats.extra["host_syncs"] = syncs.total
         self.step += 1
         self._after_profiled_step()
