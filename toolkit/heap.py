@@ -6,16 +6,17 @@ threshold, up to 32 MiB on 64-bit). From then on every tensor below it, a ``[tok
 activation of 8,192 tokens and hidden 512 is 16 MiB, comes from the heap, and a heap gives pages back
 only from its top: transients freed between long-lived activations stay resident and are reused only
 by blocks that fit. A training rank at long sequences holds gigabytes that way (Llama hidden 512, 4
-layers, 16,384 tokens, ZeRO-2, ``zero.sp=2``: 725 MB of free heap at the step's peak, 1,534 MB after
-it, and its RSS growth 0.74-0.80x of DP2's with run-to-run spread instead of the 0.52 of its saved
-activations), so long sequences look unscaled and host-side runs (CPU, offload) run out sooner.
+layers, 16,384 tokens, ZeRO-2, ``zero.sp=2``: 1.6 GB of free heap still held after a step, and the
+step's RSS growth 0.61x of DP2's where its saved activations are 0.52x; fixed: 0.52x, and 40 MB held),
+so long sequences look unscaled and host-side runs (CPU, offload) run out sooner.
 
 ``return_large_frees`` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the dynamic
 raise off): every block of ``DEFAULT_MMAP_THRESHOLD`` or more is a mapping of its own, unmapped on
 free. Smaller blocks (most Python objects, small tensors) keep the heap's speed; the price of the
-large ones is an mmap/munmap and fresh zeroed pages per allocation, within step-time noise in
-``benchmarks/host_memory.py``. Every rank calls it first thing (``train/worker.py``), and so does
-``toolkit convert``.
+large ones is an mmap/munmap and fresh pages the kernel zeroes per allocation: on a CPU run, where
+the activations are host memory, about 10% of a step at 8,192 tokens per rank (2.3x the page faults;
+``benchmarks/host_memory.py``, docs/long-context.md#host-memory). Every rank calls it first thing
+(``train/worker.py``), and so does ``toolkit convert``.
 
 ``THRESHOLD_ENV`` (``TOOLKIT_MMAP_THRESHOLD``) tunes it for a process: a size in bytes (``4194304``,
 ``4M``, ``512K``, ``8MiB``), at most glibc's 32 MiB; ``0`` or ``off`` keeps glibc's dynamic threshold.
