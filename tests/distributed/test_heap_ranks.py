@@ -37,5 +37,6 @@ def _rank(rank: int, world: int) -> dict:
 
 
 def test_each_rank_applies_its_environments_threshold(tmp_path):
-    assert run_ranks(_rank, 3, tmp_path) == [{"6M": True, "16M": True}, {"6M": False, "16M": True},
-                                             {"6M": False, "16M": False}]
+    assert run_ranks(_rank, 3, tmp_path) == [{"1M": False, "6M": True, "16M": True},
+                                             {"1M": False, "6M": False, "16M": True},
+                                             {"1M": False, "6M": False, "16M": False}]

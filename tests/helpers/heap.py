@@ -8,9 +8,9 @@ import json
 import sys
 
 MIB = 2**20
-SIZES = (6 * MIB, 16 * MIB)
-"""Probed after a 24 MiB block was freed: with glibc's dynamic threshold both now come from the heap;
-with the toolkit's 4 MiB both are mapped; with 8M only the 16 MiB one."""
+SIZES = (MIB, 6 * MIB, 16 * MIB)
+"""Probed after a 24 MiB block was freed: with glibc's dynamic threshold all three now come from the
+heap; with the toolkit's 4 MiB the two above it are mapped; with 8M only the 16 MiB one."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -27,8 +27,8 @@ def _libc():
 
 
 def mapped_blocks() -> dict[str, bool]:
-    """{"6M": mapped?, "16M": mapped?} in this process, after freeing a 24 MiB block (which raises a
-    dynamic threshold above both)."""
+    """{"1M": mapped?, "6M": mapped?, "16M": mapped?} in this process, after freeing a 24 MiB block
+    (which raises a dynamic threshold above all three)."""
     libc = _libc()
     libc.free(libc.malloc(24 * MIB))
     found = {}

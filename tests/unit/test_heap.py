@@ -1,8 +1,8 @@
 """glibc's mmap threshold, fixed so freed tensors of a few MB go back to the OS (``toolkit/heap.py``).
 
 The setting is process-wide and cannot be undone, so what it does is probed in fresh processes
-(``tests/helpers/heap.py``: whether glibc maps a 6 MiB and a 16 MiB block after a 24 MiB free, which
-with its dynamic threshold sends both to the heap). That every rank applies it first thing is
+(``tests/helpers/heap.py``: whether glibc maps a 1, a 6 and a 16 MiB block after a 24 MiB free, which
+with its dynamic threshold sends all three to the heap). That every rank applies it first thing is
 ``tests/distributed/test_heap_ranks.py``.
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ def test_a_bad_threshold_names_the_variable_and_the_fix(raw, message):
 
 @glibc
 @pytest.mark.parametrize("raw,threshold,mapped", [
-    (None, DEFAULT_MMAP_THRESHOLD, {"6M": True, "16M": True}),  # the default: every block from 4 MiB is mapped
-    ("8M", 8 << 20, {"6M": False, "16M": True}),  # tuned
-    ("off", None, {"6M": False, "16M": False}),  # glibc's own: its threshold rose past both
+    (None, DEFAULT_MMAP_THRESHOLD, {"1M": False, "6M": True, "16M": True}),  # the default: blocks from 4 MiB mapped
+    ("8M", 8 << 20, {"1M": False, "6M": False, "16M": True}),  # tuned
+    ("off", None, {"1M": False, "6M": False, "16M": False}),  # glibc's own: its threshold rose past all three
 ])
 def test_glibc_maps_the_blocks_the_setting_names(raw, threshold, mapped):
     env = {k: v for k, v in os.environ.items() if k != THRESHOLD_ENV} | ({THRESHOLD_ENV: raw} if raw else {})
