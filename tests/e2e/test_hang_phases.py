@@ -136,3 +136,24 @@ def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(tmp_path, 
     stacks = {r: (run_dir / "stacks" / f"rank_{r:05d}.txt").read_text() for r in (0, 1)}
     assert "rank 1 silent in phase 'save' (step 4" in stacks[1] and "in_save" in stacks[1]
     assert "rank 0 silent in phase 'load' (step 2" in stacks[0] and "in_load" in stacks[0]
+
+
+@pytest.mark.slow
+def test_a_hang_in_the_step_after_a_save_or_an_eval_is_judged_by_the_step_budget(tmp_path, data_cache, uninterrupted):
+    """The save of step 2 and the eval of step 3 beat their phases, whose budgets (60 s) are far above
+    the hang timeout; the step after each beats ``step`` from its start. Rank 1 stops inside step 3 (after
+    the save): caught within the step budget and named "step"; the restart resumes step 2 and evaluates
+    at step 3, then rank 0 stops inside step 4: "step" again. Before the step beat its own phase, the
+    first hang waited out the save budget and was named "save", the second "eval"."""
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, *PHASES, "train.eval_every=3", "restart.save_timeout_s=60",
+          "restart.eval_timeout_s=60", "restart.load_timeout_s=120",
+          env={"TOOLKIT_FAULT": "hang_in_step:step=3:rank=1;hang_in_step:step=4:rank=0"})
+    hangs = [e for e in events(run_dir) if e["kind"] == "hang"]
+    assert [(h["phase"], h["stuck_ranks"], h["step"]) for h in hangs] == [("step", [1], 2), ("step", [0], 3)], hangs
+    for h in hangs:
+        assert set(h["budgets_s"].values()) == {HANG_TIMEOUT_S}, h
+        assert h["seconds_without_progress"] < 30, h  # judged by the step's 4 s, not the save's or eval's 60 s
+    assert losses(run_dir) == uninterrupted
+    assert resumes(run_dir) == [("step_00000002", 2, "as saved")] * 2
+    assert [r["step"] for r in rows(run_dir) if "eval_loss" in r] == [3, 3, 6]  # the eval before the second hang
