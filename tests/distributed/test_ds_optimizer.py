@@ -94,6 +94,26 @@ def test_failed_build_falls_back_to_torch_adamw_with_the_same_math(offload, tmp_
         assert moved < WEIGHT_RTOL, (name, moved.item())
 
 
+def _one_rank_fails(rank, world):
+    """``with_available_adam`` where only rank 1's FusedAdam build fails."""
+    from toolkit.adapters.ds_optimizer import with_available_adam
+    cls, raising = failing_build(BUILDER[False])
+    if rank == 1:
+        cls.load = raising
+    resolved, choice = with_available_adam({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                            "zero_optimization": {"stage": 2}})
+    return {"params": resolved["optimizer"]["params"], **choice.record()}
+
+
+def test_when_one_ranks_build_fails_every_rank_falls_back(tmp_path):
+    """Ranks must step alike: the kernel that built on rank 0 is not used there either."""
+    got = run_ranks(_one_rank_fails, 2, tmp_path)
+    assert [g["optimizer"] for g in got] == ["torch.optim.AdamW(fused=True)"] * 2, got
+    assert got[0]["params"] == got[1]["params"] == {"lr": 1e-3, "torch_adam": True, "fused": True}
+    assert got[0]["fallback_reason"] == "DeepSpeed's FusedAdam did not load: it did not load on another rank"
+    assert "RuntimeError: simulated" in got[1]["fallback_reason"]
+
+
 def _worker_with_failing_build(plan_path: str, builder: str, port: int) -> None:
     """One rank of ``toolkit train`` (the worker's own entry) in which the op build fails."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
