@@ -154,6 +154,18 @@ def test_config_pairs_dpo_with_preference_data():
     assert (cfg.dpo.beta, cfg.dpo.loss, cfg.dpo.label_smoothing) == (0.1, "sigmoid", 0.0)
 
 
+@pytest.mark.parametrize("split", ["zero.sp=2", "backend=megatron;megatron.cp=2"])
+def test_dpo_refuses_splitting_a_row_over_ranks(split):
+    """An answer's log-probability sum would be split over the ranks of its row (Ulysses / context parallel)."""
+    from toolkit.config import ConfigError, load_config
+    key = split.split(";")[-1].split("=")[0]
+    dpo = ["data.template=preference", "train.objective=dpo"]
+    with pytest.raises(ConfigError, match=rf"train.objective=dpo does not run with {key}=2 yet .*set {key}=1"):
+        load_config(None, [*dpo, *split.split(";")])
+    assert load_config(None, split.split(";")).train.objective == "sft"  # the split itself is fine
+    assert load_config(None, [*dpo, split.split(";")[0]] if ";" in split else dpo).train.objective == "dpo"
+
+
 def test_resume_refuses_other_reference_scores():
     from toolkit.train.reference import check_resumed
     check_resumed(None, "abc")  # a checkpoint from before DPO recorded keys: nothing to compare
