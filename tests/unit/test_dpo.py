@@ -174,6 +174,39 @@ def test_resume_refuses_other_reference_scores():
         check_resumed("abc", "xyz")
 
 
+def _packed(documents: list[int], eval_documents: list[int]):
+    """What ``reference_key`` reads of the packed data: both sets' per-row document counts and fingerprints."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    return SimpleNamespace(train=Dataset.from_dict({"num_documents": documents}),
+                           eval=Dataset.from_dict({"num_documents": eval_documents}))
+
+
+def test_reference_scores_key_changes_with_the_data_the_base_and_its_dtype(tmp_path):
+    """Cached reference scores are reused only for the same rows scored by the same base in the same dtype:
+    a base of the same shapes with other weights (a fine-tune of it), other rows of either set, another dtype
+    each make another key; a copy of the same base elsewhere (another node's disk) makes the same key."""
+    import shutil
+
+    from toolkit.config import load_config
+    from toolkit.families.tiny import tiny_model
+    from toolkit.train.reference import reference_key
+    for seed in (0, 1):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / f"base{seed}")
+    shutil.copytree(tmp_path / "base0", tmp_path / "copy_of_base0")
+
+    def key(base="base0", dtype="fp32", data=((2, 4, 2), (2, 2))):
+        cfg = load_config(None, ["data.template=preference", "train.objective=dpo", "model.init=pretrained",
+                                 f"model.name_or_path={tmp_path / base}", f"model.dtype={dtype}"])
+        return reference_key(cfg, _packed(*map(list, data)))[0]
+    same = key()
+    assert key() == same and key("copy_of_base0") == same
+    others = {"other weights": key("base1"), "bf16": key(dtype="bf16"), "other train rows": key(data=((2, 4, 4), (2, 2))),
+              "other eval rows": key(data=((2, 4, 2), (2, 4)))}
+    assert same not in others.values() and len(set(others.values())) == len(others), others
+
+
 def test_lora_first_step_equals_trl_with_peft(setup, tmp_path):
     """LoRA: TRL + peft (``peft_config`` given: TRL wraps the model and scores the reference with the
     adapters disabled, the base) against the toolkit's objective with its reference scored the same way
