@@ -74,10 +74,27 @@ def _records(run_dir) -> list[dict]:
     return [r for _, r in sorted(read_metrics(run_dir).items())]
 
 
+def _micro_batch_pairs(run_dir, rows: int = 2) -> list[list[int]]:
+    """Pairs in each ``rows``-row micro-batch of each global batch the run trained on, in order (the rows
+    ``toolkit.data`` gives the ranks: DP rank r the r-th contiguous half), counted from the packed data."""
+    from toolkit.data import batch_counts, global_batch_indices, load_tokenizer, prepare_data
+    from toolkit.plan import read_plan
+    cfg = read_plan(run_dir / "plan.json").config
+    ds, t = prepare_data(cfg, load_tokenizer(cfg)).train, cfg.train
+    batches = [global_batch_indices(len(ds), t.global_batch_size, t.seed, step) for step in range(t.steps)]
+    return [[batch_counts(ds, b[i:i + rows])["pairs"] for i in range(0, len(b), rows)] for b in batches]
+
+
 def test_pairs_are_uneven(dpo_runs):
-    """Guard on the data: the DP halves of a global batch hold different numbers of pairs."""
-    records = _records(dpo_runs("reference"))
-    assert len(records) == 4 and all(r["pairs"] > 8 for r in records)  # several pairs per row
+    """Guard on the data: in every global batch the DP halves, and the micro-batches of two rows, hold
+    different numbers of pairs, several per row, so a mean of per-rank or per-micro-batch mean losses is not
+    the global batch's mean the loss contract asks for; the counts add up to each step's logged pairs."""
+    run = dpo_runs("reference")
+    records, micro = _records(run), _micro_batch_pairs(run)
+    assert len(records) == len(micro) == 4
+    for record, pairs in zip(records, micro):
+        assert sum(pairs) == record["pairs"] > 8, (record["pairs"], pairs)  # several pairs per row
+        assert sum(pairs[:2]) != sum(pairs[2:]) and len(set(pairs)) > 1, pairs
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if not m.endswith("reference")])
