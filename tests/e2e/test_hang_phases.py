@@ -5,10 +5,11 @@ job recovers from the last good checkpoint with the uninterrupted run's losses."
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from tests.helpers.runs import losses, resumes, train
+from tests.helpers.runs import TINY, losses, resumes, train
 from toolkit.config import RestartConfig
 from toolkit.launch.agent import find_hang
 from toolkit.launch.budgets import collective_timeout_s, phase_budgets
@@ -77,7 +78,8 @@ def test_a_beat_states_its_phase_and_budget_and_progress_beats_again(tmp_path):
 # --- launched runs ----------------------------------------------------------------------------------
 
 HANG_TIMEOUT_S = 4
-PHASES = ["restart.max_restarts=3", "restart.backoff_s=0.2", "zero.stage=2", "checkpoint.every=2",
+BACKENDS = {"deepspeed": ["zero.stage=2"], "megatron": ["backend=megatron", "megatron.tp=2"]}
+PHASES = ["restart.max_restarts=3", "restart.backoff_s=0.2", "checkpoint.every=2",
           f"restart.hang_timeout_s={HANG_TIMEOUT_S}"]
 
 
@@ -90,40 +92,53 @@ def rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(runs):
-    return losses(runs("zero2", "zero.stage=2"))
+def uninterrupted_runs(runs):
+    """The run without faults, per backend (its checkpoints: steps 3 and 6)."""
+    return lambda backend: runs(f"{backend}_phases", *BACKENDS[backend])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_runs):
+    return losses(uninterrupted_runs("deepspeed"))
 
 
 @pytest.mark.slow
-def test_long_eval_save_and_export_are_not_hangs(tmp_path, data_cache, uninterrupted):
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_long_eval_save_and_export_are_not_hangs(backend, tmp_path, data_cache, uninterrupted_runs):
     """Each longer than hang_timeout_s, beating as they go: an eval of 4 micro-batches x 1.5 s, a save
-    of 2-3 files x 2.5 s per rank, an export of 39 tensors x 0.15 s. Before phases, a beat came only
-    at step boundaries and the watchdog killed the eval, restarted the job and killed it again."""
+    of 2-3 files x 2.5 s per rank (DeepSpeed; megatron's dist_checkpointing writes its files in one
+    call, one beat), an export of 39 tensors x 0.15 s. Before phases, a beat came only at step
+    boundaries and the watchdog killed the eval, restarted the job and killed it again."""
     run_dir = tmp_path / "run"
-    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_save:step=4:ms=2500:rank={r};"
-                    f"slow_export:step=6:ms=150:rank={r}" for r in (0, 1))
-    train(run_dir, data_cache, *PHASES, "train.eval_every=3", "train.export_hf=true",
+    save = backend == "deepspeed"
+    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_export:step=6:ms=150:rank={r}"
+                    + (f";slow_save:step=4:ms=2500:rank={r}" if save else "") for r in (0, 1))
+    train(run_dir, data_cache, *PHASES, *BACKENDS[backend], "train.eval_every=3", "train.export_hf=true",
           "restart.load_timeout_s=120", env={"TOOLKIT_FAULT": slow})
     kinds = [e["kind"] for e in events(run_dir)] if (run_dir / "events.jsonl").exists() else []
     assert "hang" not in kinds and "restart" not in kinds, kinds
-    assert losses(run_dir) == uninterrupted and resumes(run_dir) == []
+    assert losses(run_dir) == losses(uninterrupted_runs(backend)) and resumes(run_dir) == []
     metrics = rows(run_dir)
     evals = {r["step"]: r["eval_s"] for r in metrics if "eval_loss" in r}
-    assert evals[3] > HANG_TIMEOUT_S, evals
+    assert evals[3] > HANG_TIMEOUT_S, evals  # the slow eval beat per micro-batch (its sleeps ran)
     saves = {r["step"]: r["checkpoint_blocked_s"] for r in metrics if r.get("event") == "checkpoint"}
-    assert saves[4] > 1.5 * HANG_TIMEOUT_S, saves  # longer than the save budget (4.2 s) too
+    assert not save or saves[4] > 1.5 * HANG_TIMEOUT_S, saves  # longer than the save budget (4.2 s) too
     assert (run_dir / "hf_final" / "config.json").exists()
+    last = read_heartbeats(run_dir)[0]  # rank 0 exports alone, after the metrics' last line
+    assert last["phase"] == "export" and last["time"] - (run_dir / "metrics.jsonl").stat().st_mtime > HANG_TIMEOUT_S
 
 
 @pytest.mark.slow
-def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(tmp_path, data_cache, uninterrupted):
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(backend, tmp_path, data_cache,
+                                                                       uninterrupted_runs):
     """Rank 1 stops inside step 4's save (after its engine files, no more progress): caught after the
     save budget, named "save"; the restart resumes step 2, where rank 0 stops inside the load: caught
     after the load budget, named "load"; the next restart resumes step 2 again and finishes."""
     run_dir = tmp_path / "run"
-    train(run_dir, data_cache, *PHASES, "restart.load_timeout_s=30",
+    train(run_dir, data_cache, *PHASES, *BACKENDS[backend], "restart.load_timeout_s=30",
           env={"TOOLKIT_FAULT": "hang_in_save:step=4:rank=1;hang_in_load:step=2:rank=0"})
-    assert losses(run_dir) == uninterrupted
+    assert losses(run_dir) == losses(uninterrupted_runs(backend))
     assert resumes(run_dir) == [("step_00000002", 2, "as saved")]  # the load that hung never finished
     hangs = [e for e in events(run_dir) if e["kind"] == "hang"]
     assert [(h["phase"], h["stuck_ranks"]) for h in hangs] == [("save", [1]), ("load", [0])], hangs
@@ -138,6 +153,57 @@ def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(tmp_path, 
     assert "rank 0 silent in phase 'load' (step 2" in stacks[0] and "in_load" in stacks[0]
 
 
+class _Notes:
+    """The metrics logger's part a Checkpointer uses, kept."""
+
+    def __init__(self):
+        self.lines, self.records = [], []
+
+    def note(self, line: str) -> None:
+        self.lines.append(line)
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+
+def _resume_phases(rank, world, run_dir, overrides):
+    """Resume ``run_dir``'s newest checkpoint into a new engine at this job's layout, recording the heartbeat
+    phases the Checkpointer beats (``Trainer._phase`` in a run) and the resume it logs."""
+    from pathlib import Path
+
+    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.config import load_config
+    from toolkit.launch.faults import FaultInjector
+    from toolkit.plan import build_plan
+    from toolkit.train.worker import build_engine
+    run_dir = Path(run_dir)
+    plan = build_plan(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]), [world])
+    engine = build_engine(plan, run_dir, rank)
+    phases, notes = [], _Notes()
+
+    def phase(name, step=None):
+        phases.append((name, step))
+        return lambda: None
+    Checkpointer(plan, engine, run_dir, rank, notes, FaultInjector(run_dir, rank, spec=""), phase=phase).resume()
+    if plan.config.backend == "megatron":
+        from tests.helpers.ranks import release_megatron
+        release_megatron()
+    return {"phases": phases, "resume": [r for r in notes.records if r.get("event") == "resume"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_resume_at_another_layout_beats_reshard_then_load(backend, tmp_path, uninterrupted_runs):
+    """A checkpoint of 2 ranks (ZeRO-2 DP 2; megatron TP 2) resumed on one: the conversion (DeepSpeed's
+    universal layout; megatron's resharding load) is judged by the reshard budget, what follows by load's."""
+    from tests.helpers.ranks import run_ranks
+    shutil.copytree(uninterrupted_runs(backend) / "checkpoints", tmp_path / "run" / "checkpoints")
+    overrides = ["zero.stage=2"] if backend == "deepspeed" else ["backend=megatron"]
+    got = run_ranks(_resume_phases, 1, tmp_path, str(tmp_path / "run"), overrides)[0]
+    assert got["phases"] == [("reshard", 6), ("load", 6)], got
+    assert [(r["step"], r["loaded"] != "as saved") for r in got["resume"]] == [(6, True)], got
+
+
 @pytest.mark.slow
 def test_a_hang_in_the_step_after_a_save_or_an_eval_is_judged_by_the_step_budget(tmp_path, data_cache, uninterrupted):
     """The save of step 2 and the eval of step 3 beat their phases, whose budgets (60 s) are far above
@@ -146,7 +212,7 @@ def test_a_hang_in_the_step_after_a_save_or_an_eval_is_judged_by_the_step_budget
     at step 3, then rank 0 stops inside step 4: "step" again. Before the step beat its own phase, the
     first hang waited out the save budget and was named "save", the second "eval"."""
     run_dir = tmp_path / "run"
-    train(run_dir, data_cache, *PHASES, "train.eval_every=3", "restart.save_timeout_s=60",
+    train(run_dir, data_cache, *PHASES, *BACKENDS["deepspeed"], "train.eval_every=3", "restart.save_timeout_s=60",
           "restart.eval_timeout_s=60", "restart.load_timeout_s=120",
           env={"TOOLKIT_FAULT": "hang_in_step:step=3:rank=1;hang_in_step:step=4:rank=0"})
     hangs = [e for e in events(run_dir) if e["kind"] == "hang"]
