@@ -11,13 +11,16 @@ import math
 import pytest
 import torch
 
-from tests.helpers.dpo import preference_texts, rows_of_trl_batch, trl_trainer
+from tests.helpers.dpo import fp32_sum_rounding, preference_texts, rows_of_trl_batch, trl_trainer
 from toolkit.adapters.hf_attention import forward_inputs, use_document_attention
 from toolkit.loss import IGNORE_INDEX, token_logps
 from toolkit.objectives import DPO, DPO_METRICS, document_sums
 
 BETA = 0.1
-LOSS_RTOL = 1e-7  # measured max 2.4e-8 (hinge); TRL sums in fp32, the toolkit in fp64
+# The loss against TRL's: within one fp32 rounding per summed token (tests/helpers/dpo.py::fp32_sum_rounding:
+# TRL sums each answer's log-probabilities in fp32, the toolkit in fp64). Measured on an AVX-512 CPU, gap /
+# bound: sigmoid 4.2e-8 / 1.7e-6, ipo 1.35e-7 / 7.4e-7, hinge 2.4e-8 / 2.4e-6, LoRA 1.6e-7 / 1.7e-6 (the
+# fixed 1e-7 it replaces failed ipo and LoRA there: the vectorized sums' order differs by CPU).
 GRAD_RTOL = 1e-5  # per parameter, max |diff| / max |grad|; measured max 1.1e-6 (sigmoid)
 METRIC_ATOL = 1e-6
 
@@ -37,9 +40,12 @@ def setup():
 
 
 def _document_logps(model, rows, width, grad=False):
+    return document_sums(_token_logps(model, rows, grad), rows["document_ids"], width)
+
+
+def _token_logps(model, rows, grad=False):
     with torch.set_grad_enabled(grad):
-        logits = model(**forward_inputs(rows)).logits
-        return document_sums(token_logps(logits, rows["labels"]), rows["document_ids"], width)
+        return token_logps(model(**forward_inputs(rows)).logits, rows["labels"])
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
@@ -55,17 +61,19 @@ def test_first_step_equals_trl(loss, setup, tmp_path):
     ours, ref = use_document_attention(copy.deepcopy(policy)), use_document_attention(copy.deepcopy(reference))
     rows = rows_of_trl_batch(batch, pairs_per_row=2, seq_len=160)
     width = 4
-    ref_logps = _document_logps(ref, rows, width)
-    logits = ours(**forward_inputs(rows)).logits
-    loss_sum, stats = DPO(BETA, loss).loss_sum(token_logps(logits, rows["labels"]), rows["labels"],
-                                               rows["document_ids"], ref_logps)
+    ref_tokens = _token_logps(ref, rows)
+    tokens = _token_logps(ours, rows, grad=True)
+    objective = DPO(BETA, loss)
+    loss_sum, stats = objective.loss_sum(tokens, rows["labels"], rows["document_ids"],
+                                         document_sums(ref_tokens, rows["document_ids"], width))
     pairs = int(stats[-1])
     assert pairs == 4
     (loss_sum / pairs).backward()
 
     gap = abs(loss_sum.item() / pairs - trl_loss.item()) / abs(trl_loss.item())
-    print(f"\n{loss}: loss {trl_loss.item():.6f} relative gap {gap:.1e}")
-    assert gap < LOSS_RTOL
+    bound = fp32_sum_rounding(objective, tokens, ref_tokens, rows["labels"], rows["document_ids"], width)
+    print(f"\n{loss}: loss {trl_loss.item():.6f} relative gap {gap:.2e}, fp32 rounding bound {bound:.2e}")
+    assert gap < bound
     worst = 0.0
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
         rel = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
@@ -229,13 +237,16 @@ def test_lora_first_step_equals_trl_with_peft(setup, tmp_path):
     use_document_attention(ours.base_model.model)
     rows = rows_of_trl_batch(batch, pairs_per_row=2, seq_len=160)
     with ours.disable_adapter():
-        ref_logps = _document_logps(ours, rows, 4)
-    logits = ours(**forward_inputs(rows)).logits
-    loss_sum, stats = DPO(BETA).loss_sum(token_logps(logits, rows["labels"]), rows["labels"], rows["document_ids"],
-                                         ref_logps)
+        ref_tokens = _token_logps(ours, rows)
+    tokens = _token_logps(ours, rows, grad=True)
+    loss_sum, stats = DPO(BETA).loss_sum(tokens, rows["labels"], rows["document_ids"],
+                                         document_sums(ref_tokens, rows["document_ids"], 4))
     (loss_sum / stats[-1]).backward()
     assert abs(trl_loss.item() - math.log(2)) > 1e-3  # the adapters moved the policy off its base
-    assert (loss_sum / stats[-1]).item() == pytest.approx(trl_loss.item(), rel=LOSS_RTOL)
+    gap = abs((loss_sum / stats[-1]).item() - trl_loss.item()) / abs(trl_loss.item())
+    bound = fp32_sum_rounding(DPO(BETA), tokens, ref_tokens, rows["labels"], rows["document_ids"], 4)
+    print(f"\nLoRA: relative gap {gap:.2e}, fp32 rounding bound {bound:.2e}")
+    assert gap < bound
     theirs = dict(trainer.model.named_parameters())
     trained = [(n, p) for n, p in ours.named_parameters() if p.requires_grad]
     assert len(trained) == 4 * 4 and all("lora_" in n for n, _ in trained)  # A and B of q and v, 4 layers
