@@ -60,7 +60,7 @@ def test_first_step_equals_trl(loss, setup, tmp_path):
 
     ours, ref = use_document_attention(copy.deepcopy(policy)), use_document_attention(copy.deepcopy(reference))
     rows = rows_of_trl_batch(batch, pairs_per_row=2, seq_len=160)
-    width = 4
+    width = 6  # room for three pairs per row: a third absent in each, as in rows packed with fewer than the widest
     ref_tokens = _token_logps(ref, rows)
     tokens = _token_logps(ours, rows, grad=True)
     objective = DPO(BETA, loss)
