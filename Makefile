@@ -9,7 +9,7 @@ PINS := requirements/constraints.txt
 # with the `ninja` PATH finds (tests/conftest.py does the same for the test suite).
 RUN := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo test test-fast lint docs clean
+.PHONY: setup demo test test-fast lint docs clean image-gpu image-cpu
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,23 @@ lint: setup
 # The pages of docs/ as a site in site/ (mkdocs.yml); tests/unit/test_docs.py builds it with --strict.
 docs: setup
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# The images (docs/docker.md): docker build where a Docker engine answers; else podman as root on a
+# debootstrapped Debian base (this build machine: tests/helpers/container_image.py, the recipe of
+# the field notes), which prints the build time and the image size.
+image-gpu:
+	$(call build_image,gpu,docker/Dockerfile)
+
+image-cpu:
+	$(call build_image,cpu,docker/Dockerfile.cpu)
+
+define build_image
+	@if docker info >/dev/null 2>&1; then \
+	  docker build -f $(2) -t hf-parallel-toolkit:$(1) . ; \
+	else \
+	  $(PYTHON) -m tests.helpers.container_image --build $(1) ; \
+	fi
+endef
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

@@ -72,7 +72,7 @@ def _rank(rank, world, model_dir, objective, stage, seq, micro, accumulation):
     cfg = validate({"model": {"name_or_path": model_dir}, "zero": {"stage": stage},
                     "data": {"seq_len": seq, "packing": "documents", **({"template": "preference"} if dpo else {})},
                     "train": {"objective": objective, "global_batch_size": world * micro * accumulation,
-                              "micro_batch_size": micro, "lr": 1e-4}})
+                              "micro_batch_size": micro, "lr": 1e-4, "min_lr": 1e-5}})
     plan = build_plan(cfg, [world])
     engine = DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
     mbs = micro_batches(accumulation, micro, seq, MODEL["vocab_size"], seed=rank)

@@ -8,9 +8,13 @@
 
 The GPU machine (shared/FIELD_NOTES.md, "The GPU machine") runs CPython 3.12 on x86_64 Linux
 (manylinux_2_28) with its own torch and transformers; what the toolkit needs beyond that
-(``ROOTS`` and their dependencies, minus ``PREINSTALLED``, plus ``OVERRIDES``) is downloaded as
-cp312 manylinux or pure-Python wheels, at the versions pinned in requirements/constraints.txt
-where pinned.
+(``ROOTS`` and their dependencies, minus ``PREINSTALLED``, plus ``OVERRIDES`` and ``TESTED``) is
+downloaded as cp312 manylinux or pure-Python wheels, at the versions pinned in
+requirements/constraints.txt where pinned, else at the GPU image's (docker/gpu-image.lock, what
+``pip freeze`` printed in the image ``make image-gpu`` built) where they fit: the check then runs what
+the image runs, except torch (the machine's own; a CUDA torch is GBs, the carry limit 64 MiB) and
+what stays the machine's. ``fetch`` and ``check`` list every carried version that differs from the
+image's, and the image's packages left to the machine (docs/gpus.md has the list).
 DeepSpeed has only an sdist: it is built here into a pure-Python wheel with ``DS_BUILD_OPS=0``
 (no op compiled; on the GPU machine DeepSpeed JIT-builds its ops with that machine's nvcc and
 ninja). The folder must stay under 64 MiB (what a run there may carry).
@@ -35,6 +39,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
 PINS = REPO / "requirements" / "constraints.txt"
+# The GPU image's installed versions (``make image-gpu`` writes it): what an unpinned carried package
+# is downloaded at when it fits every range that asks for it.
+IMAGE_LOCK = REPO / "docker" / "gpu-image.lock"
 LIMIT = 64 * 1024 * 1024
 
 # What the toolkit needs on the GPU machine (benchmarks/gpu_check.py: NEEDED). PyYAML is skipped when
@@ -51,19 +58,20 @@ ROOTS = ("deepspeed", "megatron-core", "datasets", "pydantic", "einops", "rich",
 # Left out on purpose although transformers' `typer` may bring them: pydantic (FIELD_NOTES: not
 # there) and rich with its markdown-it-py/mdurl (it depends on the typer version): carried instead.
 # Value: the version where FIELD_NOTES fixes it (checked against the bundle's ranges), else None
-# (`check` lists those ranges as assumed; `install` checks them on the GPU machine itself).
+# (`check` lists those ranges as assumed; `install` checks them on the GPU machine itself). numpy,
+# safetensors and triton: the versions a session's `pip list` there showed (device KINDS.md, 2026-11).
 PREINSTALLED: dict[str, str | None] = {
     # the machine's own
     "torch": "2.11.0", "transformers": "5.17.0", "accelerate": None, "peft": None,
-    "safetensors": None, "tokenizers": None, "pyarrow": None, "pytest": None, "pytest-xdist": None,
+    "safetensors": "0.8.0", "tokenizers": None, "pyarrow": None, "pytest": None, "pytest-xdist": None,
     "ninja": None,
     # torch 2.11.0 (Linux)
     "filelock": None, "typing-extensions": None, "setuptools": None, "sympy": None, "mpmath": None,
-    "networkx": None, "jinja2": None, "markupsafe": None, "fsspec": None, "triton": None,
+    "networkx": None, "jinja2": None, "markupsafe": None, "fsspec": None, "triton": "3.6.0",
     "cuda-toolkit": None, "cuda-bindings": None, "nvidia-cudnn-cu13": None,
     "nvidia-cusparselt-cu13": None, "nvidia-nccl-cu13": None, "nvidia-nvshmem-cu13": None,
     # transformers 5.17, accelerate, peft, tokenizers
-    "huggingface-hub": None, "numpy": None, "packaging": None, "pyyaml": None, "regex": None,
+    "huggingface-hub": None, "numpy": "2.5.2", "packaging": None, "pyyaml": None, "regex": None,
     "tqdm": None, "psutil": None, "typer": None,
     # huggingface_hub 1.x and its httpx
     "hf-xet": None, "httpx": None, "httpcore": None, "h11": None, "anyio": None, "idna": None,
@@ -93,9 +101,10 @@ OVERRIDES = {
 
 # Carried at the pins of requirements/constraints.txt although the GPU machine has other versions,
 # so the check runs the tested transformers and peft (the machine's transformers 5.17 gives gemma2
-# sdpa attention, which 5.24 does not). `install --without transformers,peft` leaves them out to
-# run on the machine's own (benchmarks/gpu_check.py --machine-transformers).
-TESTED = ("transformers", "peft")
+# sdpa attention, which 5.24 does not), accelerate (1.15 there) and tokenizers (0.23.2 there), as the
+# image does. `install --without transformers,peft` leaves those two out to run on the machine's own
+# (benchmarks/gpu_check.py --machine-transformers).
+TESTED = ("transformers", "peft", "accelerate", "tokenizers")
 
 # Where the wheels must install: CPython 3.12, x86_64 Linux, glibc 2.28, which runs every manylinux
 # tag up to 2_28. Each is named: pip expands only the legacy manylinux2014 to older tags, not 2_28.
@@ -133,14 +142,19 @@ def pip(*args: str, env: dict | None = None, quiet: bool = False) -> subprocess.
     return subprocess.run(cmd, env=env, text=True, capture_output=quiet)
 
 
-def read_pins() -> dict[str, str]:
-    """``name -> version`` for every ``name==version`` line of requirements/constraints.txt."""
+def read_pins(path: Path = PINS) -> dict[str, str]:
+    """``name -> version`` for every ``name==version`` line of requirements/constraints.txt (or ``path``)."""
     pins = {}
-    for line in PINS.read_text().splitlines():
+    for line in path.read_text().splitlines():
         m = re.match(r"\s*([A-Za-z0-9._-]+)\s*==\s*([^\s;#]+)", line)
         if m:
             pins[norm(m.group(1))] = m.group(2)
     return pins
+
+
+def image_versions() -> dict[str, str]:
+    """The GPU image's ``name -> version`` (docker/gpu-image.lock; empty where it was never recorded)."""
+    return read_pins(IMAGE_LOCK) if IMAGE_LOCK.is_file() else {}
 
 
 class Wheel:
@@ -208,15 +222,38 @@ def demands(wheels: dict[str, list[Wheel]]) -> dict[str, list[tuple[str, object]
     return asked
 
 
-def wanted_spec(name: str, asks: list, pins: dict[str, str]) -> str:
-    """The requirement to download: the pin if pinned (it must satisfy every asker), else their ranges."""
+def wanted_spec(name: str, asks: list, pins: dict[str, str], image: dict[str, str] | None = None) -> str:
+    """The requirement to download: the pin if pinned (it must satisfy every asker), else the GPU
+    image's version if it satisfies every asker (an OVERRIDE's range included), else their ranges."""
     if name in pins and name not in OVERRIDES:
         bad = [f"{by} wants {name}{spec}" for by, spec in asks if not admits(spec, pins[name])]
         if bad:
             sys.exit(f"error: the pin {name}=={pins[name]} (requirements/constraints.txt) conflicts: "
                      f"{'; '.join(bad)}. Fix: change the pin or the package that asks for it.")
         return f"{name}=={pins[name]}"
+    version = (image or {}).get(name)
+    if version and all(admits(spec, version) for _, spec in asks):
+        return f"{name}=={version}"
     return name + ",".join(str(spec) for _, spec in asks if str(spec))
+
+
+def image_differences(wheels: dict[str, list[Wheel]], image: dict[str, str]) -> list[str]:
+    """Where what the check runs is not what the GPU image runs: carried wheels at another version,
+    and the image's packages that the GPU machine's own copy (any version) stands in for."""
+    if not image:
+        return [f"no {IMAGE_LOCK.relative_to(REPO)} (make image-gpu records it): versions not compared"]
+    out = [f"{n} {ws[0].version} carried, the image has {image[n]}" + (f" ({n} must fit {OVERRIDES[n]})"
+                                                                       if n in OVERRIDES else "")
+           for n, ws in sorted(wheels.items()) if n in image and ws[0].version != image[n]]
+    mine = sorted(n for n in image if n not in wheels and n in PREINSTALLED)
+    mine_known = [f"{n} {PREINSTALLED[n]}" if PREINSTALLED[n] else n for n in mine]
+    if mine:
+        out.append(f"the GPU machine's own, not the image's: {', '.join(mine_known)}")
+    others = sorted(n for n in image if n not in wheels and n not in PREINSTALLED)
+    if others:
+        out.append("not carried, not imported by the check's own code (the GPU machine's copies where it has "
+                   f"them, e.g. its torch's nvidia-* libraries): {', '.join(others)}")
+    return out
 
 
 def satisfied(name: str, asks: list, wheels: dict[str, list[Wheel]]) -> bool:
@@ -268,7 +305,7 @@ def deepspeed_problem(folder: Path) -> str | None:
     return None
 
 
-def resolve(stage: Path, pins: dict[str, str]) -> None:
+def resolve(stage: Path, pins: dict[str, str], image: dict[str, str] | None = None) -> None:
     """Download into ``stage`` until every requirement not PREINSTALLED has one fitting wheel."""
     for _ in range(20):
         wheels = bundle(stage)
@@ -278,7 +315,7 @@ def resolve(stage: Path, pins: dict[str, str]) -> None:
         for name, asks in sorted(todo.items()):
             for w in wheels.get(name, []):
                 w.path.unlink()
-            download(wanted_spec(name, asks, pins), stage)
+            download(wanted_spec(name, asks, pins, image), stage)
     sys.exit("error: the requirements did not settle in 20 rounds; run check to see which conflict")
 
 
@@ -292,13 +329,20 @@ def fetch(args) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_wheels_") as tmp:
         stage = Path(tmp)
         build_deepspeed(pins["deepspeed"], stage)
-        resolve(stage, pins)
+        resolve(stage, pins, image_versions())
         args.dir.mkdir(exist_ok=True)
         for old in args.dir.glob("*.whl"):
             old.unlink()
         for new in stage.glob("*.whl"):
             shutil.move(str(new), args.dir / new.name)
-    return report_size(args.dir)
+    rc = report_size(args.dir)
+    report_image_differences(args.dir)
+    return rc
+
+
+def report_image_differences(folder: Path) -> None:
+    for line in image_differences(bundle(folder), image_versions()):
+        print(f"not as in the GPU image: {line}")
 
 
 def report_size(folder: Path) -> int:
@@ -393,6 +437,7 @@ def check(args) -> int:
     problems += bundle_problems(wheels, args.dir)
     problems += rehearse_install(args.dir)
     size_rc = report_size(args.dir)
+    report_image_differences(args.dir)
     for line in assumed:
         print(f"assumed on the GPU machine (its version unknown here): {line}")
     for line in extras:

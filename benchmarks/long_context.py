@@ -52,7 +52,7 @@ def _rank(rank, world, model_dir, seq, sp, tiles=False, vocab=256):
     zero = {"stage": 0, "sp": sp, "tiled_mlp": tiles, "tiled_loss": tiles}
     cfg = validate({"model": {"name_or_path": model_dir}, "zero": zero,
                     "data": {"seq_len": seq, "packing": "concat"},
-                    "train": {"global_batch_size": 1, "micro_batch_size": 1, "lr": 1e-4}})
+                    "train": {"global_batch_size": 1, "micro_batch_size": 1, "lr": 1e-4, "min_lr": 1e-5}})
     plan = build_plan(cfg, [world])
     engine = DeepSpeedEngine(plan, build_model(plan, plan.ds_config(world)))
     g = torch.Generator().manual_seed(0)

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from toolkit.config import ConfigError, RunConfig, load_config
+from toolkit.storage.space import path_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,8 +16,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"toolkit: error: {exc}", file=sys.stderr)
+    except (ConfigError, OSError) as exc:  # OSError: the filesystem refused a path (read-only, permission, full)
+        if (message := str(exc) if isinstance(exc, ConfigError) else path_error(exc)) is None:
+            raise
+        print(f"toolkit: error: {message}", file=sys.stderr)
         return 2
 
 

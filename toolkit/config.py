@@ -7,12 +7,15 @@ the value, the constraint and the fix; unknown keys suggest the nearest valid on
 from __future__ import annotations
 
 import difflib
+import os
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from toolkit.config_input import ConfigError, explain, parse_yaml, read_yaml_file  # ConfigError: imported from here
 
 DEMO_DIR = Path(str(files("toolkit") / "demo"))
 """The embedded demo (tiny Llama config, corpus): package data, found as the package finds it."""
@@ -22,12 +25,15 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """model.dtype (and the converter's --dtype) -> the torch dtype's name."""
 
 
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message says what to change."""
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no coercion between kinds (``true`` is not 1, ``2.0`` is not 2, ``"3"`` is not 3); an
+    # integer is a number where a float is asked. No inf or nan anywhere.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _paths_as_text(cls, value):
+        return os.fspath(value) if isinstance(value, os.PathLike) else value  # the Python API's pathlib paths
 
 
 class ModelConfig(_Section):
@@ -44,6 +50,10 @@ class ModelConfig(_Section):
     """On NVIDIA GPUs, fp32 matmuls run on tensor cores in TF32 (as PyTorch Lightning and HF Trainer
     offer); false keeps strict IEEE fp32. MFU uses the matching peak."""
     activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    """Let transformers import and run the Python files of a model (or tokenizer) directory whose
+    config.json names custom classes (``auto_map``). Off: such a directory is refused before anything
+    of it is imported, whatever stdin holds; a model transformers implements itself never needs it."""
 
 
 class DataConfig(_Section):
@@ -64,7 +74,7 @@ class DataConfig(_Section):
     """``preference``: the preferred answer (text, or a list of assistant messages)."""
     rejected_column: str = "rejected"
     """``preference``: the dispreferred answer, in the same form as ``chosen_column``."""
-    seq_len: int = 128
+    seq_len: int = Field(128, ge=2, description="tokens per row; a row predicts seq_len - 1 of them at least")
     packing: Literal["concat", "documents", "pad"] | None = None
     """How documents become rows of ``seq_len`` tokens (``toolkit/data/pack.py``). ``concat``: one token
     stream cut into rows, attention and positions run across documents (pretraining style).
@@ -78,17 +88,10 @@ class DataConfig(_Section):
     its own document) or dropped; the count is logged and kept in the run's data summary. Template
     ``preference``: ``drop`` (its default and only choice: a pair longer than ``seq_len`` is dropped)."""
     eval_fraction: float = 0.05
-    num_proc: int = 1
+    num_proc: int = Field(1, ge=1, description="processes that tokenize; 1 tokenizes in the launcher")
     cache_dir: str | None = None
     """Where tokenized/packed data is cached; default: ``cache_root()/data``, ``~/.cache/toolkit/data`` unless
     ``TOOLKIT_CACHE_DIR`` or ``XDG_CACHE_HOME`` says otherwise (``toolkit/storage/cache.py``)."""
-
-    @field_validator("seq_len")
-    @classmethod
-    def _seq_len_positive(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError(f"data.seq_len={v} must be at least 2")
-        return v
 
     @model_validator(mode="after")
     def _preference_layout(self) -> "DataConfig":
@@ -121,25 +124,27 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = 300
-    seed: int = 1234
-    global_batch_size: int = 16
-    micro_batch_size: int = 4
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    steps: int = Field(300, ge=1, description="optimizer steps")
+    seed: int = Field(1234, ge=0, lt=2**63, description="seeds the model init and the data order")
+    global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    micro_batch_size: int = Field(4, ge=1, description="samples per forward of a rank")
+    lr: float = Field(3e-3, ge=0, description="the peak learning rate; 0 holds the weights fixed, a negative one "
+                                              "would climb the loss")
+    min_lr: float | None = Field(None, ge=0, description="the learning rate the schedule decays to; "
+                                                        "default: lr / 10")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 10
+    warmup_steps: int = Field(20, ge=0, description="steps of linear warmup to lr; 0: none")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled decay; 0: none")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's denominator term")
+    grad_clip: float = Field(1.0, ge=0, description="the global gradient norm is clipped to it; 0: no clipping")
+    eval_every: int = Field(50, ge=0, description="steps between evals; 0: never")
+    eval_batches: int = Field(4, ge=1, description="micro-batches per rank in an eval")
+    log_every: int = Field(10, ge=1, description="steps between console lines; 1: every step")
     export_hf: bool = True
     """Write the trained model to RUN_DIR/hf_final (``save_pretrained``, fp32) when training ends."""
-    moe_aux_loss_coeff: float | None = None
+    moe_aux_loss_coeff: float | None = Field(None, ge=0, description="the router loss's weight; 0: off")
     """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/adapters/moe.py``);
     default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
     objective: Literal["sft", "dpo"] = "sft"
@@ -148,10 +153,14 @@ class TrainConfig(_Section):
     (``dpo.*``; ``toolkit/objectives.py``; the reference model scored once before training)."""
 
     @model_validator(mode="after")
-    def _positive(self) -> "TrainConfig":
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+    def _min_lr_below_lr(self) -> "TrainConfig":
+        if self.min_lr is None:  # follows lr, so setting a lower lr alone is never refused
+            # object.__setattr__: validate_assignment would rerun this validator
+            object.__setattr__(self, "min_lr", self.lr / 10)
+        if self.min_lr > self.lr:  # the schedule would climb from lr to min_lr
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule decays "
+                             "from lr to min_lr; set train.min_lr <= train.lr (0 decays to zero, equal keeps lr "
+                             "constant)")
         return self
 
 
@@ -182,32 +191,39 @@ class ZeroConfig(_Section):
     memory per rank and a device-to-host copy of each layer's input in the forward and back in the
     backward, on the compute stream (a slower step). The math is unchanged."""
 
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_not_boolean(cls, v):
+        if isinstance(v, bool):  # a Literal of ints takes True as 1, even when strict
+            raise ValueError("expected one of 0, 1, 2, 3, got a boolean")
+        return v
+
 
 class MegatronConfig(_Section):
-    tp: int = 1
+    tp: int = Field(1, ge=1, description="tensor parallel ranks")
     """Tensor parallel degree: attention heads, KV groups and the MLP split over tp ranks."""
-    pp: int = 1
+    pp: int = Field(1, ge=1, description="pipeline stages")
     """Pipeline parallel degree: layers split over pp stages (1F1B schedule)."""
-    vpp: int | None = None
+    vpp: int | None = Field(None, ge=1, description="virtual stages per pipeline rank; unset: one")
     """Virtual pipeline stages per rank (interleaved 1F1B); layers must divide by pp x vpp."""
-    first_stage_layers: int | None = None
+    first_stage_layers: int | None = Field(None, ge=1, description="layers on the first pipeline stage")
     """Uneven pipeline split: layers on the first stage (the rest divide evenly over the others)."""
-    last_stage_layers: int | None = None
+    last_stage_layers: int | None = Field(None, ge=1, description="layers on the last pipeline stage")
     """Uneven pipeline split: layers on the last stage."""
     sequence_parallel: bool = False
     """Split norm and dropout activations along the sequence over the TP ranks (needs tp >= 2 and
     seq_len divisible by tp); all-reduces become reduce-scatter + all-gather."""
-    cp: int = 1
+    cp: int = Field(1, ge=1, description="context parallel ranks")
     """Context parallel degree: each sequence split over cp ranks (2 x cp chunks, rank r holding
     chunks r and 2cp-1-r, megatron's load-balanced causal layout); the toolkit's core attention
     exchanges heads for sequence with an all-to-all (Ulysses-style), so heads / tp and KV heads / tp
     are divided over cp (KV heads replicated when fewer) and seq_len must divide by 2 x cp."""
-    ep: int = 1
+    ep: int = Field(1, ge=1, description="expert parallel ranks")
     """Expert parallel degree (mixture-of-experts models): each of ep ranks of a DP group holds
     num_experts / ep experts; tokens are exchanged with the MoE token dispatcher."""
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """megatron's MoE token dispatcher; alltoall needs a GPU (NCCL), allgather runs anywhere."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = Field(128, ge=1, description="the vocabulary's padding multiple")
     """Vocabulary padded to a multiple of this x tp; padded logits never reach the loss."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: selective (core attention) or full (every layer)."""
@@ -222,21 +238,13 @@ class MegatronConfig(_Section):
     SwiGLU (no Transformer Engine or Apex needed; the same math). Always off on CPU."""
     preset: str | None = None
     """A megatron_configs/ YAML (name or path) of layout fields; explicit megatron.* keys win."""
-    initial_loss_scale: float = 2.0**16
+    initial_loss_scale: float = Field(2.0**16, ge=1, description="fp16's first loss scale (megatron's minimum is 1)")
     """model.dtype=fp16: the dynamic loss scale's start, as DeepSpeed's presets (initial_scale_power
     16); halved on each overflowing step (that step's update skipped), doubled after 1000 clean ones.
     megatron-core's own default, 2^32, skips the first dozen steps while the LR schedule advances."""
 
     @model_validator(mode="after")
-    def _positive(self) -> "MegatronConfig":
-        for name in ("tp", "pp", "cp", "ep", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"megatron.{name}={getattr(self, name)} must be >= 1")
-        if not self.initial_loss_scale >= 1:
-            raise ValueError(f"megatron.initial_loss_scale={self.initial_loss_scale} must be >= 1 "
-                             "(megatron's minimum loss scale); DeepSpeed's default is 65536 (2^16)")
-        if self.vpp is not None and self.vpp < 1:
-            raise ValueError(f"megatron.vpp={self.vpp} must be >= 1 or unset")
+    def _one_virtual_stage(self) -> "MegatronConfig":
         if self.vpp == 1:
             self.vpp = None  # one virtual stage is the plain 1F1B schedule
         return self
@@ -245,7 +253,7 @@ class MegatronConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(100, ge=0)
     """Save every N steps and at the last step; 0: never (a preemption still saves)."""
-    keep_last: int = 2
+    keep_last: int = Field(2, ge=0, description="complete checkpoints kept; 0: all")
     async_save: bool = False
     """Block only while the checkpoint is written to ``local_dir``; copy it to RUN_DIR in the background
     and commit it (COMPLETE, latest) once every node has persisted it."""
@@ -255,9 +263,9 @@ class CheckpointConfig(_Section):
 
 
 class RestartConfig(_Section):
-    max_restarts: int = 0
+    max_restarts: int = Field(0, ge=0, description="restarts of the job before giving up")
     """Restarts of the whole job (from the newest complete checkpoint) before giving up."""
-    backoff_s: float = 1.0
+    backoff_s: float = Field(1.0, ge=0, description="seconds before the first restart, doubled each time")
     """Wait before restart k: backoff_s x 2^(k-1), capped at 30 s."""
     hang_timeout_s: float = Field(300.0, ge=0)
     """A rank silent this long in a step (or an eval batch) is hung: stacks are dumped, the job is
@@ -284,13 +292,13 @@ class RestartConfig(_Section):
     the other nodes before it fails, naming the nodes that never joined; None: 60 s + 0.25 s per
     node (``toolkit/launch/roster.py``). Counted from when this node reaches the rendezvous, after
     its own data preparation."""
-    straggler_every: int = 50
+    straggler_every: int = Field(50, ge=0, description="steps between straggler checks; 0: off")
     """Compare per-rank compute time every N steps (0 = off)."""
-    straggler_factor: float = 1.5
+    straggler_factor: float = Field(1.5, ge=1, description="times the median step time that makes a straggler")
     """A rank slower than this factor x the median of its peers is named a straggler..."""
-    straggler_min_gap_s: float = 0.05
+    straggler_min_gap_s: float = Field(0.05, ge=0, description="seconds a straggler must lag by")
     """...and by at least this many seconds per step (tiny steps are all noise)."""
-    divergence_every: int = 100
+    divergence_every: int = Field(100, ge=0, description="steps between replica checksums; 0: off")
     """Compare a checksum of DP-replicated parameters every N steps (0 = off)."""
 
 
@@ -349,7 +357,7 @@ class DpoConfig(_Section):
 
 class RunConfig(_Section):
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
-    nproc: int = 2
+    nproc: int = Field(2, ge=1, description="local ranks to start (--nproc), one per GPU")
     run_dir: str = "runs/demo"
     resume: Literal["auto", "never"] = "auto"
     model: ModelConfig = ModelConfig()
@@ -396,6 +404,22 @@ class RunConfig(_Section):
                              f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")
         return self
 
+    @model_validator(mode="after")
+    def _other_backend_untouched(self) -> "RunConfig":
+        """The section of the backend not in use stays at its defaults: its keys would be ignored
+        (``megatron.tp=2`` on DeepSpeed ran dp=2). A run's config.yaml, which writes every key, loads."""
+        section = {"deepspeed": "megatron", "megatron": "zero"}[self.backend]
+        owner, name = {"zero": ("deepspeed", "DeepSpeed's"), "megatron": ("megatron", "megatron's")}[section]
+        values, defaults = getattr(self, section), type(getattr(self, section))()
+        changed = [f"{section}.{k}={getattr(values, k)!r}" for k in type(values).model_fields
+                   if getattr(values, k) != getattr(defaults, k)]
+        if changed:
+            keys = ", ".join(c.partition("=")[0] for c in changed)
+            raise ValueError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} {name} "
+                             f"(backend={owner}), ignored by backend={self.backend}; unset {keys} (or set "
+                             f"backend={owner})")
+        return self
+
     def _offload_activations_fits(self) -> None:
         """zero.offload_activations moves what HF's activation checkpointing keeps, on DeepSpeed only."""
         if not self.zero.offload_activations:
@@ -415,13 +439,11 @@ class RunConfig(_Section):
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """Read YAML (or nothing: the embedded demo), apply ``key=value`` overrides, validate.
     ``overrides``: strings as ``--set`` takes them (``"train.steps=100"``, values parsed as YAML).
-    Raises ``ConfigError`` naming the field and the fix."""
+    Raises ``ConfigError`` naming the field and the fix (a YAML mistake: the file, line and column)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
     for item in overrides:
@@ -433,7 +455,10 @@ def _apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.steps=100")
     key, _, text = item.partition("=")
-    value = yaml.safe_load(text) if text.strip() else ""
+    try:
+        value = parse_yaml(text, f"--set {item!r}", line_numbers=False) if text.strip() else ""
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(": not valid YAML:", ": the value is not valid YAML:")) from None
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -449,11 +474,7 @@ def validate(raw: dict) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            value = err.get("input")
-            lines.append(f"{loc}={value!r}: {err['msg']}" if loc else err["msg"])
+        lines = [explain(err, RunConfig) for err in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

@@ -68,12 +68,12 @@ def _save_lora_checkpoint(rank, plan, engine, ckpt):
     engine's adapters and their Adam state, and meta.json naming the base."""
     import torch.distributed as dist
 
-    from toolkit.checkpoint.checkpointer import _lora_meta
+    from toolkit.checkpoint.lineage import lora_record
     from toolkit.storage import meta
     engine.save(ckpt / "engine", 1)
     if rank == 0:
         meta.write_descriptions(ckpt, "deepspeed", plan.model.model_type, plan.model.hf, engine.layout_record(),
-                                "fp32", {"step": 1}, **_lora_meta(plan))
+                                "fp32", {"step": 1}, **lora_record(plan))
     dist.barrier()
 
 

@@ -282,7 +282,7 @@ def test_resume_on_another_base_is_refused_naming_both(lora_runs, tmp_path, data
     other = tmp_path / "other-base"
     AutoModelForCausalLM.from_pretrained(demo_base, dtype=torch.bfloat16).save_pretrained(other)
     proc = train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={other}", "train.steps=7", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # refused before launch
     assert "LoRA adapters trained on another base model" in proc.stderr
     assert str(demo_base) in proc.stderr and str(other) in proc.stderr
 
@@ -302,18 +302,19 @@ def test_resume_with_other_lora_settings_is_refused_naming_them(overrides, messa
     shutil.copytree(lora_runs("zero2") / "checkpoints", run_dir / "checkpoints")
     proc = train(run_dir, data_cache, *LORA_RUN, f"model.name_or_path={demo_base}", "train.steps=7", *overrides,
                  check=False)
-    assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr[-2000:]  # refused before launch
 
 
 def test_a_full_checkpoint_never_resumes_as_lora_and_back(tmp_path):
     """``check_same_lora`` on a full fine-tuning checkpoint's meta.json (no ``lora``) with a LoRA
     run, and the other way round: refused naming the fix."""
     from toolkit.checkpoint.reshard import check_same_lora
+    from toolkit.storage.rundir import RunDirError
     spec = {"rank": 4, "targets": ["q_proj"], "modules_to_save": []}
-    with pytest.raises(RuntimeError, match=r"is a full fine-tuning checkpoint and this run trains LoRA adapters "
+    with pytest.raises(RunDirError, match=r"is a full fine-tuning checkpoint and this run trains LoRA adapters "
                                            r"\(lora.rank=4\); to fine-tune that model with LoRA, export it"):
         check_same_lora(tmp_path, {"layout": {}}, spec, {"fingerprint": "sha256:x"})
-    with pytest.raises(RuntimeError, match=r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole"):
+    with pytest.raises(RunDirError, match=r"holds LoRA adapters only \(lora.rank=4\) and this run trains the whole"):
         check_same_lora(tmp_path, {"lora": spec, "base_model": {"fingerprint": "sha256:x"}}, None, None)
     check_same_lora(tmp_path, {"layout": {}}, None, None)  # full on full: nothing to check here
 

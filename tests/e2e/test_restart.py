@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.helpers.runs import REPO, losses, resumes, run_cli, train
+from toolkit.storage import verify_complete
 
 pytestmark = pytest.mark.slow
 
@@ -69,18 +70,24 @@ def test_sigterm_saves_and_exits_then_resumes(tmp_path, data_cache, uninterrupte
     assert resumes(run_dir) == [("step_00000003", 3, "as saved")]
 
 
-def test_kill_during_save_and_corrupt_checkpoint(tmp_path, data_cache, uninterrupted):
-    """step 2 is committed then corrupted; step 4's save is killed half-way: the restart must skip
-    both (the half-written step 4 never became a checkpoint: only its staging directory exists; step
-    2 fails its checksum) and start over, not load poison."""
+def test_kill_during_save_and_corrupt_checkpoint_is_refused_not_trained_over(tmp_path, data_cache):
+    """step 2 is committed then corrupted; step 4's save is killed half-way: the restart skips both (the
+    half-written step 4 never became a checkpoint: only its staging directory exists; step 2 fails its
+    checksum) and loads no poison. With no checkpoint of the run left whole, the restarted ranks refuse
+    (before: they started over from step 0 and replaced the damaged step 2, exit 0); a refusal is not a
+    fault: no second restart, exit 2, the ranks' message said once, step 2 kept as it is."""
     run_dir = tmp_path / "run"
-    train(run_dir, data_cache, *RESTART, env={"TOOLKIT_FAULT": "corrupt:step=2:rank=0;kill_in_save:step=4:rank=1"})
-    assert losses(run_dir) == uninterrupted
-    assert resumes(run_dir) == []  # nothing loadable: the restart started from step 0
+    faults = "corrupt:step=2:rank=0;kill_in_save:step=4:rank=1"
+    proc = train(run_dir, data_cache, *RESTART, env={"TOOLKIT_FAULT": faults}, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "every checkpoint of this run is damaged: step_00000002 (" in proc.stderr and "--resume never" in proc.stderr
+    assert proc.stderr.count("toolkit: error:") == 1 and "exitcode: 78" not in proc.stderr  # no traceback for it
+    assert resumes(run_dir) == []
     skipped = [e["reason"] for e in events(run_dir) if e["kind"] == "checkpoint_skipped"]
     assert len(skipped) == 1 and skipped[0].startswith("skipping checkpoint step_00000002: "), skipped
     assert "sha256 differs from the manifest (corrupted)" in skipped[0]
-    assert not any((run_dir / "checkpoints").glob(".staging-step_00000004"))  # redone and committed
+    assert kinds(run_dir).count("restart") == 1 and "refused" in kinds(run_dir) and "gave_up" not in kinds(run_dir)
+    assert verify_complete(run_dir / "checkpoints" / "step_00000002") != []  # still there, still damaged
 
 
 def test_exhausted_budget_fails_clearly_and_keeps_checkpoints(tmp_path, data_cache):
@@ -101,18 +108,6 @@ def test_resume_at_another_zero_stage_converts_and_continues(tmp_path, data_cach
     assert losses(run_dir)[2:] == pytest.approx(losses(runs("zero3", "zero.stage=3"))[2:], rel=1e-6)
     assert resumes(run_dir) == [("step_00000002", 2, "converted")]
     assert not any((run_dir / "resharded").iterdir())  # the conversion is dropped once loaded
-
-
-def test_checkpoint_of_another_model_is_refused(tmp_path, data_cache):
-    run_dir = tmp_path / "run"
-    train(run_dir, data_cache, "train.steps=2", "checkpoint.every=2", "zero.stage=2")
-    config = json.loads((REPO / "toolkit" / "demo" / "tiny-llama" / "config.json").read_text())
-    other = tmp_path / "other-model"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
-    proc = train(run_dir, data_cache, "train.steps=3", "zero.stage=2", f"model.name_or_path={other}", check=False)
-    assert proc.returncode == 1 and "holds another model (num_hidden_layers: checkpoint" in proc.stderr
-    assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
 
 
 def test_supervise_restarts_any_script(tmp_path):

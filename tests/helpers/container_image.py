@@ -28,6 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BASE = "localhost/debian-py:bookworm"
 IMAGE = "localhost/hf-parallel-toolkit:cpu-test"
+# make image-cpu / image-gpu: Dockerfile and tag.
+IMAGES = {"cpu": ("docker/Dockerfile.cpu", "localhost/hf-parallel-toolkit:cpu"),
+          "gpu": ("docker/Dockerfile", "localhost/hf-parallel-toolkit:gpu")}
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 WORK = Path(tempfile.gettempdir()) / f"toolkit-container-build-{os.getuid()}"
 BUILD_ID_ENV = "TOOLKIT_CONTAINER_BUILD_ID"
@@ -73,16 +76,53 @@ def build_base() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def build_image() -> str:
+def build_image(dockerfile: str = "docker/Dockerfile.cpu", tag: str = IMAGE, timeout: float = 1800) -> str:
+    """``dockerfile`` built on the debootstrapped base as ``tag``. Only the CPU image is given the host's
+    wheel folder (it holds torch's CPU wheel); the GPU image takes PyPI's CUDA build."""
     build_base()
-    args = ["build", "--network", "host", "-f", "docker/Dockerfile.cpu", "-t", IMAGE,
+    args = ["build", "--network", "host", "-f", dockerfile, "-t", tag,
             "--build-arg", f"BASE_IMAGE={BASE}",
             "--build-arg", "PIP_CERT=/etc/ssl/certs/host-ca.crt", "--volume", f"{HOST_CA}:/etc/ssl/certs/host-ca.crt:ro"]
     wheels = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
-    if glob.glob(f"{wheels}/torch-*.whl"):  # the CPU torch wheel on disk; else the CPU index is asked
+    if dockerfile.endswith(".cpu") and glob.glob(f"{wheels}/torch-*.whl"):  # else the CPU index is asked
         args += ["--build-arg", "PIP_FIND_LINKS=/wheels", "--volume", f"{wheels}:/wheels:ro"]
-    checked(podman(*args, str(REPO), timeout=1800))
-    return IMAGE
+    checked(podman(*args, str(REPO), timeout=timeout))
+    return tag
+
+
+def build_and_measure(kind: str) -> int:
+    """``make image-gpu`` / ``image-cpu`` without a Docker engine: build, then print the time and size."""
+    reason = missing_tools()
+    if reason:
+        print(f"error: cannot build with podman here: {reason}", file=sys.stderr)
+        return 2
+    dockerfile, tag = IMAGES[kind]
+    had_base = podman("image", "exists", BASE).returncode == 0
+    start = time.monotonic()
+    try:
+        build_image(dockerfile, tag, timeout=7200)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    minutes = (time.monotonic() - start) / 60
+    size = int(checked(podman("image", "inspect", "--format", "{{.Size}}", tag)).strip())
+    print(f"built {tag} from {dockerfile} in {minutes:.1f} min ({'on the existing' if had_base else 'with'} base {BASE}); "
+          f"image size {size / 1e9:.2f} GB ({size / 2**30:.2f} GiB)")
+    if kind == "gpu":
+        record_gpu_lock(tag)
+    return 0
+
+
+def record_gpu_lock(tag: str) -> None:
+    """docker/gpu-image.lock: the GPU image's installed versions, which benchmarks/gpu_wheels.py
+    carries to the GPU machine where constraints.txt pins nothing."""
+    freeze = checked(podman("run", "--rm", "--network", "none", tag, "pip", "freeze", "--exclude-editable"))
+    lines = sorted((line for line in freeze.splitlines() if "==" in line), key=str.lower)
+    header = ["# The GPU image's Python packages: `pip freeze` in the image `make image-gpu` built",
+              f"# (docker/Dockerfile on {BASE}, {time.strftime('%Y-%m-%d')}). Written by",
+              "# tests/helpers/container_image.py; read by benchmarks/gpu_wheels.py. Not an install input."]
+    (REPO / "docker" / "gpu-image.lock").write_text("\n".join(header + lines) + "\n")
+    print(f"recorded {len(lines)} versions in docker/gpu-image.lock")
 
 
 def _status_file() -> Path | None:
@@ -155,6 +195,8 @@ def _build_and_report(status: Path) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--build"] and sys.argv[2:] and sys.argv[2] in IMAGES:  # the Makefile's image targets
+        sys.exit(build_and_measure(sys.argv[2]))
     if sys.argv[1:] == ["--detach"]:  # .ci/run: start the build for $TOOLKIT_CONTAINER_BUILD_ID, print its pid
         if BUILD_ID_ENV not in os.environ:
             sys.exit(f"--detach needs {BUILD_ID_ENV} set: the test session finds the build by it")

@@ -18,7 +18,7 @@ def test_defaults_are_the_demo():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["train.steps=7", "model.dtype=bf16", "train.lr=1e-4"])
+    cfg = load_config(None, ["train.steps=7", "model.dtype=bf16", "train.lr=1e-4", "train.min_lr=1e-5"])
     assert cfg.train.steps == 7 and cfg.model.dtype == "bf16" and cfg.train.lr == 1e-4
 
 

@@ -51,6 +51,51 @@ def test_pickle_allowlist(tmp_path):
         safe_load(tmp_path / "cut.pt")
 
 
+@pytest.mark.parametrize("to, flags", [("zero", {"dp": 0}), ("megatron", {"dp": 0}), ("zero", {"dp": -2})])
+def test_a_data_parallel_size_below_one_is_refused_not_read_as_the_default(tmp_path, to, flags):
+    """``convert --dp 0`` wrote a checkpoint described for dp 1 (``dp or 1``)."""
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with pytest.raises(ConvertError, match=rf"--dp {flags['dp']}: each must be >= 1"):
+        convert(tmp_path / "hf", tmp_path / "out", to=to, **flags)
+    assert not (tmp_path / "out").exists()
+
+
+class _RunsCommand:
+    """Pickles as a call of os.system (``posix.system`` on Linux): what a malicious checkpoint holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+        return os.system, (self.command,)
+
+
+def test_a_blocked_global_is_named_and_never_offered_to_trust(tmp_path):
+    """torch 2.13 words a global of a blocked module (os, sys, posix, nt) as "Trying to load unsupported
+    GLOBAL posix.system whose module posix is blocked."; the refusal read "refusing to unpickle an unlisted
+    class" and suggested TOOLKIT_TRUST_PICKLE_CLASSES=an unlisted class, which torch would refuse anyway."""
+    marker = tmp_path / "payload_ran"
+    torch.save({"w": torch.ones(2), "x": _RunsCommand(f"touch {marker}")}, tmp_path / "evil.pt")
+    with pytest.raises(ConvertError) as caught:
+        safe_load(tmp_path / "evil.pt")
+    message = str(caught.value)
+    assert "refusing to unpickle posix.system" in message or "refusing to unpickle os.system" in message, message
+    assert "an unlisted class" not in message and "TOOLKIT_TRUST_PICKLE_CLASSES" not in message, message
+    assert "torch never loads" in message and "do not use this file" in message, message
+    assert not marker.exists()
+
+
+def test_an_unlisted_class_is_named_with_how_to_trust_it(tmp_path, monkeypatch):
+    from fractions import Fraction
+    torch.save({"w": torch.ones(2), "ratio": Fraction(1, 3)}, tmp_path / "x.pt")
+    with pytest.raises(ConvertError, match=r"refusing to unpickle fractions\.Fraction: .* "
+                                           r"TOOLKIT_TRUST_PICKLE_CLASSES=fractions\.Fraction toolkit convert"):
+        safe_load(tmp_path / "x.pt")
+    monkeypatch.setenv("TOOLKIT_TRUST_PICKLE_CLASSES", "fractions.Fraction")
+    assert safe_load(tmp_path / "x.pt")["ratio"] == Fraction(1, 3)
+
+
 def test_torch_free_unpickler_reads_tensor_locations_and_lets_nothing_be_rewritten(tmp_path):
     """torchzip against torch.save itself: a tensor's record points at its bytes in the file. A
     pickle that tries to set state on an allowed function, or a tensor starting before its storage,

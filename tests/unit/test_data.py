@@ -199,6 +199,22 @@ def test_non_text_values_name_row_and_type(tmp_path, tok, rows_, match):
         data.prepare_data(cfg, tok)
 
 
+@pytest.mark.parametrize("name, lines, where", [
+    ("d.jsonl", [b'{"text": "fine"}', b'{"text": "caf\xe9 au lait"}'], "line 2, column 14"),
+    ("d.csv", [b"text", b"fine", b"na\xefve"], "line 3, column 3"),
+    ("d.txt", [b"fine", b"also fine", b"\xff\xfe bytes"], "line 3, column 1"),
+])
+def test_bytes_that_are_not_utf8_are_located_in_the_file(tmp_path, tok, name, lines, where):
+    """A jsonl with a Latin-1 byte passed the checks (pyarrow keeps invalid strings) and died mid-tokenize with
+    UnicodeDecodeError; csv and text said "UnicodeDecodeError ... position N" without the line."""
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=rf"data.path='{path}': {path} {where}: byte 0x[0-9a-f]{{2}} is not UTF-8"
+                                        r"; the data must be UTF-8 text: re-encode the file \(e.g. iconv -f latin1 "
+                                        r"-t utf-8\) or drop that line"):
+        data.prepare_data(make_cfg(tmp_path, path), tok)
+
+
 def test_malformed_messages_name_row(tmp_path, tok):
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     path = write_jsonl(tmp_path / "c.jsonl", [good, {"messages": [{"role": "user"}]}])

@@ -35,3 +35,13 @@ def test_doctor_fails_on_cpu_torch_with_gpus(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert doctor.main() == 1
     assert "CPU-only build" in capsys.readouterr().out
+
+
+def test_a_cuda_build_without_a_gpu_reports_cuda_nccl_and_no_gpu(monkeypatch):
+    """The GPU image on a machine without one (built here): CUDA and NCCL versions, not an error."""
+    assert doctor.nccl_version() == "-"  # this CPU torch has no NCCL
+    monkeypatch.setattr(doctor, "nccl_version", lambda: "2.29.7")
+    errors: list[str] = []
+    lines = doctor.hardware_lines(errors, [], "2.13.0", "13.0", cuda_available=False)
+    assert lines[0] == "cuda          13.0 (torch's build)   nccl 2.29.7"
+    assert lines[1].startswith("devices       CPU only (no GPU visible)") and not errors

@@ -6,8 +6,9 @@ import errno
 
 import pytest
 
-from toolkit.checkpoint.manager import SaveFailed, describe_error
+from toolkit.checkpoint.manager import SaveFailed
 from toolkit.launch.faults import FaultInjector
+from toolkit.storage.space import describe_error
 
 
 def test_enospc_and_raise_in_persist_fire_at_their_step_once(tmp_path):

@@ -99,3 +99,75 @@ def test_dockerfiles_lint_clean():
     for name in ("Dockerfile", "Dockerfile.cpu"):
         proc = subprocess.run([hadolint, str(DOCKER / name)], capture_output=True, text=True)
         assert proc.returncode == 0, f"hadolint {name}:\n{proc.stdout}{proc.stderr}"
+
+
+def _install_sh_with(tmp_path: Path, torch_cuda: str, nvcc_release: str | None, **env) -> subprocess.CompletedProcess:
+    """install.sh with stand-ins: a python whose torch reports CUDA ``torch_cuda`` ("" for a CPU
+    build), an nvcc of ``nvcc_release`` (None: no CUDA toolkit), and a pip that prints its arguments
+    and the DeepSpeed build variables it was started with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    ds_env = "DS_ACCELERATOR=${DS_ACCELERATOR:-} DS_BUILD_FUSED_ADAM=${DS_BUILD_FUSED_ADAM:-}"
+    scripts = {"python": f"#!/bin/bash\necho '{torch_cuda}'\n", "pip": f'#!/bin/bash\necho "pip $* | {ds_env}"\n'}
+    if nvcc_release:
+        scripts["nvcc"] = f"#!/bin/bash\necho 'Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.88'\n"
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "DS_", "CUDA", "TORCH_"))}
+    full = {**base, "PATH": f"{bin_dir}:/usr/bin:/bin", "CUDA_HOME": str(tmp_path / "no-cuda"),
+            "PYTHON": str(bin_dir / "python"), "PIP": str(bin_dir / "pip"), **env}
+    return subprocess.run(["bash", str(DOCKER / "install.sh"), str(REPO), "megatron"], env=full,
+                          capture_output=True, text=True)
+
+
+def test_gpu_image_build_fails_when_the_cpu_torch_was_installed(tmp_path):
+    proc = _install_sh_with(tmp_path, torch_cuda="", nvcc_release=None, TORCH_BUILD="cuda", PIP_FIND_LINKS="/wheels")
+    assert proc.returncode == 1 and "is a CPU build" in proc.stderr and "PIP_FIND_LINKS=/wheels" in proc.stderr
+    ok = _install_sh_with(tmp_path, torch_cuda="13.0", nvcc_release=None, TORCH_BUILD="cuda")
+    assert ok.returncode == 0 and "install.sh: torch==2.13.0, CUDA 13.0" in ok.stdout
+    cpu_image = _install_sh_with(tmp_path, torch_cuda="13.0", nvcc_release=None, TORCH_BUILD="cpu")
+    assert cpu_image.returncode == 1 and "is a CUDA 13.0 build" in cpu_image.stderr
+
+
+@pytest.mark.parametrize("nvcc,prebuilt,why", [
+    (None, False, "no CUDA toolkit (nvcc) in this image"),
+    ("12.8", False, "nvcc is CUDA 12.8, torch's CUDA is 13.0 (another major version)"),
+    ("13.1", True, "with "),
+])
+def test_gpu_image_prebuilds_fused_adam_only_with_an_nvcc_of_torchs_cuda(tmp_path, nvcc, prebuilt, why):
+    proc = _install_sh_with(tmp_path, torch_cuda="13.0", nvcc_release=nvcc, CUDA_OPS="FUSED_ADAM")
+    assert proc.returncode == 0, proc.stderr
+    pips = [line for line in proc.stdout.splitlines() if line.startswith("pip ")]
+    deepspeed_built = [line for line in pips if "--no-build-isolation" in line]
+    assert why in proc.stdout
+    if prebuilt:
+        # DeepSpeed sees no GPU at build time: it must be told the accelerator, or it builds CPU ops.
+        assert len(deepspeed_built) == 1 and deepspeed_built[0].endswith("DS_ACCELERATOR=cuda DS_BUILD_FUSED_ADAM=1")
+    else:
+        assert not deepspeed_built and "NOT prebuilding DeepSpeed's FUSED_ADAM" in proc.stdout
+        assert "torch.optim.AdamW(fused=True)" in proc.stdout
+    assert pips[-1].split(" | ")[0].endswith(f"-e {REPO}[megatron]")
+
+
+def make_recipe(target: str) -> str:
+    """The shell lines ``make -n TARGET`` would run, read from the Makefile (the CPU image, where this
+    test also runs, has no make): the target's ``$(call NAME,ARGS)`` expanded with its define."""
+    text = (REPO / "Makefile").read_text()
+    call = re.search(rf"^{re.escape(target)}:.*\n\t\$\(call (\w+),([^)]*)\)", text, re.M)
+    assert call, f"Makefile has no target {target} calling a define"
+    body = re.search(rf"^define {call.group(1)}\n(.*?)^endef", text, re.M | re.S).group(1)
+    for i, arg in enumerate(call.group(2).split(","), start=1):
+        body = body.replace(f"$({i})", arg)
+    return body.replace("$(PYTHON)", "python3")
+
+
+@pytest.mark.parametrize("kind,dockerfile", [("gpu", "docker/Dockerfile"), ("cpu", "docker/Dockerfile.cpu")])
+def test_make_image_targets_build_each_dockerfile(kind, dockerfile):
+    """`make image-gpu` / `image-cpu` (docs/docker.md): docker where an engine answers, else the podman
+    recipe this machine builds with; the GPU image is too large for CI, so only the target is checked."""
+    plan = make_recipe(f"image-{kind}")
+    assert f"docker build -f {dockerfile} -t hf-parallel-toolkit:{kind} ." in plan
+    assert f"python3 -m tests.helpers.container_image --build {kind}" in plan
+    from tests.helpers import container_image
+    assert container_image.IMAGES[kind][0] == dockerfile

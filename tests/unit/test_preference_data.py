@@ -199,6 +199,28 @@ def test_long_pairs_are_dropped_and_counted(tmp_path, tok):
     assert make_cfg(tmp_path, path).data.overflow == "drop"  # the default for pairs
 
 
+def test_pairs_whose_answers_are_the_same_are_dropped_and_counted(tmp_path, tok):
+    """chosen == rejected scores one sequence twice: the margin is 0 whatever the weights, so no DPO loss
+    (sigmoid, ipo, hinge, label smoothing) has a gradient from it; kept, it only adds a constant to the loss
+    and a pair to the mean's denominator (each real pair's step shrinks). Dropped, and counted."""
+    same = [{"prompt": "Say it", "chosen": " again", "rejected": " again"},
+            {"prompt": "Twice", "chosen": " the same<|endoftext|>", "rejected": " the same"}]  # equal once tokenized
+    packed = data.prepare_data(make_cfg(tmp_path, write_jsonl(tmp_path / "p.jsonl", PLAIN + same)), tok)
+    assert packed.num_pairs == len(PLAIN) + 2 and packed.num_identical_pairs == 2
+    assert rows(packed.train)["num_pairs"].sum() == len(PLAIN)
+    assert sorted(pairs_of(rows(packed.train))) == sorted(pairs_of(rows(data.prepare_data(
+        make_cfg(tmp_path, write_jsonl(tmp_path / "q.jsonl", PLAIN)), tok).train)))
+
+
+def test_data_with_no_pair_that_differs_is_refused(tmp_path, tok):
+    """Every pair identical trained silently (the loss flat at log 2: nothing to learn)."""
+    path = write_jsonl(tmp_path / "p.jsonl", [dict(e, rejected=e["chosen"]) for e in PLAIN])
+    with pytest.raises(DataError, match=r"data.path='.*p.jsonl': all 4 pairs have the same chosen and rejected answer "
+                                        r"\(data.chosen_column='chosen', data.rejected_column='rejected'\); DPO learns "
+                                        r"from their difference"):
+        data.prepare_data(make_cfg(tmp_path, path), tok)
+
+
 def test_eval_split_cache_key_and_counts(tmp_path, tok):
     examples = [dict(e, prompt=e["prompt"] + f" {k}") for k in range(10) for e in PLAIN]  # 40 pairs
     path = write_jsonl(tmp_path / "p.jsonl", examples)

@@ -440,7 +440,8 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan)
     with zero_init(ds_config, dtype), no_init_weights():
-        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype)  # partitions: filled below
+        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype,  # partitions: filled below
+                                                 trust_remote_code=plan.config.model.trust_remote_code)
     model.tie_weights()
     if plan.config.model.init == "pretrained":
         fill_partitions(model, hf.hf_checkpoint(plan), plan)

@@ -26,7 +26,9 @@ def to_universal(engine_dir: Path, out: Path) -> None:
     from argparse import Namespace
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    tag = (engine_dir / "latest").read_text().strip()
+
+    from toolkit.storage import read_tag
+    tag = read_tag(engine_dir / "latest")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ds_to_universal(Namespace(input_folder=str(engine_dir / tag), output_folder=str(out / tag), num_extract_workers=1,

@@ -42,7 +42,8 @@ def hf_zero3_load(plan: "Plan", ds_config: dict, dtype: torch.dtype) -> torch.nn
 
     from toolkit.adapters.hf import model_dir
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
-    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype,
+                                                trust_remote_code=plan.config.model.trust_remote_code)
 
 
 def fill_partitions(model: torch.nn.Module, source, plan: "Plan") -> None:

@@ -150,7 +150,8 @@ def build_model(plan: Plan, dtype: torch.dtype = torch.float32, device: torch.de
     tests and references on the CPU)."""
     cfg = plan.config
     if cfg.model.init == "pretrained" and not reads_by_slice(plan):
-        model = AutoModelForCausalLM.from_pretrained(model_dir(cfg.model.name_or_path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir(cfg.model.name_or_path), dtype=dtype,
+                                                     trust_remote_code=cfg.model.trust_remote_code)
         return finish(model.to(device), plan)
     model = empty_model(plan.model.hf_config())
     materialize(model, dtype, device)

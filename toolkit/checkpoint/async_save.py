@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.checkpoint.manager import CheckpointManager, SaveFailed, describe_error, step_dir_name
+from toolkit.checkpoint.manager import CheckpointManager, SaveFailed, step_dir_name
 from toolkit.storage import fsync
+from toolkit.storage.space import describe_error, free_bytes, human_bytes, looks_full
 
 COPY_CHUNK = 1 << 22
 # Bytes a checkpoint may need per parameter: weights, fp32 master copy and two Adam moments.
@@ -83,6 +84,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._entries: dict = {}
         self._error: BaseException | None = None
+        self._full: str | None = None  # where the failed persist found its disk full
         self._started = 0.0
 
     def clear_stale(self) -> None:
@@ -112,12 +114,16 @@ class AsyncCheckpointer:
             self._thread.start()
 
     def _persist(self, step: int) -> None:
+        src, dst = self.snapshot_dir(step), self.manager.staging(step)
         try:
-            src = self.snapshot_dir(step)
-            self._entries = persist_tree(src, self.manager.staging(step), self.on_file)
+            self._entries = persist_tree(src, dst, self.on_file)
             shutil.rmtree(src, ignore_errors=True)
         except BaseException as exc:  # reported to every rank by the next poll
             self._error = exc
+            snapshot_bytes = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+            if looks_full(exc, dst, needed=snapshot_bytes):  # measured before the partial copy goes
+                free = free_bytes(dst)
+                self._full = f"{dst.parent} ({human_bytes(free) if free is not None else 'unknown'} free)"
 
     def poll(self, wait: bool = False) -> Path | None:
         """Commit the save in flight if every node has persisted it (collective); the committed dir."""
@@ -141,9 +147,12 @@ class AsyncCheckpointer:
         step, error = self.pending, self._error
         self.pending, self._thread = None, None
         shutil.rmtree(self.snapshot_dir(step), ignore_errors=True)
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, f"background persist failed: {describe_error(error)}" if error else None)
-        raise SaveFailed(step, errors)
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (f"background persist failed: {describe_error(error)}", self._full)
+                               if error else None)
+        self._full = None
+        raise SaveFailed(step, [o and o[0] for o in outcomes],
+                         {rank: o[1] for rank, o in enumerate(outcomes) if o and o[1]})
 
     def _commit(self) -> Path | None:
         gathered = [None] * dist.get_world_size()

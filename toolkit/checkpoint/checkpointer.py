@@ -19,17 +19,14 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
-from toolkit.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    SaveFailed,
-    describe_error,
-    find_latest_complete,
-)
-from toolkit.checkpoint.reshard import check_same_lora, check_same_model, drop_conversion, engine_state_dir
+from toolkit.checkpoint.lineage import check_resumable, lora_record, resume_checkpoint, run_id_for
+from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, SaveFailed
+from toolkit.checkpoint.reshard import drop_conversion, engine_state_dir
 from toolkit.parallel import rng_state, seed_everything, set_rng_state
 from toolkit.plan import Plan
 from toolkit.storage import meta
+from toolkit.storage.rundir import VERIFIED_ENV, RunDirError
+from toolkit.storage.space import describe_error, free_bytes, human_bytes, looks_full
 
 
 class Checkpointer:
@@ -40,9 +37,10 @@ class Checkpointer:
         self.plan, self.engine, self.run_dir, self.rank = plan, engine, Path(run_dir), rank
         self.metrics, self.hooks = metrics, hooks
         self.phase = phase or (lambda name, step=None: lambda: None)
-        self.lora_meta = _lora_meta(plan)
+        self.lora_meta = lora_record(plan)
+        self.run_id = run_id_for(self.run_dir) if rank == 0 else None  # rank 0 finds, writes and describes
         c = plan.config.checkpoint
-        self.manager = CheckpointManager(self.run_dir, c.keep_last)
+        self.manager = CheckpointManager(self.run_dir, c.keep_last, self.run_id, log=metrics.note)
         self.async_ckpt = None
         if c.async_save:
             self.async_ckpt = AsyncCheckpointer(
@@ -122,15 +120,26 @@ class Checkpointer:
         together, rather than leave its peers waiting in a barrier."""
         try:
             self._write(stage, step, progress, beat)
-            error = None
+            outcome = None
         except Exception as exc:  # noqa: BLE001 - any failure to write means the checkpoint is not whole
-            error = describe_error(exc)
-        failed = device.tensor([int(error is not None)], dtype=torch.int32)
+            outcome = (describe_error(exc), self._full_disk(exc, stage))
+        failed = device.tensor([int(outcome is not None)], dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            raise SaveFailed(step, errors)
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, outcome)
+            raise SaveFailed(step, [o and o[0] for o in outcomes],
+                             {rank: o[1] for rank, o in enumerate(outcomes) if o and o[1]})
+
+    def _full_disk(self, exc: BaseException, where: Path) -> str | None:
+        """Where a failed write found its disk full, whatever the writer said (torch's zip writer:
+        ``unexpected pos``): measured now, before the partial checkpoint is removed. A disk with room
+        for less than one checkpoint is full for this run."""
+        trained, _ = self.plan.trainable_parameters()
+        if not looks_full(exc, where, needed=trained * BYTES_PER_PARAM):
+            return None
+        free = free_bytes(where)
+        return f"{where.parent} ({human_bytes(free) if free is not None else 'unknown'} free)"
 
     def _failed(self, exc: SaveFailed) -> NoReturn:
         """A checkpoint not written whole is never committed: drop its staging folder (a full disk gets
@@ -138,17 +147,18 @@ class Checkpointer:
         agent restarts the job from it."""
         committed = self.manager.committed()
         kept = committed[-1].name if committed else None
-        disk_full = any(e and e.startswith("ENOSPC") for e in exc.errors)
+        disk_full = bool(exc.full)
         message = (f"{exc}; it was not committed, and "
                    + (f"the newest complete checkpoint, {kept}, is kept: a restart resumes from it" if kept
                       else "there is no complete checkpoint yet: a restart starts over"))
         if disk_full:
-            message += (f". The disk holding {self.manager.root} is full: free space there, or lower "
-                        "checkpoint.keep_last")
+            message += (f". The disk holding {', '.join(sorted(set(exc.full.values())))} is full: free space there, "
+                        "or lower checkpoint.keep_last")
         if self.rank == 0:
             shutil.rmtree(self.manager.staging(exc.step), ignore_errors=True)
             from toolkit.launch.events import emit
             emit(self.run_dir, "checkpoint_failed", step=exc.step, kept=kept, disk_full=disk_full,
+                 full={str(rank): where for rank, where in exc.full.items()},
                  errors={str(rank): e for rank, e in enumerate(exc.errors) if e})
             self.metrics.note(message)
         raise CheckpointError(message) from exc
@@ -164,7 +174,7 @@ class Checkpointer:
         if self.rank == 0:
             cfg, spec = self.plan.config, self.plan.model
             meta.write_descriptions(stage, cfg.backend, spec.model_type, spec.hf, self.engine.layout_record(),
-                                    cfg.model.dtype, progress, **self.lora_meta)
+                                    cfg.model.dtype, progress, run_id=self.run_id, **self.lora_meta)
 
     def _log_save(self, step: int, tic: float, asynchronous: bool) -> None:
         """How long the loop was blocked by this save (for async saves: the local write only)."""
@@ -174,18 +184,28 @@ class Checkpointer:
     # --- resume --------------------------------------------------------------------------------------
 
     def resume(self) -> dict | None:
-        """Load the newest complete checkpoint into the engine and this rank's RNG; its progress
-        (trainer.json), or None when there is none. Collective."""
-        found = find_latest_complete(self.run_dir, log=self._skipped) if self.rank == 0 else None
-        newest = [str(found) if found else None]  # rank 0's finding, for every rank
+        """Load the newest complete checkpoint of this run (``checkpoint/lineage.py``) into the engine
+        and this rank's RNG; its progress (trainer.json), or None when there is none. Collective.
+        Raises ``RunDirError`` on every rank when the checkpoints there cannot be resumed (all
+        damaged, another model's): a refusal, which the launcher does not restart."""
+        newest = [None, None]  # rank 0's finding (a path, or a refusal), for every rank
+        if self.rank == 0:
+            first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            verified = (os.environ.get(VERIFIED_ENV) or None) if first_attempt else None  # the launcher hashed it
+            try:
+                found = resume_checkpoint(self.run_dir, self.run_id, log=self._skipped, verified=verified)
+                newest[0] = str(found) if found else None
+            except RunDirError as exc:
+                newest[1] = str(exc)
         dist.broadcast_object_list(newest, src=0)
+        if newest[1]:
+            raise RunDirError(newest[1])
         if newest[0] is None:
             self.metrics.note("no complete checkpoint found: starting fresh")
             return None
         ckpt = Path(newest[0])
-        check_same_model(ckpt, self.plan.model.hf)
+        check_resumable(ckpt, self.plan)
         saved_meta = meta.read_meta(ckpt)
-        check_same_lora(ckpt, saved_meta, self.lora_meta.get("lora"), self.lora_meta.get("base_model"))
         saved_layout, progress = saved_meta["layout"], meta.read_progress(ckpt)
         self.phase("load" if saved_layout == self.engine.layout_record() else "reshard", progress["step"])
         engine_dir, loaded = engine_state_dir(ckpt, saved_layout, self.engine, self.plan.config.backend,
@@ -210,11 +230,3 @@ class Checkpointer:
         self.metrics.note(message)
         emit(self.run_dir, "checkpoint_skipped", reason=message)
 
-
-def _lora_meta(plan: Plan) -> dict:
-    """meta.json's LoRA fields ({} for full fine-tuning): the adapters' spec and the base they need."""
-    if plan.lora is None:
-        return {}
-    m = plan.config.model
-    return {"lora": plan.lora.model_dump(mode="json"),
-            "base_model": meta.base_model_record(m.name_or_path, m.init, plan.config.train.seed)}

@@ -10,6 +10,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from toolkit.storage import meta
+from toolkit.storage.rundir import RunDirError
+
+START_OVER = ("start a new run here with --resume never (the checkpoints are moved to RUN_DIR/set_aside/, nothing "
+              "is deleted)")
 
 # Config fields that fix the shapes of the weights: a checkpoint differing in any is another model.
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -24,8 +28,8 @@ def check_same_model(ckpt: Path, ours: dict) -> None:
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}" for k in SHAPE_FIELDS
             if k in saved and k in ours and saved[k] != ours[k]]
     if diff:
-        raise RuntimeError(f"checkpoint {ckpt} holds another model ({'; '.join(diff)}); point run_dir at this "
-                           "model's run, or start fresh with --resume never (nothing was deleted)")
+        raise RunDirError(f"checkpoint {ckpt} holds another model ({'; '.join(diff)}); point run_dir at this "
+                          f"model's run, or {START_OVER}")
 
 
 def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict | None) -> None:
@@ -35,23 +39,23 @@ def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict 
     saved = saved_meta.get("lora")
     if saved is None and lora is None:
         return
-    fix = "point run_dir at a new directory, or start fresh with --resume never (nothing was deleted)"
+    fix = f"point run_dir at a new directory, or {START_OVER}"
     if saved is None:
-        raise RuntimeError(f"checkpoint {ckpt} is a full fine-tuning checkpoint and this run trains LoRA adapters "
+        raise RunDirError(f"checkpoint {ckpt} is a full fine-tuning checkpoint and this run trains LoRA adapters "
                            f"(lora.rank={lora['rank']}); to fine-tune that model with LoRA, export it (toolkit convert "
                            f"--to hf) and use it as model.name_or_path; or {fix}")
     if lora is None:
-        raise RuntimeError(f"checkpoint {ckpt} holds LoRA adapters only (lora.rank={saved['rank']}) and this run "
+        raise RunDirError(f"checkpoint {ckpt} holds LoRA adapters only (lora.rank={saved['rank']}) and this run "
                            f"trains the whole model (lora.rank=0); resume with the checkpoint's lora.* settings, or {fix}")
     ours, theirs = saved_meta.get("base_model", {}), base or {}
     if theirs.get("fingerprint") != ours.get("fingerprint"):
-        raise RuntimeError(f"checkpoint {ckpt} holds LoRA adapters trained on another base model: checkpoint's base "
+        raise RunDirError(f"checkpoint {ckpt} holds LoRA adapters trained on another base model: checkpoint's base "
                            f"{ours.get('path')} ({ours.get('fingerprint')}), this run's {theirs.get('path')} "
                            f"({theirs.get('fingerprint')}); set model.name_or_path to the checkpoint's base, or {fix}")
     shape = ("rank", "targets", "modules_to_save")
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {lora.get(k)!r}" for k in shape if saved.get(k) != lora.get(k)]
     if diff:
-        raise RuntimeError(f"checkpoint {ckpt} holds other LoRA adapters ({'; '.join(diff)}); set lora.* as the "
+        raise RunDirError(f"checkpoint {ckpt} holds other LoRA adapters ({'; '.join(diff)}); set lora.* as the "
                            f"checkpoint's, or {fix}")
 
 
@@ -74,8 +78,8 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
         error = _convert(ckpt, out, backend, layout, engine.lay.vocab_divisor if backend == "megatron" else None)
     outcome = [error]  # rank 0's conversion error (or None), for every rank
     dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise RuntimeError(outcome[0])
+    if outcome[0]:  # this run's layout cannot take that checkpoint: the same on every attempt
+        raise RunDirError(outcome[0])
     return out / "engine", "converted"
 
 

@@ -1,13 +1,31 @@
 """The ``toolkit convert`` and ``toolkit inspect`` commands (argument parsing lives in toolkit/cli.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
 from toolkit.formats.errors import ConvertError
 
 
+@contextlib.contextmanager
+def _named(path, path2=None):
+    """An OS error raised without a path (a read or a write on a file already open) names the
+    command's paths, so the command line says it as one line with them (``toolkit/cli.py``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename, exc.filename2 = str(path), path2 and str(path2)
+        raise
+
+
 def cmd_convert(args) -> int:
+    with _named(args.src, args.dst):
+        return _convert(args)
+
+
+def _convert(args) -> int:
     from toolkit.convert import convert
     try:
         summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
@@ -21,7 +39,11 @@ def cmd_convert(args) -> int:
           f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['reader']} reader, "
           f"{summary['seconds']} s -> {args.dst}")
     if args.verify:
-        report = _verify(args)
+        try:
+            report = _verify(args)
+        except ConvertError as exc:
+            print(f"toolkit convert: error: {exc}", file=sys.stderr)
+            return 2
         print("\n".join(report.lines()))
         return 0 if report.ok else 1
     return 0
@@ -46,11 +68,9 @@ def _verify(args):
 
 
 def cmd_inspect(args) -> int:
-    import contextlib
-
     from toolkit.convert import inspect
     try:  # libraries imported on the way (DeepSpeed's logger) print to stdout: keep it for the answer
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), _named(args.path):
             info = inspect(args.path, args.hf_config)
     except ConvertError as exc:
         print(f"toolkit inspect: error: {exc}", file=sys.stderr)

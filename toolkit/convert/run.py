@@ -28,7 +28,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     tic = time.perf_counter()
     if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
         if to in ("zero", "megatron"):
-            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, dp or (ep if to == "megatron" else 1)),
+            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)),
                                                zero_stage, weights_only, base, vocab_divisor)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.lora.convert import convert_adapter, open_adapter
@@ -44,7 +44,7 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
                            f"checkpoint); {src} is neither")
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
-    dp = dp or (ep if to == "megatron" else 1)
+    dp = _dp_or_default(dp, to, ep)
     _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype, vocab_divisor)
     direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
     source = direct or open_located(found)
@@ -120,6 +120,12 @@ def _torch_dtype(name: str | None):
         return None
     import torch
     return getattr(torch, DTYPE_NAMES[name])
+
+
+def _dp_or_default(dp: int | None, to: str, ep: int) -> int:
+    """``--dp``, or when not given the smallest the layout allows (``ep`` for megatron, else 1); a given 0
+    stays 0 and is refused, never read as the default."""
+    return dp if dp is not None else (ep if to == "megatron" else 1)
 
 
 def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,

@@ -8,6 +8,7 @@ import torch
 
 from toolkit.formats.canonical import Source, hf_config_object
 from toolkit.formats.detect import open_source
+from toolkit.formats.errors import ConvertError
 
 LOGIT_RTOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 """Max |logit difference| between SRC's forward at its own precision and DST's as stored, relative
@@ -43,6 +44,7 @@ def verify(src, dst, hf_config: str | None = None, logits: bool = True) -> Repor
     try:
         report = compare_tensors(a, b)
         if logits:
+            _check_transformers_knows(a, report)
             dtype = next(iter(b.infos.values())).dtype
             report.logits_max_diff, scale = _logits_diff(a, b)
             report.logits_tol = LOGIT_RTOL.get(dtype, 5e-2) * scale
@@ -73,9 +75,22 @@ def compare_tensors(a: Source, b: Source) -> Report:
     return report
 
 
+def _check_transformers_knows(source: Source, report: Report) -> None:
+    """The logits check builds each side as a transformers model: refuse a model_type it lacks, after
+    the tensors were compared (their result is in the message)."""
+    from transformers import CONFIG_MAPPING, __version__
+    model_type = source.hf_config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConvertError(f"{source.path}: --verify compares logits through transformers, which has no model_type "
+                           f"{model_type!r} (transformers {__version__}); the conversion itself is done, and "
+                           f"{report.lines()[0]}. To compare logits too, give --hf-config a config.json whose "
+                           "model_type transformers knows")
+
+
 def _model(source: Source, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config_object(source.hf_config), dtype=torch.float32,
+                                             trust_remote_code=False)
     state = {n: source.read(n).to(dtype).float() for n in source.names()}
     from toolkit.families import find_family, pack
     state = pack(find_family(source.model_type), model.config, state)  # MoE: experts into their module

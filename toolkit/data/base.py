@@ -26,7 +26,7 @@ PACK_BATCH_DOCS = 1000
 """Documents per packing batch; each batch drops at most ``seq_len`` tokens of its tail. Even, so a
 batch of preference documents (two per pair) holds whole pairs."""
 _PIPELINE_VERSION = "1"  # bump when tokenized/packed output changes for the same inputs
-_PREFERENCE_RECIPE = "trl-prefix-v1"  # bump when preference rows tokenize differently
+_PREFERENCE_RECIPE = "trl-prefix-v2"  # bump when preference rows tokenize differently (v2: same answers dropped)
 _DEMO_TOKENIZER_RECIPE = "bytelevel-bpe-v1"  # bump when _train_demo_tokenizer changes
 _FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
                  ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -61,6 +61,9 @@ class PackedData:
     template ``preference``, pairs longer than ``data.seq_len`` in all (dropped)."""
     num_pairs: int | None = None
     """Template ``preference``: pairs in the source (before dropping); else None."""
+    num_identical_pairs: int = 0
+    """Template ``preference``: pairs whose chosen and rejected answers tokenize the same, dropped (their
+    DPO margin is 0 whatever the weights: no gradient, only a diluted batch mean)."""
 
 
 def data_cache_dir(cfg: RunConfig) -> Path:

@@ -212,6 +212,8 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     check_rows(source, cfg)
     source = source.select_columns(list(required_columns(cfg).values()))
     docs = _tokenize(source, cfg, tokenizer)
+    if cfg.data.template == "preference" and len(docs) == 0:
+        _no_pair_differs(cfg, len(source))
     packed = _pack(docs, cfg)
     lengths = pc.list_value_length(docs.data.column("ids"))
     num_tokens = int(pc.sum(lengths).as_py() or 0)
@@ -221,11 +223,21 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     else:
         overflow = 0 if cfg.data.packing_mode == "concat" else \
             int(pc.sum(pc.greater(lengths, cfg.data.seq_len + 1)).as_py() or 0)  # > seq_len input/target pairs
-    pairs = len(docs) // 2 if cfg.data.template == "preference" else None
+    pairs = len(source) if cfg.data.template == "preference" else None  # each row is a pair
+    identical = pairs - len(docs) // 2 if pairs else 0  # pairs tokenized to no documents (templates.py)
     train, evals = _split_eval(packed, cfg)
     _check_enough(train, evals, num_tokens, len(docs), cfg, dropped_pairs=overflow if pairs else 0)
     return PackedData(train=train, eval=evals, num_tokens=num_tokens, num_documents=len(docs),
-                      packing=cfg.data.packing_mode, num_overflow=overflow, num_pairs=pairs)
+                      packing=cfg.data.packing_mode, num_overflow=overflow, num_pairs=pairs,
+                      num_identical_pairs=identical)
+
+
+def _no_pair_differs(cfg: RunConfig, pairs: int) -> None:
+    d = cfg.data
+    raise DataError(f"data.path={d.path!r}: all {pairs} pairs have the same chosen and rejected answer "
+                    f"(data.chosen_column={d.chosen_column!r}, data.rejected_column={d.rejected_column!r}); DPO learns "
+                    "from their difference, and there is none: point the two fields at different columns, or fix the "
+                    "data")
 
 
 def _key(*parts: Any) -> str:

@@ -13,6 +13,7 @@ import datasets
 import numpy as np
 
 from toolkit.config import RunConfig
+from toolkit.config_input import line_and_column
 from toolkit.data.base import _FILE_FORMATS, DataError, data_cache_dir
 
 if TYPE_CHECKING:
@@ -99,11 +100,61 @@ def _load_files(fmt: str, files: list[str], path: str, cache: str) -> datasets.D
     if all(os.path.getsize(f) == 0 for f in files):
         raise DataError(f"data.path={path!r} is empty (0 bytes); it needs at least one document")
     try:
-        return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cache)
+        ds = datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cache)
     except Exception as exc:  # noqa: BLE001 - parser errors of every format become one message
         cause = exc.__cause__ or exc
+        if isinstance(cause, UnicodeDecodeError):  # the csv and text readers decode as they read
+            raise _not_utf8(path, files) from None
         raise DataError(f"data.path={path!r} could not be read as {fmt} (data.format): "
                         f"{type(cause).__name__}: {cause}") from exc
+    if fmt != "parquet" and not _valid_utf8(ds):  # pyarrow's JSON reader keeps invalid strings as they are
+        raise _not_utf8(path, files)
+    return ds
+
+
+def _valid_utf8(ds: datasets.Dataset) -> bool:
+    """Whether every string in the table is UTF-8 (Arrow's full validation, in C++: no row is decoded here)."""
+    import pyarrow as pa
+    try:
+        ds.data.table.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        if "UTF8" in str(exc):
+            return False
+        raise
+    return True
+
+
+def _not_utf8(path: str, files: list[str]) -> DataError:
+    """The first byte of ``files`` that is not UTF-8, by file, line and column."""
+    fix = "the data must be UTF-8 text: re-encode the file (e.g. iconv -f latin1 -t utf-8) or drop that line"
+    for file in files:
+        line = 1
+        for block in _line_blocks(file):
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                at, column = line_and_column(block, exc.start)
+                return DataError(f"data.path={path!r}: {file} line {line + at - 1}, column {column}: byte "
+                                 f"0x{block[exc.start]:02x} is not UTF-8; {fix}")
+            line += block.count(b"\n")
+    return DataError(f"data.path={path!r} holds bytes that are not UTF-8; {fix}")
+
+
+def _line_blocks(file: str, size: int = 1 << 24):
+    """The bytes of ``file`` (decompressed) in blocks of whole lines, about ``size`` each: a block never
+    cuts a UTF-8 sequence, which holds no newline byte."""
+    import importlib
+    module = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}.get(Path(file).suffix)
+    with (importlib.import_module(module).open if module else open)(file, "rb") as f:
+        tail = b""
+        while chunk := f.read(size):
+            block = tail + chunk
+            cut = block.rfind(b"\n") + 1
+            if cut:
+                yield block[:cut]
+            tail = block[cut:]
+        if tail:
+            yield tail
 
 
 def _load_saved(path: str, split: str) -> datasets.Dataset:

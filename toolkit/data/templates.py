@@ -190,7 +190,9 @@ def preference_tokenize_fn(cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> Ca
     As TRL's ``DPOTrainer`` does: the prompt and each prompt + answer are tokenized whole, and the
     answers start where the tokenized prompt and both tokenized prompt + answer texts stop agreeing
     (tokens can merge across the boundary, or a chat template can render the prompt alone
-    differently); the prompt tokens are that common prefix, shared by both documents."""
+    differently); the prompt tokens are that common prefix, shared by both documents. A pair whose
+    answers tokenize the same gives no documents (``prepare_data`` counts and says it): its margin is 0
+    whatever the weights, so no DPO loss learns from it."""
     def tokenize(batch: dict, indices: list[int]) -> dict:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         texts = [_preference_texts(row, i, cfg, tok) for row, i in zip(rows, indices)]
@@ -204,6 +206,8 @@ def preference_tokenize_fn(cfg: RunConfig, tok: "PreTrainedTokenizerBase") -> Ca
                     encoded[k] = ids[3 * j:3 * j + 3]
         out: dict[str, list] = {"ids": [], "loss": []}
         for (prompt, chosen, rejected), index in zip(encoded, indices):
+            if chosen == rejected:
+                continue
             n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
             for full, field in ((chosen, "data.chosen_column"), (rejected, "data.rejected_column")):
                 if len(full) - max(n, 1) < 1:  # targets are full[1:]; those at n.. carry loss

@@ -32,9 +32,9 @@ def load_tokenizer(cfg: RunConfig) -> "PreTrainedTokenizerFast":
     model_dir = _local_model_dir(cfg.model.name_or_path)
     vocab_size = _model_vocab_size(model_dir)
     if cfg.model.tokenizer:
-        tok = _load_pretrained_tokenizer(cfg.model.tokenizer, "model.tokenizer")
+        tok = _load_pretrained_tokenizer(cfg.model.tokenizer, "model.tokenizer", cfg.model.trust_remote_code)
     elif model_dir is not None and any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
-        tok = _load_pretrained_tokenizer(str(model_dir), "model.name_or_path")
+        tok = _load_pretrained_tokenizer(str(model_dir), "model.name_or_path", cfg.model.trust_remote_code)
     elif vocab_size is None:
         raise DataError(
             f"model.name_or_path={cfg.model.name_or_path!r} has no local config.json, so the demo "
@@ -62,13 +62,18 @@ def _model_vocab_size(model_dir: Path | None) -> int | None:
     return json.loads(config.read_text()).get("vocab_size")
 
 
-def _load_pretrained_tokenizer(name: str, field: str) -> "PreTrainedTokenizerBase":
+def _load_pretrained_tokenizer(name: str, field: str, trust_remote_code: bool) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
+    from toolkit import remote_code
     local = Path(name).expanduser().is_dir()
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=local)
+        return AutoTokenizer.from_pretrained(name, local_files_only=local, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear message
+        if remote_code.is_custom_code_refusal(exc):
+            file = "tokenizer_config.json" if remote_code.custom_classes(Path(name), "tokenizer_config.json") \
+                else "config.json"
+            raise remote_code.refusal(field, name, Path(name), file) from None
         where = "a local directory" if local else "not a local directory (a hub name needs network access)"
         raise DataError(f"{field}={name!r}: could not load a tokenizer ({where}): "
                         f"{type(exc).__name__}: {exc}") from exc
@@ -106,7 +111,7 @@ def _demo_tokenizer(vocab_size: int) -> "PreTrainedTokenizerFast":
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return PreTrainedTokenizerFast.from_pretrained(final)
+    return PreTrainedTokenizerFast.from_pretrained(final, trust_remote_code=False)
 
 
 def _train_demo_tokenizer(corpus: str, vocab_size: int) -> "PreTrainedTokenizerFast":

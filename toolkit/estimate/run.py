@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from toolkit.config import ConfigError, RunConfig
+from toolkit.config import ConfigError, RunConfig, parse_yaml
 from toolkit.estimate.memory import USABLE, GiB, fits, memory, suggestions
 from toolkit.estimate.steptime import Cluster, StepTime, step_time
 from toolkit.plan import Plan
@@ -117,14 +117,13 @@ def _secs(s: float) -> str:
 
 def parse_cluster(nodes: int, gpus_per_node: int, items: list[str]) -> Cluster:
     """``--cluster key=value`` items on top of the node counts; errors name the key and the fix."""
-    import yaml
     from pydantic import ValidationError
     raw: dict = {"nodes": nodes, "gpus_per_node": gpus_per_node}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in Cluster.model_fields:
             raise ConfigError(f"--cluster {item!r}: expected KEY=VALUE with KEY one of {', '.join(Cluster.model_fields)}")
-        raw[key] = yaml.safe_load(value)
+        raw[key] = parse_yaml(value, f"--cluster {item!r}", line_numbers=False)
     try:
         return Cluster.model_validate(raw)
     except ValidationError as exc:

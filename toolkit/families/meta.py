@@ -14,7 +14,10 @@ def meta_model(hf_config, **from_config) -> torch.nn.Module:
     plan tells a tied LM head by ``input.weight is output.weight``)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, **from_config)
+
+    from toolkit.remote_code import runs_remote_code
+    with init_empty_weights(include_buffers=False):  # a config of a trusted directory's class: its model too
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=runs_remote_code(hf_config),
+                                                 **from_config)
     model.tie_weights()
     return model

@@ -33,7 +33,7 @@ def tiny_model(family: str, seed: int = 0, **changes):
     config = tiny_config(family, **changes)
     # HF's eager applies an attention softcap; transformers 5.17 would pick sdpa for gemma2, which drops it
     choice = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **choice)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False, **choice)
     with torch.no_grad():  # HF inits biases and norms to constants: randomize so mix-ups show
         for name, p in model.named_parameters():
             if p.ndim == 1:

@@ -28,6 +28,7 @@ from toolkit.formats.dcp_metadata import load_metadata
 from toolkit.formats.describe import ACCELERATE_MODEL, ACCELERATE_OPTIM, describe_dcp
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.megatron import read_region
+from toolkit.formats.safeload import refused_global
 
 ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
 HPARAMS = ("lr", "betas", "eps", "weight_decay")
@@ -238,8 +239,8 @@ class _Part:
         try:
             return torch.load(io.BytesIO(planner.value), weights_only=True)
         except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
-            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-            raise ConvertError(f"{self.dir}: refusing to unpickle {found.group(1) if found else 'a class'} in {key}: "
+            name, _ = refused_global(exc)
+            raise ConvertError(f"{self.dir}: refusing to unpickle {name or 'a class'} in {key}: "
                                "an optimizer's hyperparameters are plain numbers, and unpickling anything else "
                                "could run code (do not trust this checkpoint)") from None
 

@@ -76,6 +76,9 @@ def find_legacy_dir(path: Path) -> Path | None:
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
         it = tracker.read_text().strip()
+        if it != "release" and not it.isdigit():  # an iteration number: never a path to follow
+            raise ConvertError(f"{tracker} holds {it[:200]!r}, not an iteration number or 'release'; the checkpoint "
+                               "is damaged: write the newest iteration into it, or convert an intact copy")
         path = path / ("release" if it == "release" else f"iter_{int(it):07d}")
     if any(path.glob("mp_rank_*/model_optim_rng.pt")):
         return path

@@ -90,10 +90,34 @@ def _check_zip(path: Path) -> None:
                            "truncated or not a checkpoint file)")
 
 
-def _refusal(path: Path, exc: Exception) -> ConvertError:
+# How torch's weights_only unpickler (torch/_weights_only_unpickler.py, 2.6 to 2.13) names what it refused:
+_BLOCKED = re.compile(r"GLOBAL ([\w.]+) whose module ([\w.]+) is blocked")  # os, sys, posix, nt: never loadable
+_NOT_ALLOWED = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")      # allowable by name
+_OTHER = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"<(?:class|function) '?([\w.]+)'?"))
+
+
+def refused_global(exc: Exception) -> tuple[str | None, bool]:
+    """(the global torch's weights_only unpickler refused, whether it is blocked outright) from its
+    message; (None, False) when the message names none."""
     text = str(exc)
-    found = re.search(r"GLOBAL ([\w.]+) was not an allowed global|global '?([\w.]+)'?", text)
-    name = next((g for g in (found.groups() if found else ()) if g), "an unlisted class")
+    if found := _BLOCKED.search(text):
+        return found.group(1), True
+    for pattern in (_NOT_ALLOWED, *_OTHER):
+        if found := pattern.search(text):
+            return found.group(1), False
+    return None, False
+
+
+def _refusal(path: Path, exc: Exception) -> ConvertError:
+    name, blocked = refused_global(exc)
+    if blocked:
+        return ConvertError(f"{path}: refusing to unpickle {name}: a function of a module torch never loads from a "
+                            "checkpoint (it runs commands); no checkpoint holds it: do not use this file")
+    if name is None:  # torch's own words, first line, rather than a guess
+        detail = next((line.strip() for line in str(exc).splitlines() if "WeightsUnpickler error" in line),
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return ConvertError(f"{path}: refusing to unpickle it: {detail}; unpickling could run code (do not trust "
+                            "this file)")
     return ConvertError(
         f"{path}: refusing to unpickle {name}: it is not one of the classes a DeepSpeed or Megatron checkpoint "
         f"holds, and unpickling it could run code. If you trust this file, allow the class explicitly: "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from toolkit.formats.errors import ConvertError
 from toolkit.storage import COMPLETE, MANIFEST, build_manifest, verify_complete, write_json_durable
+from toolkit.storage.space import describe_error, looks_full, path_error
 
 
 @contextlib.contextmanager
@@ -18,16 +19,26 @@ def staged(dst: Path):
     dst = Path(dst).resolve()
     if dst.exists():
         raise ConvertError(f"{dst} already exists; the converter never overwrites - remove it or choose another DST")
-    dst.parent.mkdir(parents=True, exist_ok=True)
     stage = dst.parent / f".staging-{dst.name}-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir()
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir()
+    except OSError as exc:
+        raise ConvertError(f"DST {dst} cannot be written: {path_error(exc) or exc}") from None
     try:
         yield stage
         write_json_durable(stage / MANIFEST, build_manifest(stage))
         write_json_durable(stage / COMPLETE, {"complete": True})
         os.replace(stage, dst)
+    except Exception as exc:
+        full = not isinstance(exc, ConvertError) and looks_full(exc, stage)  # measured before the partial output goes
+        shutil.rmtree(stage, ignore_errors=True)
+        if full:
+            raise ConvertError(f"the disk holding {dst.parent} is full ({describe_error(exc)}); {dst} was not written: "
+                               "free space there, or choose a DST on another disk") from exc
+        raise
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.formats.errors import ConvertError
+from toolkit.storage import UnsafeTag, read_tag
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
@@ -32,7 +33,10 @@ def find_tag_dir(path: Path) -> Path | None:
             return cand
         for latest in ("latest", "latest_universal"):
             if (cand / latest).is_file():
-                tag = cand / (cand / latest).read_text().strip()
+                try:
+                    tag = cand / read_tag(cand / latest)
+                except UnsafeTag as exc:
+                    raise ConvertError(str(exc)) from None
                 if tag.is_dir():
                     return tag
                 raise ConvertError(f"{cand / latest} names tag {tag.name!r}, but {tag} is missing; the checkpoint "

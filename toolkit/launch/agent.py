@@ -5,7 +5,8 @@ on a failure; we add: an event per failure/restart/hang/preemption in ``RUN_DIR/
 exponential backoff between restarts, a heartbeat watchdog that judges each rank's silence against
 its phase's budget (``launch/budgets.py``), dumps every rank's Python stack under a header naming
 its phase and kills a hung job so that it restarts, and preemption (all ranks exiting with ``PREEMPTED_EXIT``)
-ending the job instead of restarting it.
+ending the job instead of restarting it; a rank that refuses the run (``REFUSED_EXIT``: what a
+config error makes it, ``train/worker.py``) ends it too: a restart would meet the same refusal.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from toolkit.launch.events import emit
 from toolkit.launch.heartbeat import clear_heartbeats, read_heartbeats
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" - the job saved and stopped on request
+REFUSED_EXIT = 78  # EX_CONFIG: a rank refused the run (a config error, e.g. every checkpoint damaged): never retried
 STACKS_DIR = "stacks"
 # Frames that mean "waiting for the other ranks", not "stuck on its own".
 _COLLECTIVE_FRAMES = ("distributed_c10d.py", "deepspeed/comm/", "torch/distributed/")
@@ -43,6 +45,7 @@ class ToolkitAgent(LocalElasticAgent):
         self.attempt = 0
         self._streak, self._failed_at = 0, None  # failures since the job last got past a failure's step
         self.preempted = False
+        self.refused = False  # a rank exited REFUSED_EXIT: the job ends without a restart
         self._exits: dict[int, tuple[int, int]] = {}  # local rank -> (pid, exit code), this attempt
 
     # --- hooks into the agent's loop ---------------------------------------------------------------
@@ -150,6 +153,9 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _record_failure(self, result: RunResult) -> None:
         codes = {rank: f.exitcode for rank, f in result.failures.items()}
+        if REFUSED_EXIT in codes.values():  # the rank said why in a `refused` event; nothing to retry
+            self.refused, self._remaining_restarts = True, 0
+            return
         self.preempted = _is_preemption(codes)
         beats = read_heartbeats(self.run_dir)
         reached = max((b["step"] for b in beats.values() if b.get("step") is not None), default=None)

@@ -6,6 +6,7 @@ restart policy on top of it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -54,6 +55,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     # (seen as "Connection refused" in connectFullMesh). Opted out, every attempt gets a fresh
     # store hosted by rank 0 on a free port, as with torchrun's static rendezvous.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _quiet_refusals()
     single_node = spec.nnodes == 1 and spec.rdzv_endpoint is None
     join_s = join_timeout_s(spec.nnodes, spec.join_timeout_s)
     rdzv = RendezvousParameters(
@@ -93,7 +95,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
             name = entrypoint.__qualname__ if callable(entrypoint) else Path(str(entrypoint)).name
             raise ChildFailedError(name=name, failures=result.failures)
     except ChildFailedError as exc:
-        exc.preempted = agent.preempted
+        exc.preempted, exc.refused = agent.preempted, agent.refused
         raise
     except Exception as exc:
         # A signal to the agent must not close the rendezvous: other nodes may still use it.
@@ -102,6 +104,22 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     finally:
         if shutdown_rdzv:
             worker_spec.rdzv_handler.shutdown()
+
+
+class _NoRefusalTraceback(logging.Filter):
+    """torch logs every failed rank with the traceback of its own polling code; a rank that refused
+    the run (``REFUSED_EXIT``) said why in a ``refused`` event, which the launcher prints once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from toolkit.launch.agent import REFUSED_EXIT
+        return not (str(record.msg).startswith("failed (exitcode") and record.args
+                    and record.args[0] == REFUSED_EXIT)
+
+
+def _quiet_refusals() -> None:
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoRefusalTraceback) for f in log.filters):
+        log.addFilter(_NoRefusalTraceback())
 
 
 def _multinode_rdzv_conf(node_rank: int) -> dict:

@@ -281,7 +281,7 @@ def verify_adapter(src: Path, dst: Path, base: str | None):
         target = PeftModel.from_pretrained(_base_model(adapter.base), str(dst)).eval()
     else:
         from transformers import AutoModelForCausalLM
-        target = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32, trust_remote_code=False).eval()
         merged, stored = reference.merge_and_unload().state_dict(), target.state_dict()
         report.mismatched += [n for n in merged if n not in stored or not torch.equal(merged[n], stored[n])]
         # transformers skips a file's tensors that its model has no place for: read the names from the files
@@ -304,7 +304,7 @@ def _stored_names(path: Path) -> set[str]:
 
 def _base_model(path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval()
 
 
 def _peft_model(adapter: Adapter) -> torch.nn.Module:

@@ -90,23 +90,36 @@ def driver_gpus() -> list[str]:
 def hardware_lines(errors: list[str], gpus: list[str], torch_version: str, torch_cuda: str | None,
                    cuda_available: bool) -> list[str]:
     """What the machine has against what torch can use: a CPU-only torch on a machine with NVIDIA
-    GPUs, or a CUDA torch that cannot reach them, is an error (training would run on the CPU)."""
+    GPUs, or a CUDA torch that cannot reach them, is an error (training would run on the CPU). A
+    CUDA build says its CUDA and NCCL versions whether or not a GPU is visible (the GPU image
+    built on a machine without one)."""
     if gpus and torch_cuda is None:
         errors.append(f"torch {torch_version} is a CPU-only build but the machine has {len(gpus)} NVIDIA GPU(s) "
                       "(nvidia-smi -L): install torch's CUDA build, e.g. pip install torch==<pinned version> "
-                      "--index-url https://download.pytorch.org/whl/cu128, or use the GPU image (docker/Dockerfile)")
+                      "--index-url https://download.pytorch.org/whl/cu130, or use the GPU image (docker/Dockerfile)")
     elif gpus and not cuda_available:
         errors.append(f"torch {torch_version} (CUDA {torch_cuda}) cannot use the machine's {len(gpus)} GPU(s): check the "
                       "driver version against that CUDA and CUDA_VISIBLE_DEVICES")
+    lines = [] if torch_cuda is None else [f"cuda          {torch_cuda} (torch's build)   nccl {nccl_version()}"]
     if not cuda_available:
-        return [f"devices       CPU only{f' (driver lists {len(gpus)} GPU(s))' if gpus else ''}: DeepSpeed uses its "
-                "CPU accelerator with gloo; the Megatron path uses toolkit.compat.megatron_cpu"]
+        seen = f"driver lists {len(gpus)} GPU(s)" if gpus else "no GPU visible"
+        return lines + [f"devices       CPU only ({seen}): DeepSpeed uses its CPU accelerator with gloo; the "
+                        "Megatron path uses toolkit.compat.megatron_cpu"]
     import torch
-    lines = [f"cuda          {torch_cuda}   nccl {'.'.join(map(str, torch.cuda.nccl.version()))}"]
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         lines.append(f"gpu {i}         {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
     return lines + _deepspeed_ops_lines()
+
+
+def nccl_version() -> str:
+    """The NCCL torch loads (read from the library, no GPU needed); '-' where torch has none."""
+    import torch
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):  # a CPU build has no NCCL
+        return "-"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _deepspeed_ops_lines() -> list[str]:

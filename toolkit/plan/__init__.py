@@ -23,7 +23,7 @@ from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
 from toolkit.lora.spec import LoraSpec, resolve_lora
 from toolkit.plan.layout import Layout, check_layout
-from toolkit.plan.model import ModelSpec, load_hf_config, model_spec, read_config_json
+from toolkit.plan.model import ModelSpec, load_hf_config, model_code_dir, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 
 PLAN_FILE = "plan.json"
@@ -65,10 +65,11 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     cfg = with_megatron_preset(cfg) if cfg.backend == "megatron" else with_ds_json_values(cfg)
     # config.json as written, where the config comes from it (a given hf_config is taken as it is)
     written = read_config_json(cfg.model.name_or_path) if hf_config is None else None
-    hf_config = hf_config if hf_config is not None else load_hf_config(cfg.model.name_or_path)
+    if hf_config is None:
+        hf_config = load_hf_config(cfg.model.name_or_path, cfg.model.trust_remote_code)
     if cfg.backend == "megatron":
         _check_family(cfg, hf_config, written)
-    spec = model_spec(hf_config)
+    spec = model_spec(hf_config, model_code_dir(cfg.model.name_or_path, hf_config))
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
     ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
         if cfg.backend == "deepspeed" else {}

@@ -139,6 +139,13 @@ def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
 def _micro_batches(cfg: RunConfig, dp: int) -> int:
     t = cfg.train
     per_step = t.micro_batch_size * dp
+    if t.global_batch_size % dp:  # no micro-batch size helps: say what does
+        multiples = ", ".join(str(per_step * k) for k in (1, 2, 3))
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} cannot be split over dp={dp} data-parallel ranks "
+            f"({t.global_batch_size} is not a multiple of {dp}); choose train.global_batch_size a multiple of {dp} x "
+            f"train.micro_batch_size={t.micro_batch_size} ({multiples}), or a data-parallel size in "
+            f"{divisors(t.global_batch_size)} (nproc x nodes / model-parallel ranks)")
     if t.global_batch_size % per_step:
         valid = [m for m in range(1, t.global_batch_size + 1) if t.global_batch_size % (m * dp) == 0]
         raise ConfigError(

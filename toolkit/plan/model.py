@@ -42,6 +42,9 @@ class ModelSpec(BaseModel):
     """Routed experts per MoE layer (0: a dense model)..."""
     experts_per_token: int = 0
     """...of which each token uses this many."""
+    code_dir: str | None = None
+    """The model directory whose own Python defines the model's classes (``model.trust_remote_code``:
+    its config.json's ``auto_map``); None: transformers' own classes."""
 
     @property
     def total(self) -> int:
@@ -52,13 +55,18 @@ class ModelSpec(BaseModel):
         return self.kv_heads * self.head_dim
 
     def hf_config(self):
-        """A transformers ``PretrainedConfig`` of this model (built from ``hf``; nothing is read)."""
+        """A transformers ``PretrainedConfig`` of this model (built from ``hf``; nothing is read but, for a
+        model of its own code, its trusted directory's configuration class)."""
+        if self.code_dir is not None:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+            return get_class_from_dynamic_module(self.hf["auto_map"]["AutoConfig"], self.code_dir).from_dict(self.hf)
         from transformers import AutoConfig
         return AutoConfig.for_model(**self.hf)
 
 
-def model_spec(hf_config) -> ModelSpec:
-    """Derive the spec; parameters are counted on the HF model built on the meta device (no memory)."""
+def model_spec(hf_config, code_dir: str | None = None) -> ModelSpec:
+    """Derive the spec; parameters are counted on the HF model built on the meta device (no memory).
+    ``code_dir``: the trusted directory ``hf_config``'s class came from (``model.trust_remote_code``)."""
     from toolkit.families import attention_dims
     from toolkit.families.meta import meta_model
     model = meta_model(hf_config)
@@ -72,7 +80,8 @@ def model_spec(hf_config) -> ModelSpec:
                      hidden=hf_config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
                      glu="silu" in act or "swiglu" in act, vocab=hf_config.vocab_size, **counts,
                      experts=_routed_experts(hf_config) if moe else 0,
-                     experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if moe else 0)
+                     experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if moe else 0,
+                     code_dir=code_dir)
 
 
 def _parameter_counts(model, layers: int) -> dict:
@@ -108,16 +117,32 @@ def read_config_json(name_or_path: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_hf_config(name_or_path: str):
-    """The HF config of ``model.name_or_path`` (a directory holding config.json, or the file)."""
+def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
+    """The HF config of ``model.name_or_path`` (a directory holding config.json, or the file). A
+    directory whose config.json needs its own Python is refused unless ``trust_remote_code``."""
     from pathlib import Path
 
     from transformers import AutoConfig
+
+    from toolkit import remote_code
     path = Path(name_or_path)
     if path.is_file() and path.name.endswith(".json"):
         path = path.parent
     try:
-        return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
+        if remote_code.is_custom_code_refusal(exc):
+            raise remote_code.refusal("model.name_or_path", name_or_path, path, "config.json") from None
         raise ConfigError(f"model.name_or_path={name_or_path!r}: cannot read an HF config there ({exc}); "
                           "give a local directory holding config.json (and weights for model.init=pretrained)") from None
+
+
+def model_code_dir(name_or_path: str, hf_config) -> str | None:
+    """The directory of a model whose classes its own (trusted) code defines; None for transformers' own."""
+    from pathlib import Path
+
+    from toolkit.remote_code import runs_remote_code
+    if not runs_remote_code(hf_config):
+        return None
+    path = Path(name_or_path)
+    return str((path.parent if path.is_file() else path).resolve())

@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from toolkit import resources
 from toolkit.config import ConfigError, RunConfig
+from toolkit.config_input import decode_utf8, parse_yaml
 
 AUTO = "auto"
 PRESET_KEYS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "sequence_parallel",
@@ -29,7 +28,9 @@ def with_megatron_preset(cfg: RunConfig) -> RunConfig:
     if not name:
         return cfg
     text, source = _read_preset("megatron", name, "megatron.preset", "megatron_configs/")
-    preset = yaml.safe_load(text) or {}
+    preset = parse_yaml(text, source) or {}
+    if not isinstance(preset, dict):
+        raise ConfigError(f"{source}: a preset is a mapping of megatron.* layout fields, got {type(preset).__name__}")
     bad = sorted(set(preset) - set(PRESET_KEYS))
     if bad:
         raise ConfigError(f"{source}: keys {bad} are not layout fields; a preset may set only {list(PRESET_KEYS)}")
@@ -41,7 +42,7 @@ def _read_preset(kind: str, name: str, field: str, folder: str) -> tuple[str, st
     """(text, where it came from) of a preset given as a file path or a shipped preset's name."""
     path = Path(name)
     if path.is_file():
-        return path.read_text(), str(path)
+        return decode_utf8(path.read_bytes(), str(path)), str(path)
     shipped = resources.preset(kind, name)
     if shipped is None:
         raise ConfigError(f"{field}={name!r} is neither a file nor one of {folder} {sorted(resources.presets(kind))}")

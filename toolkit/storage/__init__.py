@@ -11,10 +11,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 MANIFEST, COMPLETE, LATEST = "manifest.json", "COMPLETE", "latest"
+PLAIN_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A checkpoint tag a ``latest`` pointer may name: one folder name (``global_step6``, ``step_00000006``),
+never a path (``../x``, ``/abs``, ``a/b``)."""
+
+
+class UnsafeTag(ValueError):
+    """A ``latest`` pointer naming something other than a folder beside it."""
+
+
+def read_tag(pointer: Path) -> str:
+    """The tag a ``latest`` file names, refused unless it is a plain folder name: a pointer is never
+    followed out of its checkpoint."""
+    tag = Path(pointer).read_text().strip()
+    if not PLAIN_TAG.fullmatch(tag) or ".." in tag:
+        raise UnsafeTag(f"{pointer} names {tag[:200]!r}, which is not a plain checkpoint tag (a folder name such as "
+                        "global_step6 beside it): refusing to follow it out of the checkpoint; write the tag's "
+                        "folder name into it, or convert an intact copy")
+    return tag
 
 
 def build_manifest(root: Path) -> dict:
@@ -51,11 +70,19 @@ def verify_complete(ckpt: Path, checksums: bool = True) -> list[str]:
     return problems
 
 
-def newest_complete(root: Path, pattern: str = "step_*", log=print) -> Path | None:
+def newest_complete(root: Path, pattern: str = "step_*", log=print, skip=None,
+                    verified: Path | None = None) -> Path | None:
     """Newest directory under ``root`` matching ``pattern`` that verifies; broken ones are reported
-    and skipped, never deleted."""
+    and skipped, never deleted. ``skip(candidate)``: a reason to pass a candidate over unread
+    (another run's checkpoint: ``storage/rundir.py``), or None. ``verified``: a directory whose
+    checksums were just verified (by the launcher, which holds the run directory): only its marker
+    and sizes are checked again, not every byte a second time."""
     for candidate in sorted(Path(root).glob(pattern), reverse=True):
-        problems = verify_complete(candidate)
+        reason = skip(candidate) if skip else None
+        if reason:
+            log(f"skipping checkpoint {candidate.name}: {reason}")
+            continue
+        problems = verify_complete(candidate, checksums=verified is None or candidate != Path(verified))
         if not problems:
             return candidate
         log(f"skipping checkpoint {candidate.name}: " + "; ".join(problems[:3]))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
+from toolkit.config import ConfigError
 from toolkit.data import rank_micro_batches
 from toolkit.data.base import data_cache_dir
 from toolkit.objectives import REF_COLUMN
@@ -151,8 +152,8 @@ def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarra
 def check_resumed(saved: str | None, key: str) -> None:
     """A checkpoint trained against other reference scores (another starting model or data) cannot go on
     with these: its DPO loss would change meaning mid-run."""
-    if saved is not None and saved != key:
-        raise RuntimeError(f"the checkpoint was trained against reference log-probabilities {saved}, this run's "
+    if saved is not None and saved != key:  # a ConfigError: a refusal, which no restart would change
+        raise ConfigError(f"the checkpoint was trained against reference log-probabilities {saved}, this run's "
                            f"are {key}: the starting model (model.*) or the data (data.*) changed since it was "
                            "saved; resume with the run's original settings, or start a new run_dir")
 

@@ -35,8 +35,9 @@ from toolkit.train.schedule import lr_at
 class Trainer:
     """One rank's training loop over any ``Engine`` (``toolkit.build_engine``): ``fit()`` trains
     ``plan.config.train.steps`` global batches of ``data`` (``PackedData``), resuming from ``run_dir``'s
-    newest complete checkpoint when ``resume=auto``, and writes ``run_dir``/metrics.jsonl, checkpoints
-    and ``run_dir``/hf_final (``train.export_hf``). Needs the job's process group."""
+    newest complete checkpoint of its run (``checkpoint/lineage.py``) when ``resume=auto`` and on every
+    restart, and writes ``run_dir``/metrics.jsonl, checkpoints and ``run_dir``/hf_final (``train.export_hf``).
+    Needs the job's process group."""
 
     def __init__(self, plan: Plan, engine: Engine, data: PackedData, tokenizer, run_dir: Path,
                  heartbeat: Heartbeat | None = None):
@@ -71,7 +72,7 @@ class Trainer:
         if self.dpo:  # before a checkpoint loads: the engine still holds the starting model
             self.reference = prepare_reference(self.cfg, self.engine, self.data, log=self.metrics.note,
                                                beat=self._phase("load"))
-        if self.cfg.resume == "auto":
+        if self.cfg.resume == "auto" or self._recovering:  # a restart continues this run, --resume never too
             self._phase("load")
             self.resume()
         self.monitor.heartbeat.beat(self.step, "ready")
@@ -108,10 +109,13 @@ class Trainer:
         if data.packing != "concat":
             handled = "split" if d.overflow == "split" else "dropped"
             line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({handled})"
+        if data.num_identical_pairs:  # no margin to learn from (toolkit/data/templates.py)
+            line += (f"; {data.num_identical_pairs:,} of {data.num_pairs:,} pairs dropped: their chosen and "
+                     "rejected answers are the same")
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,
-                          "overflow": d.overflow})
+                          "overflow": d.overflow, "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         # the step's own phase from its start: the eval or save before it beat theirs, whose budgets

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.config import RunConfig
+from toolkit.config import ConfigError, RunConfig
 from toolkit.data import load_tokenizer, prepare_data
 from toolkit.engine import Engine
 from toolkit.launch.budgets import phase_budgets, plan_collective_timeout_s, rank_share
@@ -35,9 +35,7 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     if device.strict_requested():
         device.enable_strict()
     device.use_tf32(plan.config.model.tf32)
-    if record_plan and rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_plan(plan, run_dir)
+    lock = _own_run_dir(plan, rank) if record_plan else None  # held while this process lives
     tokenizer, data = _prepare_data_rank0_first(plan.config, rank)
     heartbeat.mark("data")
     seed_everything(plan.config.train.seed)
@@ -47,6 +45,37 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
     dist.barrier()
     dist.destroy_process_group()
+    if lock is not None:
+        lock.release()
+
+
+def _own_run_dir(plan: Plan, rank: int):
+    """A job that torchrun, srun or the deepspeed launcher started: rank 0 does what ``toolkit train``
+    does before launch (``launch/run.py``): holds the run directory's lock (until it exits), checks
+    and prepares the run directory (on a restart, ``TORCHELASTIC_RESTART_COUNT`` > 0, it continues its
+    own run, --resume never included) and writes plan.json. Its refusal is every rank's (collective).
+    Returns rank 0's lock."""
+    refusal, lock = [None], None
+    if rank == 0:
+        from toolkit.checkpoint.lineage import plan_run_dir, prepare_run_dir
+        from toolkit.storage.rundir import RunDirLock
+        try:
+            lock = RunDirLock(Path(plan.config.run_dir))
+            note = lock.acquire()
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            state = plan_run_dir(plan, "auto" if restarted else None)
+            for line in [note, *prepare_run_dir(state), *state.lines()]:
+                if line:
+                    print(f"toolkit: {line}", flush=True)
+            write_plan(plan, Path(plan.config.run_dir))
+        except ConfigError as exc:
+            refusal = [str(exc)]
+            if lock is not None:
+                lock.release(undo=True)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise ConfigError(refusal[0])
+    return lock
 
 
 def _rank_share(plan: Plan):
@@ -94,8 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m toolkit.train.worker RUN_DIR/plan.json (toolkit train writes it)", file=sys.stderr)
         return 2
-    run_worker(read_plan(Path(argv[0])))
+    plan = read_plan(Path(argv[0]))
+    try:
+        run_worker(plan)
+    except ConfigError as exc:  # a refusal (every checkpoint damaged, another model's): the same on every attempt
+        return refuse(Path(plan.config.run_dir), exc)
     return 0
+
+
+def refuse(run_dir: Path, exc: ConfigError) -> int:
+    """Say why this rank refuses the run, in a ``refused`` event (the launcher prints it once, and
+    exits 2), and exit ``REFUSED_EXIT``, which the agent never restarts."""
+    from toolkit.launch.agent import REFUSED_EXIT
+    from toolkit.launch.events import emit
+    emit(run_dir, "refused", rank=int(os.environ.get("RANK", "0")), message=str(exc))
+    return REFUSED_EXIT
 
 
 def forked_main(plan_path: str, launcher_env: dict[str, str]) -> None:
@@ -104,7 +146,9 @@ def forked_main(plan_path: str, launcher_env: dict[str, str]) -> None:
     adopt_launcher_env(launcher_env)
     for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
         stream.reconfigure(line_buffering=True)
-    main([plan_path])
+    code = main([plan_path])
+    if code:
+        sys.exit(code)  # the process's exit code, which the agent reads (REFUSED_EXIT: no restart)
 
 
 def preload_modules(backend: str) -> tuple[str, ...]:
