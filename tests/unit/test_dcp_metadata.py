@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from toolkit.formats.dcp_metadata import load_metadata
@@ -128,3 +129,22 @@ def test_a_real_metadata_reads_as_dcps_own_unpickling_reads_it(tmp_path):
     with open(tmp_path / "dcp" / ".metadata", "rb") as f:
         trusted = pickle.load(f)  # written by this test just now
     assert vars(load_metadata(tmp_path / "dcp")) == vars(trusted)
+
+
+def test_the_dcp_writer_refuses_a_config_whose_model_the_source_does_not_hold(tmp_path):
+    """``convert --to dcp`` with an HF config of another model (3 layers for a 2-layer checkpoint): the names
+    the source lacks are listed before anything is written."""
+    from types import SimpleNamespace
+
+    from toolkit.families.meta import meta_model
+    from toolkit.families.tiny import tiny_config
+    from toolkit.formats.dcp_write import _state_dict_names
+    held = {n: (tuple(t.shape), None) for n, t in meta_model(tiny_config("llama", num_hidden_layers=2)).state_dict().items()}
+    source = SimpleNamespace(hf_config=tiny_config("llama", num_hidden_layers=3).to_dict(), tied=False,
+                             path=tmp_path / "ckpt", model_type="llama")
+    with pytest.raises(ConvertError, match=r"the HF llama model's state dict has \['model.layers.2.*which the source "
+                                           r"does not hold \(wrong --hf-config\?\)"):
+        _state_dict_names(source, held)
+    assert len(_state_dict_names(SimpleNamespace(**{**vars(source), "hf_config": tiny_config("llama",
+                                 num_hidden_layers=2).to_dict()}), held)) == len(held)
+

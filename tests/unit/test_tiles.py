@@ -73,6 +73,9 @@ def test_tiled_mlp_and_loss_equal_hf_untiled(family):
 def test_refusals():
     with pytest.raises(ValueError, match="zero.tiled_mlp=true .* mixture-of-experts"):
         tile_mlps(tiny_model("mixtral", seed=0))
+    with pytest.raises(ValueError, match=r"zero.tiled_mlp=true needs MLPs of gate_proj/up_proj/down_proj/act_fn "
+                                         r"\(LlamaMLP's form\), but gpt2 has 4 of 4 other; set zero.tiled_mlp=false"):
+        tile_mlps(tiny_model("gpt2", seed=0))  # c_fc / c_proj
     with pytest.raises(ValueError, match="zero.tiled_loss=true .* train.objective=dpo"):
         validate({"zero": {"tiled_loss": True}, "train": {"objective": "dpo"},
                   "data": {"template": "preference"}})
