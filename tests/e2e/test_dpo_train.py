@@ -1,8 +1,9 @@
 """DPO through ``toolkit train`` on both backends: the loss contract for pairs (the mean pair loss over the
-global batch whatever the DP size, micro-batches or backend layout) on pairs of very different lengths,
-packed several to a row (megatron's runs score their own reference, so its document scoring is compared
-too); TRL's reward metrics reduced over the global batch alike; kill and resume bit for bit, the cached
-reference scores checked on the way."""
+global batch whatever the DP size, micro-batches or backend layout, megatron TP 2 x DP 2 included) on pairs
+of very different lengths, packed several to a row (megatron's runs score their own reference, so its
+document scoring is compared too); TRL's reward metrics reduced over the global batch alike; the same eval
+rows at every layout give the one-process eval; kill and resume bit for bit, from the cached reference
+scores and with them removed (scored again before the checkpoint loads)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,8 @@ MODES = {
     "zero3_dp2_micro2": (("zero.stage=3", "train.micro_batch_size=2"), 2),
     "megatron_tp2_micro1": (("backend=megatron", "megatron.tp=2", "train.micro_batch_size=1"), 2),
     "megatron_pp2_micro2": (("backend=megatron", "megatron.pp=2", "train.micro_batch_size=2"), 2),
+    # every dimension above 1: each DP replica scores its rows' reference over its TP pair, evals its own rows
+    "megatron_tp2_dp2_micro1": (("backend=megatron", "megatron.tp=2", "train.micro_batch_size=1"), 4),
     # LoRA (the reference: the base, adapters off): megatron TP2 against DeepSpeed's one-process LoRA DPO,
     # whose objective with peft equals TRL + peft (tests/unit/test_dpo.py); both draw peft's adapter init
     "lora_reference": (("zero.stage=0", "train.micro_batch_size=8", "lora.rank=4"), 1),
