@@ -93,8 +93,10 @@ def rows(run_dir):
 
 @pytest.fixture(scope="module")
 def uninterrupted_runs(runs):
-    """The run without faults, per backend (its checkpoints: steps 3 and 6)."""
-    return lambda backend: runs(f"{backend}_phases", *BACKENDS[backend])
+    """The run without faults, per backend (its checkpoints: steps 3 and 6); DeepSpeed's is shared with
+    other modules' tests."""
+    names = {"deepspeed": ("zero2", "zero.stage=2"), "megatron": ("megatron_tp2", *BACKENDS["megatron"])}
+    return lambda backend: runs(*names[backend])
 
 
 @pytest.fixture(scope="module")
@@ -103,42 +105,48 @@ def uninterrupted(uninterrupted_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_long_eval_save_and_export_are_not_hangs(backend, tmp_path, data_cache, uninterrupted_runs):
+def test_long_eval_save_and_export_are_not_hangs(tmp_path, data_cache, uninterrupted):
     """Each longer than hang_timeout_s, beating as they go: an eval of 4 micro-batches x 1.5 s, a save
-    of 2-3 files x 2.5 s per rank (DeepSpeed; megatron's dist_checkpointing writes its files in one
-    call, one beat), an export of 39 tensors x 0.15 s. Before phases, a beat came only at step
-    boundaries and the watchdog killed the eval, restarted the job and killed it again."""
+    of 2-3 files x 2.5 s per rank, an export of 39 tensors x 0.15 s. Before phases, a beat came only
+    at step boundaries and the watchdog killed the eval, restarted the job and killed it again."""
     run_dir = tmp_path / "run"
-    save = backend == "deepspeed"
-    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_export:step=6:ms=150:rank={r}"
-                    + (f";slow_save:step=4:ms=2500:rank={r}" if save else "") for r in (0, 1))
-    train(run_dir, data_cache, *PHASES, *BACKENDS[backend], "train.eval_every=3", "train.export_hf=true",
+    slow = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_save:step=4:ms=2500:rank={r};"
+                    f"slow_export:step=6:ms=150:rank={r}" for r in (0, 1))
+    train(run_dir, data_cache, *PHASES, *BACKENDS["deepspeed"], "train.eval_every=3", "train.export_hf=true",
           "restart.load_timeout_s=120", env={"TOOLKIT_FAULT": slow})
     kinds = [e["kind"] for e in events(run_dir)] if (run_dir / "events.jsonl").exists() else []
     assert "hang" not in kinds and "restart" not in kinds, kinds
-    assert losses(run_dir) == losses(uninterrupted_runs(backend)) and resumes(run_dir) == []
+    assert losses(run_dir) == uninterrupted and resumes(run_dir) == []
     metrics = rows(run_dir)
     evals = {r["step"]: r["eval_s"] for r in metrics if "eval_loss" in r}
-    assert evals[3] > HANG_TIMEOUT_S, evals  # the slow eval beat per micro-batch (its sleeps ran)
+    assert evals[3] > HANG_TIMEOUT_S, evals
     saves = {r["step"]: r["checkpoint_blocked_s"] for r in metrics if r.get("event") == "checkpoint"}
-    assert not save or saves[4] > 1.5 * HANG_TIMEOUT_S, saves  # longer than the save budget (4.2 s) too
+    assert saves[4] > 1.5 * HANG_TIMEOUT_S, saves  # longer than the save budget (4.2 s) too
     assert (run_dir / "hf_final" / "config.json").exists()
-    last = read_heartbeats(run_dir)[0]  # rank 0 exports alone, after the metrics' last line
+    _exported_beating(run_dir)
+
+
+def _exported_beating(run_dir) -> None:
+    """The export beat through its slow tensors: rank 0 (it exports alone) beat in phase export longer than
+    the hang timeout after the metrics' last line (the loop's end)."""
+    last = read_heartbeats(run_dir)[0]
     assert last["phase"] == "export" and last["time"] - (run_dir / "metrics.jsonl").stat().st_mtime > HANG_TIMEOUT_S
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(backend, tmp_path, data_cache,
-                                                                       uninterrupted_runs):
+def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(tmp_path, data_cache, uninterrupted):
     """Rank 1 stops inside step 4's save (after its engine files, no more progress): caught after the
     save budget, named "save"; the restart resumes step 2, where rank 0 stops inside the load: caught
     after the load budget, named "load"; the next restart resumes step 2 again and finishes."""
     run_dir = tmp_path / "run"
-    train(run_dir, data_cache, *PHASES, *BACKENDS[backend], "restart.load_timeout_s=30",
+    train(run_dir, data_cache, *PHASES, *BACKENDS["deepspeed"], "restart.load_timeout_s=30",
           env={"TOOLKIT_FAULT": "hang_in_save:step=4:rank=1;hang_in_load:step=2:rank=0"})
-    assert losses(run_dir) == losses(uninterrupted_runs(backend))
+    assert losses(run_dir) == uninterrupted
+    _save_then_load_hangs(run_dir)
+
+
+def _save_then_load_hangs(run_dir) -> None:
+    """A hang in step 4's save on rank 1, then in step 2's load on rank 0: named, timed and recovered."""
     assert resumes(run_dir) == [("step_00000002", 2, "as saved")]  # the load that hung never finished
     hangs = [e for e in events(run_dir) if e["kind"] == "hang"]
     assert [(h["phase"], h["stuck_ranks"]) for h in hangs] == [("save", [1]), ("load", [0])], hangs
@@ -151,6 +159,25 @@ def test_hangs_in_a_save_and_a_load_are_caught_by_phase_and_recovered(backend, t
     stacks = {r: (run_dir / "stacks" / f"rank_{r:05d}.txt").read_text() for r in (0, 1)}
     assert "rank 1 silent in phase 'save' (step 4" in stacks[1] and "in_save" in stacks[1]
     assert "rank 0 silent in phase 'load' (step 2" in stacks[0] and "in_load" in stacks[0]
+
+
+@pytest.mark.slow
+def test_megatron_beats_every_phase(tmp_path, data_cache, uninterrupted_runs):
+    """The same on megatron TP 2, in one run: an eval of 4 micro-batches x 1.5 s (beaten as the schedule
+    takes each) is not a hang; rank 1 stops inside step 4's save (megatron's dist_checkpointing writes its
+    files in one call, then the rank's RNG file: "save"), the restart's load of step 2 stops on rank 0
+    ("load"), the next restart finishes on the uninterrupted losses, and its export of 0.15 s per tensor
+    beats through."""
+    run_dir = tmp_path / "run"
+    faults = ";".join(f"slow_eval:step=3:ms=1500:rank={r};slow_export:step=6:ms=150:rank={r}" for r in (0, 1))
+    train(run_dir, data_cache, *PHASES, *BACKENDS["megatron"], "train.eval_every=3", "train.export_hf=true",
+          "restart.load_timeout_s=30",
+          env={"TOOLKIT_FAULT": f"{faults};hang_in_save:step=4:rank=1;hang_in_load:step=2:rank=0"})
+    assert losses(run_dir) == losses(uninterrupted_runs("megatron"))
+    _save_then_load_hangs(run_dir)
+    evals = [r["eval_s"] for r in rows(run_dir) if "eval_loss" in r and r["step"] == 3]
+    assert len(evals) == 2 and min(evals) > HANG_TIMEOUT_S, evals  # before the save hang, and after the restarts
+    _exported_beating(run_dir)
 
 
 class _Notes:
