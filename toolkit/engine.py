@@ -97,6 +97,10 @@ class Engine(Protocol):
         """Whether ``load`` reshards a checkpoint written at ``saved`` (another layout record) itself;
         if not, the checkpointer converts it first."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its memory (process groups, hooks that keep it alive);
+        after the last use: the engine cannot step afterwards."""
+
     def replica_checksum(self) -> float | None:
         """A checksum of the parameters every DP replica must hold alike (None where each holds only
         a shard): the divergence check."""

@@ -116,8 +116,9 @@ class DPO:
 
     @staticmethod
     def metrics(stats: torch.Tensor | list[float], prefix: str = "") -> dict[str, float]:
-        """TRL's metrics from ``stats`` summed over the global batch: means over its pairs."""
-        stats = [float(x) for x in stats]
+        """TRL's metrics from ``stats`` summed over the global batch: means over its pairs. Engines pass
+        the values they read (one ``.tolist()`` with the loss); a device tensor is read once here."""
+        stats = stats.tolist() if isinstance(stats, torch.Tensor) else [float(x) for x in stats]
         pairs = max(stats[-1], 1.0)
         return {prefix + name: value / pairs for name, value in zip(DPO_METRICS, stats)}
 
@@ -133,7 +134,7 @@ def hf_loss_sum(objective: DPO | None, logits: torch.Tensor, mb: dict) -> tuple[
     return objective.loss_sum(token_logps(logits, labels), labels, mb["document_ids"], mb[REF_COLUMN])
 
 
-def metrics(objective: DPO | None, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+def metrics(objective: DPO | None, stats: torch.Tensor | list[float], prefix: str = "") -> dict[str, float]:
     """The objective's metrics from ``stats`` summed over the global batch ({} for the token cross-entropy)."""
     return {} if objective is None else objective.metrics(stats, prefix)
 

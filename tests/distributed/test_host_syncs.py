@@ -1,4 +1,4 @@
-"""Host syncs on the step path: ``toolkit.device.SyncCounter`` counts the calls that make the host wait
+"""Host syncs on the step path: ``toolkit.syncs.SyncCounter`` counts the calls that make the host wait
 for the device (``.item()``, boolean indexing, ``bincount``, ``.cpu()`` of a device tensor, ...); a
 training step's count must not grow with the number of layers or micro-batches.
 
@@ -16,6 +16,7 @@ from toolkit.adapters import moe
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 from toolkit.loss import IGNORE_INDEX
+from toolkit.syncs import count_syncs
 
 LAYOUTS = [(2, 1), (2, 4), (4, 1), (4, 4)]  # (layers, micro-batches)
 DENSE_SYNCS = 4
@@ -32,7 +33,7 @@ MOE_SYNCS = 5  # DENSE_SYNCS + the router statistics' one copy to the host per s
 
 def test_counter_counts_reads_data_sized_outputs_and_copies_to_the_host():
     x = torch.randn(8)
-    with device.count_syncs() as syncs:
+    with count_syncs() as syncs:
         x.sum().item(), x.tolist(), bool(x[0] > 0), float(x[1]), f"{x.sum():.2f}"  # 5 reads
         x[x > 0], x.nonzero(), torch.bincount(torch.arange(3)), torch.repeat_interleave(torch.arange(3))  # 4
         host = x.cpu()  # 1: a device tensor copied to the host
@@ -44,7 +45,7 @@ def test_counter_counts_reads_data_sized_outputs_and_copies_to_the_host():
 
 def test_counter_skips_what_waits_for_nothing():
     x = torch.randn(8)
-    with device.count_syncs() as syncs:
+    with count_syncs() as syncs:
         host = x.cpu()
         host.sum().item(), host.tolist(), host[host > 0], host.double().sum().item()  # already on the host
         y = x.clone()
@@ -84,7 +85,7 @@ def test_deepspeed_router_loss_syncs_nothing_and_equals_indexing(layers):
     from toolkit.adapters.ds_moe import RouterLoss
     model, router_logits, real = _router_inputs(layers)
     router = RouterLoss(validate({"train": {"moe_aux_loss_coeff": 1.0}}), model)
-    with device.count_syncs() as syncs:
+    with count_syncs() as syncs:
         loss = router.loss(router_logits, real)
     assert syncs.total == 0, syncs.sites
     ref_loss, ref_counts = _indexed_reference(router_logits, real, model.config.num_experts_per_tok)
@@ -115,7 +116,7 @@ def _step_syncs(rank, world, family, layouts=LAYOUTS, megatron=None, hf_changes=
         engine = megatron_engine(cfg, model)
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         engine.train_step(micro, tokens, 1e-3)  # the first step allocates megatron's optimizer state
-        with device.count_syncs() as syncs:
+        with count_syncs() as syncs:
             engine.train_step(micro, tokens, 1e-3)
         out[(layers, n_micro)] = syncs.sites
         release_megatron()

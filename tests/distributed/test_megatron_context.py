@@ -23,10 +23,10 @@ import torch
 from tests.helpers.packing import micro_batch, packed, random_documents
 from tests.helpers.parity import batches, grad_gap, grad_mismatches, worst_ratio
 from tests.helpers.ranks import run_ranks
-from toolkit import device
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 from toolkit.loss import IGNORE_INDEX
+from toolkit.syncs import count_syncs
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
@@ -104,7 +104,7 @@ def _one_run(family, cfg) -> dict:
         hf_gap = max((g - model(input_ids=plain[i]["input_ids"]).logits).abs().max().item()
                      for i, g in zip(index, got)) if got is not None else None
     evaluated = engine.eval_loss_sum([micro[i] for i in index])
-    with device.count_syncs() as syncs:  # what would make a GPU's host wait (tests/distributed/test_host_syncs.py)
+    with count_syncs() as syncs:  # what would make a GPU's host wait (tests/distributed/test_host_syncs.py)
         totals = engine.forward_backward([micro[i] for i in index], _tokens(micro), complete_grads=True)
     dist.all_reduce(totals)
     grads = engine.adapter_state("main_grad") if cfg.lora.enabled else engine.hf_state(attr="main_grad")

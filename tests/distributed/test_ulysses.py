@@ -13,7 +13,15 @@ halves of rows), documents crossing the split. One 2-rank job runs every case:
 - mixtral (4 experts top-2, a window of 8, tied), documents, ZeRO-3 (its MoE blocks ZeRO-3 leaf modules), with
   the router's load-balancing loss at a large coefficient: the reference adds transformers' own
   ``load_balancing_loss_func`` over the whole micro-batch's real tokens (``router_reference``), and the
-  step's metrics must report the whole aux and each token's routing once.
+  step's metrics must report the whole aux and each token's routing once;
+- qwen2, plain rows, 2-row micro-batches, ZeRO-1: each rank's slice of a [2, s] batch is a view
+  with row strides (its positions an expanded arange, stride 0 across rows), which DeepSpeed's wrapper
+  all-gathers every layer; NCCL refuses non-contiguous tensors where gloo copies them, and the suite's
+  strict device mode refuses them as NCCL does (every case before this one had 1-row micro-batches).
+
+A 4-rank job runs sp=2 x dp=2 (llama, documents, 2-row micro-batches, ZeRO-3 partitioned over all
+four ranks) against HF on the whole global batch, and asserts each rank's (dp, sp) place against
+DeepSpeed's own sequence-parallel groups; another runs sp=4.
 """
 from __future__ import annotations
 
@@ -41,7 +49,10 @@ CASES = {  # name: (zoo variant, packing, ZeRO stage, activation checkpointing, 
     "qwen2": ("qwen2-untied-linear", "documents", 3, True, False),
     "llama_lora": ("llama-tied-llama3", "concat", 2, False, True),
     "mixtral": ("mixtral-tied-hd", "documents", 3, False, False),
+    "qwen2_rows2": ("qwen2-untied-linear", "concat", 1, False, False),
 }
+ROWS = {"qwen2_rows2": 2, "llama_sp2_dp2": 2}
+"""Rows per micro-batch where not 1."""
 AUX_COEFF = 0.1
 """Large, so a wrong share of the load-balancing loss shows in every gradient (the routers' most)."""
 
@@ -63,23 +74,44 @@ def peft_reference(base: str, micro_batches: list[dict]) -> dict:
     return {"logits": logits, "grads": grads, "loss": loss, "grad_norm": norm}
 
 
-def _cases_rank(rank, world, bases, cases):
+def global_rows(name: str, packing: str, dp: int) -> list[dict]:
+    """The global batch of case ``name``: two micro-batches per DP replica."""
+    return rows(packing, n=2 * dp, per_micro=ROWS.get(name, 1))
+
+
+def _cases_rank(rank, world, bases, cases, sp=None):
     from toolkit.loss import IGNORE_INDEX
-    out = {}
+    out, sp = {}, sp or world
     for name, (variant, packing, stage, ckpt, lora) in cases.items():
-        micro = rows(packing)
-        tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
-        train = {"moe_aux_loss_coeff": AUX_COEFF} if _is_moe(variant) else None
-        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, sp=world, lora=lora, train=train)
-        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == (0, 1, rank)
+        every = global_rows(name, packing, world // sp)
+        tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in every)
+        train = {"moe_aux_loss_coeff": AUX_COEFF} if _is_moe(variant) else {}
+        train |= {"micro_batch_size": ROWS.get(name, 1), "global_batch_size": len(every) * ROWS.get(name, 1)}
+        plan, engine = sp_engine(bases[variant], world, stage, packing, ckpt, sp=sp, lora=lora, train=train)
+        place = deepspeed_place(engine)
+        assert (engine.dp_rank, engine.dp_size, engine.seq.sp_rank) == place, (rank, place)
+        micro = every[engine.dp_rank::engine.dp_size]  # this replica's rows, as the trainer deals them
         stats, logits, grads = observed_step(engine, micro, tokens)
         # fp32 at every stage (DeepSpeed's zero.Init made bf16 weights on CPU when given dtype=fp32)
         assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
         out[name] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "logits": logits, "grads": grads, "extra": stats.extra,
                      "layout": engine.layout_record(), "local_tokens": [int((engine._labels(mb) != IGNORE_INDEX).sum())
-                                                                         for mb in micro]}
+                                                                         for mb in micro], "place": place}
         engine.engine.destroy()
     return out
+
+
+def deepspeed_place(engine) -> tuple[int, int, int]:
+    """(dp rank, dp size, sp rank) of this rank as DeepSpeed's own groups have it: its rank in its
+    sequence-parallel group (``parallel_state_sp``), and as dp rank the index of that group among all
+    of them (every rank's group gathered): the rows a replica takes are the rows its sp ranks split."""
+    import torch.distributed as dist
+    group = engine.seq.mpu.get_sequence_parallel_group()
+    mine = dist.get_process_group_ranks(group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    groups = sorted({tuple(g) for g in every})
+    return groups.index(tuple(mine)), len(groups), dist.get_rank(group)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +136,19 @@ def sp4_runs(tmp_path_factory):
     return run_ranks(_cases_rank, 4, root, bases, SP4, timeout=600), bases
 
 
+SP2_DP2 = {"llama_sp2_dp2": ("llama-tied-llama3", "documents", 3, False, False)}
+"""sp = 2 x dp = 2 on 4 ranks: ranks {0, 1} split the rows of replica 0, {2, 3} those of replica 1;
+ZeRO-3 partitions over all four and averages gradients over dp (``average_zero3_grads_over_dp``)."""
+
+
+@pytest.fixture(scope="module")
+def sp2_dp2_runs(tmp_path_factory):
+    from tests.helpers.ranks import run_ranks
+    root = tmp_path_factory.mktemp("ulysses_sp2_dp2")
+    bases = {v: save_base(v, root / "bases") for v, *_ in SP2_DP2.values()}
+    return run_ranks(_cases_rank, 4, root, bases, SP2_DP2, 2, timeout=600), bases
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sp2_equals_hf_on_each_document_alone(sp_runs, case):
     check_against_hf(*sp_runs, CASES, case)
@@ -113,21 +158,33 @@ def test_sp4_equals_hf_on_each_document_alone(sp4_runs):
     check_against_hf(*sp4_runs, SP4, "llama_sp4")
 
 
-def check_against_hf(ranks: list[dict], bases: dict, cases: dict, case: str) -> None:
+def test_sp2_dp2_equals_hf_on_the_global_batch(sp2_dp2_runs):
+    """Each rank's (dp, sp) place is DeepSpeed's (ranks 0-1 replica 0, 2-3 replica 1), and the step
+    over both replicas' rows equals HF's over the whole global batch."""
+    ranks, _ = sp2_dp2_runs
+    assert [r["llama_sp2_dp2"]["place"] for r in ranks] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    check_against_hf(*sp2_dp2_runs, SP2_DP2, "llama_sp2_dp2", sp=2)
+
+
+def check_against_hf(ranks: list[dict], bases: dict, cases: dict, case: str, sp: int | None = None) -> None:
     from transformers import AutoModelForCausalLM
     variant, packing, *_ = cases[case]
+    sp = sp or len(ranks)
+    dp = len(ranks) // sp
+    every = global_rows(case, packing, dp)
     got = [r[case] for r in ranks]
-    assert got[0]["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": cases[case][2], "sp": len(ranks)}
+    assert got[0]["layout"] == {"dp": dp, "tp": 1, "pp": 1, "zero_stage": cases[case][2], "sp": sp}
     if packing == "documents":  # the slices of the rows hold uneven loss tokens
         assert len({str(g["local_tokens"]) for g in got}) > 1, [g["local_tokens"] for g in got]
     if cases[case][4]:
-        ref = peft_reference(bases[variant], rows(packing))
+        ref = peft_reference(bases[variant], every)
     else:
         model = AutoModelForCausalLM.from_pretrained(bases[variant], dtype=torch.float32, attn_implementation="eager")
-        ref = hf_reference(model, rows(packing), aux_coeff=AUX_COEFF if _is_moe(variant) else None)
-    gaps = []  # the whole rows' logits: rank 0's slice, then rank 1's, ...
+        ref = hf_reference(model, every, aux_coeff=AUX_COEFF if _is_moe(variant) else None)
+    gaps = []  # the whole rows' logits: global micro-batch i is micro-batch i // dp of replica i % dp
     for i, want in enumerate(ref["logits"]):
-        whole = torch.cat([g["logits"][i] for g in got], dim=1)
+        replica = got[(i % dp) * sp:(i % dp + 1) * sp]  # its sp ranks' slices, in sp order
+        whole = torch.cat([g["logits"][i // dp] for g in replica], dim=1)
         real = ~want.isnan()
         gaps.append((whole[real] - want[real]).abs().max().item())
     ratios = grad_ratios(got[0]["grads"], ref["grads"])

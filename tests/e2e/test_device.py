@@ -64,6 +64,28 @@ def test_batches_must_be_handed_to_the_device(strict_group):
         device.require_on_device(batch["input_ids"], "labels")
 
 
+def test_collectives_refuse_what_nccl_refuses_non_contiguous_tensors(strict_group):
+    """NCCL's contiguity rule (``device.NCCL_RAW_ARGUMENTS``), which gloo forgives by copying: the
+    error names the collective, the argument and its strides, and the code that asked; what NCCL
+    copies through a flat buffer (all_gather's output list) or takes as channels-last passes."""
+    rows = "pos = torch.arange(8, device=device.rank_device()).expand(2, 8)\n"  # stride (0, 1)
+    with pytest.raises(device.DeviceError, match=r"all_gather of a non-contiguous tensor \(tensor: shape \(2, 4\), "
+                                                 r"stride \(0, 1\)\), called from toolkit/_strict_probe.py:2"):
+        as_toolkit_code(rows + "dist.all_gather([torch.empty_like(pos[:, :4])], pos[:, :4])")
+    for call in ("dist.all_reduce(whole.t())", "dist.broadcast(whole[:, 1], 0)",
+                 "dist.all_to_all([whole.t()], [whole.clone()])",
+                 "dist.all_gather_into_tensor(whole.clone(), whole.t())",
+                 "dist.reduce_scatter_tensor(whole.t(), whole.clone())"):
+        with pytest.raises(device.DeviceError, match="non-contiguous"):
+            as_toolkit_code("whole = device.zeros(3, 3, dtype=torch.float32)\n" + call)
+    scope = as_toolkit_code(
+        rows + "out = device.zeros(8, 2, dtype=torch.int64).t()\n"  # a non-contiguous output: copied into
+        "dist.all_gather([out], pos.contiguous())\n"
+        "image = device.zeros(1, 3, 2, 2, dtype=torch.float32).to(memory_format=torch.channels_last)\n"
+        "dist.all_reduce(image)\n")
+    assert scope["out"].tolist() == scope["pos"].tolist()
+
+
 def test_disable_restores_torch_distributed():
     originals = {name: getattr(dist, name) for name in device.COLLECTIVES}
     device.enable_strict()

@@ -153,3 +153,10 @@ def test_kill_and_resume_is_bitwise_exact(dpo_runs, tmp_path, data_cache):
     assert [r["rewards/margins"] for r in _records(run_dir)] == [r["rewards/margins"] for r in _records(want)]
     progress = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer.json").read_text())
     assert len(progress["reference"]) == 24
+
+
+def test_a_dpo_step_reads_its_loss_and_metrics_in_one_host_sync(dpo_runs):
+    """Megatron's DPO step waits on the host as often as its SFT step (4: megatron's grad norm, 3, and one
+    ``.tolist()`` of the loss with every metric; tests/e2e/test_megatron_train.py): reading each metric
+    on its own made it 11, a GPU stall per metric per step."""
+    assert {r["host_syncs"] for r in _records(dpo_runs("megatron_tp2_micro1"))} == {4}

@@ -1,9 +1,11 @@
 """The GPU check rehearsed on the CPU (``benchmarks/gpu_check.py``), so a harness bug cannot waste the
-few minutes of a GPU machine: process sessions and hard timeouts (a hanging phase and the child it
-started in a session of its own are both gone), results.json after every phase, the PASS/FAIL table
-and the exit code; the checks that replaced ones which could not fail, each shown failing on a
-wrong input; the whole script end to end (slow); the carried wheels installed offline into a
-CPython 3.12 (slow, needs ``.whl/`` and pyenv's 3.12)."""
+few minutes of a GPU machine: the plan fits the budget and the budget the command limit; process
+sessions and hard timeouts (a hanging phase and the child it started in a session of its own are
+both gone), results.json and summary.md after every phase (a run killed from outside keeps them),
+the PASS/FAIL table and the exit code; a test phase stopped at its time reports what finished; the
+checks that replaced ones which could not fail, each shown failing on a wrong input; the whole script
+end to end (slow); the carried wheels installed offline into a CPython 3.12 (slow, needs ``.whl/``
+and pyenv's 3.12)."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -95,14 +98,39 @@ def test_rehearsal_harness_passes_skips_and_fails_with_the_right_exit_code(tmp_p
     assert "hanging" in log
 
 
-def test_a_phase_that_must_finish_aborts_the_rest(tmp_path):
-    """``environment`` times out: every later phase is recorded "not run" with the reason, none starts."""
-    proc, results, summary = _run_check(tmp_path, "--only", "environment", "doctor", "--inject-hang",
-                                        "environment", "--timeouts", "environment=2", "--no-fused-adam")
+def test_a_phase_that_must_finish_aborts_the_rest_and_a_failed_build_is_the_fallback(tmp_path):
+    """``environment`` times out: every later phase is recorded "not run" with the reason, none starts.
+    The FusedAdam build fails: a PASS saying so (the toolkit falls back to torch's AdamW by design)."""
+    proc, results, summary = _run_check(tmp_path, "--only", "environment", "matmul_peak", "--inject-hang",
+                                        "environment", "--timeouts", "environment=2",
+                                        "--fused-adam-cmd", "echo no nvcc here; exit 1")
     phases = results["phases"]
     assert proc.returncode == 1 and phases["environment"]["status"] == "timeout"
-    assert phases["doctor"] == {"status": "not run", "why": phases["doctor"]["why"]}
-    assert phases["doctor"]["why"].startswith("aborted: environment failed (killed after 2 s")
+    assert phases["matmul_peak"] == {"status": "not run", "why": phases["matmul_peak"]["why"]}
+    assert phases["matmul_peak"]["why"].startswith("aborted: environment failed (killed after 2 s")
+    build = phases["fused_adam"]["checks"][0]
+    assert build["status"] == PASS and build["why"].startswith("not built (exit 1)"), build
+
+
+def test_summary_and_results_survive_a_kill_from_outside(tmp_path):
+    """The GPU machine stops a command at its limit: whatever phases ended before are in summary.md and
+    results.json already (both rewritten after every phase, not only at the end)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--out", str(out), "--work", str(work),
+                             "--rehearse", "--wheels", str(tmp_path / "none"), "--no-fused-adam", "--only",
+                             "environment", "matmul_peak", "--inject-hang", "matmul_peak"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def environment_recorded() -> bool:
+        return (out / "summary.md").exists() and "| environment |" in (out / "summary.md").read_text(errors="ignore")
+    deadline = time.monotonic() + 120
+    while not environment_recorded() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the parent, its phase and the phase's children
+    proc.wait()
+    summary = (out / "summary.md").read_text()
+    assert "| environment | CUDA device visible to torch | SKIP |" in summary
+    assert "running (the phases so far)" in summary
+    assert "environment" in json.loads((out / "results.json").read_text())["phases"]
 
 
 def test_a_process_left_on_the_gpu_fails_the_phase(tmp_path):
@@ -211,10 +239,101 @@ def test_expected_kernel_is_flex_for_masks_and_softcaps():
                              softcap=softcap is not None, dropout=False) == kernel, case
 
 
-def test_throughput_model_fits_the_sequence_and_counts_flops_as_the_toolkit():
+def test_throughput_model_fits_the_sequence_and_its_flops_are_counted_twice_alike():
+    """The check counts model FLOPs from the HF config with its own formula; the toolkit's
+    (``estimate/flops.py``, what ``toolkit train`` logs MFU with) is another count: they agree."""
+    from transformers import AutoConfig
+
+    from toolkit.estimate.flops import flops_per_token
+    from toolkit.plan.model import model_spec
     assert gpu_check.LLAMA_1B["max_position_embeddings"] >= gpu_check.GPU.seq_len  # was 2048 < 4096
-    fpt = gpu_check.model_flops_per_token(gpu_check.LLAMA_1B, 4096)
+    fpt = gpu_check.llama_flops_per_token(gpu_check.LLAMA_1B, 4096)
     assert 6 * 0.9e9 < fpt < 6 * 1.3e9 + 12 * 22 * 2048 * 4096  # ~1.1B parameters
+    fields = {k: v for k, v in gpu_check.LLAMA_1B.items() if k not in ("architectures", "model_type")}
+    theirs = flops_per_token(model_spec(AutoConfig.for_model("llama", **fields)), 4096)
+    assert fpt == pytest.approx(theirs, rel=1e-9)
+
+
+# --- feasible by construction -----------------------------------------------------------------------
+
+def test_the_plan_fits_the_budget_and_the_budget_the_command_limit():
+    """On one GPU: the wheels' install, every default phase's timeout and the FusedAdam wait add up to
+    no more than the default budget, and the budget leaves the 600 s command limit room to stop the
+    last phase (SIGTERM grace 10 s, SIGKILL 5 s, the GPU cleared 15 s) and write the summary."""
+    planned = gpu_check.planned_seconds(gpu_check.default_phases())
+    print(f"\nplanned {planned} s of a {gpu_check.DEFAULT_BUDGET_S} s budget")
+    assert planned <= gpu_check.DEFAULT_BUDGET_S <= 540
+    assert gpu_check.COMMAND_LIMIT_S - gpu_check.DEFAULT_BUDGET_S >= 10 + 5 + 15 + 10
+    order = [p.name for p in gpu_check.default_phases()]
+    assert order[:7] == ["environment", "preflight", "matmul_peak", "throughput_hf", "fixed_batch",
+                         "throughput_deepspeed", "throughput_megatron"]  # what the verdict needs, first
+    assert [p.name for p in gpu_check.PHASES if p.aborts] == ["environment", "preflight"]
+    files = {f for files, _ in gpu_check.TEST_SETS.values() for f in files}
+    assert files == {str(f.relative_to(REPO)) for f in (REPO / "tests" / "gpu").glob("test_*.py")}
+
+
+def test_a_stopped_test_phase_reports_what_finished_and_what_did_not(tmp_path):
+    """The results stream (tests/gpu/conftest.py) as xdist's controller and worker both write it: one
+    row per collected test, a failure beats the same test's pass, and a test with no outcome when
+    the phase stopped it FAILs as not finished."""
+    stream = tmp_path / "results.jsonl"
+    lines = [{"collected": ["tests/gpu/a.py::test_ok", "tests/gpu/a.py::test_bad", "tests/gpu/a.py::test_slow"]},
+             {"collected": ["tests/gpu/a.py::test_ok"]},
+             {"test": "tests/gpu/a.py::test_ok", "when": "call", "outcome": "passed", "message": ""},
+             {"test": "tests/gpu/a.py::test_ok", "when": "call", "outcome": "passed", "message": ""},
+             {"test": "tests/gpu/a.py::test_bad", "when": "call", "outcome": "passed", "message": ""},
+             {"test": "tests/gpu/a.py::test_bad", "when": "teardown", "outcome": "failed", "message": "E  boom"}]
+    stream.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    collected, outcomes = gpu_check.read_test_results(stream)
+    values = [{"test": "test_ok", "name": "gap", "measured": 1e-6, "bound": 1e-5}]
+    rows = {r["check"]: r for r in gpu_check.test_rows(collected, outcomes, values, stopped=True, rerun="--only x")}
+    assert [r["status"] for r in rows.values()] == [PASS, FAIL, FAIL]
+    assert rows["a.py::test_ok"]["measured"] == {"gap": 1e-6} and rows["a.py::test_ok"]["bound"] == {"gap": 1e-5}
+    assert rows["a.py::test_bad"]["why"] == "teardown: E  boom"
+    assert rows["a.py::test_slow"]["why"] == "did not finish before the phase's time ran out (rerun: --only x)"
+
+
+def test_matmul_peak_must_sit_within_the_spec_sheet():
+    """The old check passed any positive rate; now 0.3x-1.1x of the spec sheet (an H100 measured
+    769-798 TFLOP/s of 989), SKIP with the reason where no spec is known (a CPU)."""
+    status = {tflops: gpu_check.matmul_checks(tflops, "NVIDIA H100 80GB HBM3")[0]["status"]
+              for tflops in (780.0, 250.0, 1200.0)}
+    assert status == {780.0: PASS, 250.0: FAIL, 1200.0: FAIL}
+    assert gpu_check.matmul_checks(780.0, "NVIDIA H200")[0]["status"] == PASS
+    assert gpu_check.matmul_checks(0.05, None)[0]["status"] == SKIP
+
+
+def test_mfu_is_recomputed_and_the_logged_one_must_agree():
+    """MFU from wall-clock steps and the check's own FLOP count, against the spec peak (5%-100%) and the
+    matmul peak measured minutes before; the toolkit's logged MFU within 10% of it."""
+    fpt, h100 = gpu_check.llama_flops_per_token(gpu_check.LLAMA_1B, 4096), "NVIDIA H100 80GB HBM3"
+    tokens = 0.4 * 989e12 / fpt  # 40% MFU
+    info, rows = gpu_check.mfu_checks(tokens, fpt, h100, measured_peak=780e12, logged_mfu=0.41)
+    assert info["mfu_spec"] == pytest.approx(0.4) and [r["status"] for r in rows] == [PASS, PASS, PASS]
+    _, rows = gpu_check.mfu_checks(tokens, fpt, h100, measured_peak=780e12, logged_mfu=0.2)  # a wrong formula
+    assert rows[2]["status"] == FAIL
+    _, rows = gpu_check.mfu_checks(tokens * 3, fpt, h100, measured_peak=780e12)  # faster than the hardware
+    assert [r["status"] for r in rows] == [FAIL, FAIL]
+    _, rows = gpu_check.mfu_checks(tokens / 20, fpt, h100, measured_peak=780e12)  # 2%: not training as it should
+    assert rows[0]["status"] == FAIL
+    assert gpu_check.mfu_checks(tokens, fpt, None, None)[1][0]["status"] == SKIP
+
+
+def test_wall_clock_tokens_per_s_reads_the_row_stamps():
+    rows = [{"time": 100.0}, {"time": 102.0}, {"time": 103.0}, {"time": 104.5}, {"time": 105.5}]
+    assert gpu_check.wall_clock_tokens_per_s(rows, 1000, warmup=2) == pytest.approx(1000 / 1.0)  # steps 3-5
+    assert gpu_check.wall_clock_tokens_per_s(rows, 1000, warmup=1) == pytest.approx(1000 / 1.25)
+    assert gpu_check.wall_clock_tokens_per_s(rows[:1], 1000, warmup=1) is None
+
+
+def test_the_baselines_language_is_learnable_and_held_out_rows_are_new():
+    import torch
+    train, held = gpu_check.synthetic_rows(64, 8, 16, seed=0), gpu_check.synthetic_rows(64, 2, 16, seed=1)
+    successor = {}
+    for row in torch.cat([train, held]).tolist():
+        for a, b in zip(row, row[1:]):
+            assert successor.setdefault(a, b) == b  # one rule for every row
+    assert not any(torch.equal(h, r) for h in held for r in train)
 
 
 # --- slow: the whole rehearsal, the perturbation, the offline install -------------------------------
@@ -243,7 +362,7 @@ def test_whole_rehearsal_runs_every_phase(tmp_path):
     proc, results, summary = _run_check(tmp_path, "--budget-s", "3000")
     phases = results["phases"]
     print(summary)
-    assert set(phases) == {"wheels", "fused_adam", *(p.name for p in gpu_check.PHASES)}
+    assert set(phases) == {"wheels", "fused_adam", *(p.name for p in gpu_check.default_phases())}
     broken = {n: (e["status"], e.get("why"), e.get("log_tail", "")[-800:]) for n, e in phases.items() if e["status"] != "ok"}
     assert not broken, broken
     assert proc.returncode == (0 if results["verdict"] == PASS else 1)

@@ -173,7 +173,7 @@ def test_profile_of_a_pipeline_run_shows_its_p2p_traffic(runs):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_host_syncs_per_step_are_megatrons_grad_norm_and_the_loss_read(layout, runs):
-    """Strict mode records each step's host syncs (toolkit/device.py's SyncCounter): 4 at every
+    """Strict mode records each step's host syncs (toolkit/syncs.py's SyncCounter): 4 at every
     layout (megatron's grad norm 3 without Apex, the loss 1), as tests/distributed/test_host_syncs.py bounds."""
     overrides, nproc = LAYOUTS[layout]
     assert set(losses(runs(f"mcore_{layout}", MEGATRON, *overrides, nproc=nproc), "host_syncs")) == {4}

@@ -2,14 +2,17 @@
 share: the GPU-only marks, the device, and the references of the checks both run."""
 from __future__ import annotations
 
+import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.attention import CASES
 from tests.helpers.measure import measure
+from tests.helpers.runs import run_cli
 
 REHEARSAL = not torch.cuda.is_available() and os.environ.get("TOOLKIT_GPU_TESTS_ON_CPU") == "1"
 GPU_ONLY = [pytest.mark.gpu,
@@ -17,6 +20,30 @@ GPU_ONLY = [pytest.mark.gpu,
                                reason="needs a GPU (or TOOLKIT_GPU_TESTS_ON_CPU=1 to rehearse on the CPU)")]
 """The marks of a GPU test module (its ``pytestmark``)."""
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = "bf16" if torch.cuda.is_available() else "fp32"
+"""What the GPU layer trains in: bf16 on the device; fp32 on the CPU rehearsal (DeepSpeed's CPU accelerator)."""
+SMALL = ["--nproc", "1", "--set", "data.seq_len=128", "--set", "train.global_batch_size=8",
+         "--set", "train.micro_batch_size=4", "--set", "train.eval_every=4", "--set", "train.log_every=1",
+         "--set", "train.warmup_steps=2"]
+
+
+def toolkit_train(run_dir: Path, *sets: str, env: dict | None = None, check: bool = True):
+    """``toolkit train`` on one rank with the GPU layer's small shape, as a user runs it."""
+    args = ["train", "--run-dir", str(run_dir), *SMALL]
+    for s in sets:
+        args += ["--set", s]
+    return run_cli(args, env=env, check=check, timeout=900)
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl's step rows by step."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def resume_events(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == "resume"]
 
 
 def expected_kernel(case: str) -> str:

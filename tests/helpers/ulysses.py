@@ -18,25 +18,26 @@ GRAD_RTOL = 2e-5
 LOSS_RTOL = 1e-6
 
 
-def rows(packing: str, n: int = 2, seed: int = 5, vocab: int = 250) -> list[dict]:
-    """``n`` micro-batches of one ``SEQ``-token row each. ``documents``: random documents packed whole
-    (several per row, some crossing the middle of the row, where sp=2 splits it), about half their
-    targets without loss, so rows and halves of rows hold uneven loss tokens; ``concat``: one
-    stream per row, no document_ids."""
+def rows(packing: str, n: int = 2, seed: int = 5, vocab: int = 250, per_micro: int = 1) -> list[dict]:
+    """``n`` micro-batches of ``per_micro`` ``SEQ``-token rows each. ``documents``: random documents
+    packed whole (several per row, some crossing the middle of the row, where sp=2 splits it), about
+    half their targets without loss, so rows and halves of rows hold uneven loss tokens; ``concat``:
+    one stream per row, no document_ids."""
     rng = np.random.default_rng(seed)
-    docs = random_documents(24, seed, vocab=vocab, lengths=(3, 14))
+    docs = random_documents(24 * per_micro, seed, vocab=vocab, lengths=(3, 14))
     loss = np.concatenate([(rng.random(len(d)) < 0.55).astype(np.int8) for d in docs])
     out = packed(docs, SEQ, "documents", loss=loss)
     keys = ("input_ids", "labels", "document_ids") if packing == "documents" else ("input_ids", "labels")
-    return [{k: torch.from_numpy(out[k][i:i + 1]).long() for k in keys} for i in range(n)]
+    assert len(out["input_ids"]) >= n * per_micro, "too few documents for the rows asked"
+    return [{k: torch.from_numpy(out[k][i * per_micro:(i + 1) * per_micro]).long() for k in keys} for i in range(n)]
 
 
-def documents_of(mb: dict) -> list[tuple[int, int]]:
-    """(start, stop) of each document of a one-row micro-batch (the whole row without document_ids);
-    the padded tail (document id 0) is left out."""
+def documents_of(mb: dict, row: int = 0) -> list[tuple[int, int]]:
+    """(start, stop) of each document of row ``row`` of a micro-batch (the whole row without
+    document_ids); the padded tail (document id 0) is left out."""
     if "document_ids" not in mb:
         return [(0, mb["input_ids"].shape[1])]
-    docs = mb["document_ids"][0].tolist()
+    docs = mb["document_ids"][row].tolist()
     spans, start = [], 0
     for i in range(1, len(docs) + 1):
         if i == len(docs) or docs[i] != docs[start]:
@@ -58,14 +59,14 @@ def hf_reference(model, micro_batches: list[dict], aux_coeff: float | None = Non
     tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
     total, logits, auxes, counts = 0.0, [], [], 0
     for mb in micro_batches:
-        row = torch.full((*mb["input_ids"].shape, model.config.vocab_size), float("nan"))
+        scored = torch.full((*mb["input_ids"].shape, model.config.vocab_size), float("nan"))
         objective, routed = 0.0, []  # MoE: the aux loss joins the documents of a micro-batch
-        for start, stop in documents_of(mb):
-            ids = mb["input_ids"][:, start:stop]
+        for r, (start, stop) in ((r, span) for r in range(len(scored)) for span in documents_of(mb, r)):
+            ids = mb["input_ids"][r:r + 1, start:stop]
             out = model(input_ids=ids) if aux_coeff is None else model(input_ids=ids, output_router_logits=True)
-            loss, _ = token_loss_sum(out.logits, mb["labels"][:, start:stop])
+            loss, _ = token_loss_sum(out.logits, mb["labels"][r:r + 1, start:stop])
             total += loss.item()
-            row[:, start:stop] = out.logits.detach()
+            scored[r:r + 1, start:stop] = out.logits.detach()
             if aux_coeff is None:
                 (loss / tokens).backward()
             else:
@@ -75,7 +76,7 @@ def hf_reference(model, micro_batches: list[dict], aux_coeff: float | None = Non
             (objective + aux_coeff * aux / len(micro_batches)).backward()
             auxes.append(aux.item())
             counts = counts + layer_counts
-        logits.append(row)
+        logits.append(scored)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
     out = {"logits": logits, "grads": grads, "loss": total / tokens, "grad_norm": norm, "tokens": tokens}

@@ -51,6 +51,24 @@ def test_pickle_allowlist(tmp_path):
         safe_load(tmp_path / "cut.pt")
 
 
+def test_dcp_items_a_gpu_wrote_load_on_the_cpu(monkeypatch):
+    """A GPU run's DCP optimizer items may pickle CUDA tensors (a capturable Adam's ``lr``): the converter
+    reads them on a CPU machine (``map_location="cpu"``; without it torch asks for CUDA)."""
+    import io
+
+    from toolkit.formats.dcp import unpickle_item
+    buf = io.BytesIO()
+    with monkeypatch.context() as m:  # torch.save records each storage's device as location_tag says
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"lr": torch.tensor(3e-4), "betas": (0.9, 0.95)}, buf)
+    assert b"cuda:0" in buf.getvalue()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    item = unpickle_item(buf.getvalue(), "ckpt", "optim.param_groups.0.lr")
+    assert item["lr"].device.type == "cpu" and item["lr"].item() == pytest.approx(3e-4)
+
+
 @pytest.mark.parametrize("to, flags", [("zero", {"dp": 0}), ("megatron", {"dp": 0}), ("zero", {"dp": -2})])
 def test_a_data_parallel_size_below_one_is_refused_not_read_as_the_default(tmp_path, to, flags):
     """``convert --dp 0`` wrote a checkpoint described for dp 1 (``dp or 1``)."""

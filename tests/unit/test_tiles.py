@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.tiles import BF16_BOUND, TILES, lm_head_errors, mlp_errors
 from toolkit.adapters.tiles import HiddenStates, tile_mlps
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
@@ -81,3 +82,22 @@ def test_refusals():
                   "data": {"template": "preference"}})
     with pytest.raises(ValueError, match="zero.tiled_mlp tile the HF model on DeepSpeed, but backend=megatron"):
         validate({"zero": {"tiled_mlp": True}, "backend": "megatron"})
+
+
+
+def test_bf16_lm_head_gradient_summed_over_tiles_in_fp32():
+    """bf16 hidden states and lm_head, 64 loss tiles: the head's weight gradient is as close to the
+    fp32 untiled one as the untiled bf16 gradient is (``loss.TileGrads``; a bf16 running sum: 4x)."""
+    errors = lm_head_errors()
+    print(f"\nlm_head gradient vs fp32: {TILES} tiles bf16 {errors['tiled']:.2e}, untiled bf16 {errors['untiled']:.2e}")
+    assert errors["tiled"] < BF16_BOUND * errors["untiled"]
+
+
+def test_bf16_mlp_gradients_summed_over_tiles_in_fp32():
+    """A bf16 LlamaMLP over 64 tiles (``zero.tiled_mlp``): every weight gradient as close to fp32
+    untiled as the untiled bf16 one (DeepSpeed's TiledMLP: 2x), and the tiles ran."""
+    errors = mlp_errors()
+    print("\n" + "; ".join(f"{n}: {e:.2e} tiled vs {errors['untiled'][n]:.2e}" for n, e in errors["tiled"].items()))
+    assert errors["tile_calls"] == 2 * TILES
+    for name, error in errors["tiled"].items():
+        assert error < BF16_BOUND * errors["untiled"][name], name

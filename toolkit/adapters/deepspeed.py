@@ -123,10 +123,15 @@ class DeepSpeedEngine:
         if grad_norm is None:
             grad_norm = float(self.engine.get_global_grad_norm())
         extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router and self.router.stats else {}
-        extra.update(metrics(self.objective, local_sum[1:]))
-        return StepStats(loss=local_sum[0].item() / loss_tokens, grad_norm=None if skipped else grad_norm,
+        totals = local_sum.tolist()  # one host read: the loss and the objective's metrics
+        extra.update(metrics(self.objective, totals[1:]))
+        return StepStats(loss=totals[0] / loss_tokens, grad_norm=None if skipped else grad_norm,
                          compute_s=forward_time.seconds(), skipped=skipped, loss_scale=self._loss_scale(),
                          extra=extra)
+
+    def close(self) -> None:
+        """DeepSpeed's own ``destroy`` (its optimizer's hooks and buffers); the engine cannot step afterwards."""
+        self.engine.destroy()
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (DeepSpeed's fp16 and ZeRO optimizers keep it in different places)."""
@@ -199,8 +204,9 @@ class DeepSpeedEngine:
                 beat()
         self.engine.train()
         dist.all_reduce(totals)
-        self.eval_metrics = metrics(self.objective, totals[1:], prefix="eval_")
-        return totals[0].item(), int(totals[-1].item())
+        values = totals.tolist()  # one host read
+        self.eval_metrics = metrics(self.objective, values[1:], prefix="eval_")
+        return values[0], int(values[-1])
 
     @torch.no_grad()
     def document_logps(self, micro_batches, width: int, beat=None) -> list[torch.Tensor] | None:

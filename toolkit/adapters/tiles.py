@@ -2,10 +2,12 @@
 step whose activations grow with tokens x a wide dimension (the MLP's intermediate, the vocabulary)
 computed a tile of the sequence at a time, so a rank's peak does not grow with the whole sequence.
 
-The MLP goes through DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``):
-its forward runs each tile without grad and keeps only the MLP's input; its backward recomputes
-each tile with grad. The tile count is ALST's rule, ceil(seq / hidden) agreed on by every rank (the
-largest), so ZeRO-3's parameter gathering in each tile's recompute happens as often on every rank.
+The MLP goes through ``TiledMLP``, DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.
+ulysses_sp``) with the weight gradients summed over the tiles in fp32 (``loss.TileGrads``; DeepSpeed's
+accumulates them into ``.grad`` in the weights' dtype, a bf16 rounding per tile, and has no option
+against it): its forward runs each tile without grad and keeps only the MLP's input; its backward
+recomputes each tile with grad. The tile count is ALST's rule, ceil(seq / hidden), the same on every
+rank, so ZeRO-3's parameter gathering in each tile's recompute happens as often on every rank.
 The loss side (``HiddenStates`` + ``loss.tiled_token_loss_sum``) takes the decoder's last hidden
 states instead of the logits and runs the lm_head per tile.
 """
@@ -17,6 +19,7 @@ import types
 import torch
 
 from toolkit.adapters import moe
+from toolkit.loss import TileGrads
 
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -52,11 +55,46 @@ def _mlp(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
     tiles = mlp_tiles(x.shape[-2], x.shape[-1])
     if tiles == 1:
         return _mlp(self, x)
-    return TiledMLP.apply(_mlp, self, x, tiles, list(self.parameters()))
+    params = [p for p in self.parameters() if p.requires_grad]
+    partitioned = any(hasattr(p, "ds_tensor") for p in params)  # ZeRO-3: whole only inside each part's call
+    return TiledMLP.apply(self, x, tiles, partitioned, *([] if partitioned else params))
+
+
+class TiledMLP(torch.autograd.Function):
+    """``_mlp`` of ``[..., tokens, hidden]`` a tile of tokens at a time (DeepSpeed's ``TiledMLP``: the
+    tokens of every row flattened and cut into ``tiles`` pieces). The forward keeps only the input;
+    the backward recomputes each tile with grad and sums the weight gradients over the tiles in fp32
+    (``TileGrads``). Whole weights are inputs here and get the sum returned; ZeRO-3's partitioned ones
+    get it through the last tile's backward."""
+
+    @staticmethod
+    def forward(ctx, mlp: torch.nn.Module, x: torch.Tensor, tiles: int, partitioned: bool,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.mlp, ctx.tiles, ctx.partitioned = mlp, tiles, partitioned
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            flat = x.reshape(-1, x.shape[-1])
+            return torch.cat([_mlp(mlp, part) for part in flat.chunk(tiles)]).view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.mlp.parameters() if p.requires_grad]
+        sums = TileGrads(params, partitioned=ctx.partitioned)
+        flat, grad_flat = x.detach().reshape(-1, x.shape[-1]), grad_out.reshape(-1, x.shape[-1])
+        grad_x = torch.empty_like(flat)
+        parts = list(zip(flat.chunk(ctx.tiles), grad_flat.chunk(ctx.tiles), grad_x.chunk(ctx.tiles)))
+        for i, (part, grad_part, into) in enumerate(parts):
+            part = part.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = _mlp(ctx.mlp, part)
+                into.copy_(sums.tile(out, grad_part, part, last=i == len(parts) - 1))
+            del out
+        return None, grad_x.view(x.shape), None, None, *sums.result()
 
 
 class HiddenStates:

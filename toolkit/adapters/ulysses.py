@@ -124,12 +124,15 @@ class SequenceSplit:
         return self._wrappers[batch]
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous slice of a ``[b, s, ...]`` tensor along the sequence."""
+        """This rank's slice of a ``[b, s, ...]`` tensor along the sequence, as a contiguous tensor of its
+        own: with 2 or more rows the slice is a strided view (and positions without documents an
+        expanded arange, stride 0 across rows), which DeepSpeed's wrapper all-gathers every layer and
+        NCCL refuses ("Tensors must be contiguous"; gloo copies it)."""
         s = t.shape[1]
         if s % self.sp:
             raise ValueError(f"a micro-batch of {s} tokens per row does not split over zero.sp={self.sp}")
         chunk = s // self.sp
-        return t[:, self.sp_rank * chunk:(self.sp_rank + 1) * chunk]
+        return t[:, self.sp_rank * chunk:(self.sp_rank + 1) * chunk].contiguous()
 
     def inputs(self, mb: dict) -> dict:
         """The HF forward's inputs for this rank: its slice of the tokens and of their positions (whole

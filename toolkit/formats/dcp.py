@@ -236,13 +236,20 @@ class _Part:
         planner = _BytesPlanner()
         self.reader.read_data(LoadPlan(_create_read_items(key, self.md.state_dict_metadata[key], None)),
                               planner).wait()
-        try:
-            return torch.load(io.BytesIO(planner.value), weights_only=True)
-        except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
-            name, _ = refused_global(exc)
-            raise ConvertError(f"{self.dir}: refusing to unpickle {name or 'a class'} in {key}: "
-                               "an optimizer's hyperparameters are plain numbers, and unpickling anything else "
-                               "could run code (do not trust this checkpoint)") from None
+        return unpickle_item(planner.value, self.dir, key)
+
+
+def unpickle_item(data: bytes, where, key: str):
+    """A DCP item pickled by ``torch.save``, as data only, its tensors on the CPU (a GPU run's items may
+    hold CUDA tensors: a capturable optimizer's ``lr``; without ``map_location`` this machine would
+    need a GPU to read them)."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's message names the global deep in its text
+        name, _ = refused_global(exc)
+        raise ConvertError(f"{where}: refusing to unpickle {name or 'a class'} in {key}: an optimizer's "
+                           "hyperparameters are plain numbers, and unpickling anything else could run code (do not "
+                           "trust this checkpoint)") from None
 
 
 class _BytesPlanner:

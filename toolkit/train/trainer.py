@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from toolkit import device
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
@@ -28,6 +27,7 @@ from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
+from toolkit.syncs import strict_sync_counter
 from toolkit.train.reference import ReferenceScores, check_resumed, prepare_reference
 from toolkit.train.schedule import lr_at
 
@@ -125,9 +125,9 @@ class Trainer:
         self.monitor.add_busy(time.perf_counter() - tic)  # data wait (and an injected delay) count as busy
         if self.profiler:
             self.profiler.before_step(self.step + 1)
-        with device.strict_sync_counter() as syncs:
+        with strict_sync_counter() as syncs:
             stats = self.engine.train_step(micro_batches, loss_tokens, lr_at(self.step, self.cfg.train))
-        if syncs is not None:  # strict mode: what would make a GPU's host wait (toolkit/device.py)
+        if syncs is not None:  # strict mode: what would make a GPU's host wait (toolkit/syncs.py)
             stats.extra["host_syncs"] = syncs.total
         self.step += 1
         self._after_profiled_step()

@@ -43,6 +43,7 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
     heartbeat.mark("engine_built")
     from toolkit.train.trainer import Trainer
     Trainer(plan, engine, data, tokenizer, run_dir, heartbeat).fit()
+    engine.close()  # megatron: its process groups and the hooks that keep it alive
     dist.barrier()
     dist.destroy_process_group()
     if lock is not None:

@@ -58,6 +58,35 @@ def _check_sizes(lay: Layout) -> None:
                            "before building an engine at another layout")
 
 
+def destroy() -> None:
+    """Destroy the process groups megatron-core's global state holds, and forget them: its own
+    ``destroy_model_parallel`` forgets them without destroying them (each gloo group keeps 3 threads)
+    and leaves some set (the intra-DP ones). Not collective: every rank destroys its own handles."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    groups = {id(g): g for g in _process_groups(vars(ps).values())}
+    ps.destroy_model_parallel()
+    for name, value in vars(ps).items():
+        if _process_groups([value]):
+            setattr(ps, name, None)
+    for group in groups.values():
+        if group is not dist.group.WORLD and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+
+def _process_groups(values) -> list:
+    import torch.distributed as dist
+    found = []
+    for v in values:
+        if isinstance(v, dist.ProcessGroup):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _process_groups(v)
+        elif isinstance(v, dict):
+            found += _process_groups(v.values())
+    return found
+
+
 def stage_ends(vp_stage: int | None) -> tuple[bool, bool]:
     """(pre_process, post_process) of the model chunk of virtual stage ``vp_stage`` on this rank:
     whether it holds the embedding (the first stage) and the output layer (the last)."""
