@@ -182,6 +182,10 @@ def test_resume_refuses_other_reference_scores():
     check_resumed("abc", "abc")
     with pytest.raises(ConfigError, match="trained against reference log-probabilities abc, this run's are xyz"):
         check_resumed("abc", "xyz")
+    # a checkpoint written before the weight sample joined the key resumes on the key it recorded
+    check_resumed("old", "xyz", unsampled_key="old")
+    with pytest.raises(ConfigError):
+        check_resumed("old", "xyz", unsampled_key="other")
 
 
 def _packed(documents: list[int], eval_documents: list[int]):
@@ -215,6 +219,12 @@ def test_reference_scores_key_changes_with_the_data_the_base_and_its_dtype(tmp_p
     others = {"other weights": key("base1"), "bf16": key(dtype="bf16"), "other train rows": key(data=((2, 4, 4), (2, 2))),
               "other eval rows": key(data=((2, 4, 2), (2, 4)))}
     assert same not in others.values() and len(set(others.values())) == len(others), others
+    # what a checkpoint written before the weight sample recorded: the key without it (before the sample's
+    # commit, reference_key hashed exactly these parts)
+    cfg = load_config(None, ["data.template=preference", "train.objective=dpo", "model.init=pretrained",
+                             f"model.name_or_path={tmp_path / 'base0'}"])
+    unsampled = reference_key(cfg, _packed([2, 4, 2], [2, 2]), sampled=False)[0]
+    assert unsampled != same and unsampled == reference_key(cfg, _packed([2, 4, 2], [2, 2]), sampled=False)[0]
 
 
 def test_lora_first_step_equals_trl_with_peft(setup, tmp_path):

@@ -40,6 +40,8 @@ class ReferenceScores:
     key: str
     width: int
     scores: dict[str, np.ndarray]
+    unsampled_key: str | None = None
+    """The key as checkpoints written before the weight sample joined it recorded it (``check_resumed``)."""
 
     def attach(self, split: str, micro_batches: list[dict], indices: list[int]) -> list[dict]:
         """``micro_batches`` (this rank's, in order, of the rows ``indices``) with their ``ref_logps``."""
@@ -51,10 +53,10 @@ class ReferenceScores:
         return micro_batches
 
 
-def reference_key(cfg, data) -> tuple[str, int]:
+def reference_key(cfg, data, sampled: bool = True) -> tuple[str, int]:
     """(the cache key of the reference scores, the document width): the model (weights' fingerprint
     and a sample of their values, config, dtype) and the packed rows (``datasets`` fingerprints of both
-    sets)."""
+    sets). ``sampled=False``: the key without the sample, as checkpoints written before it recorded."""
     m = cfg.model
     sets = {s: getattr(data, s) for s in SPLITS if getattr(data, s) is not None}
     width = max(int(np.max(ds.with_format("numpy", columns=["num_documents"])["num_documents"], initial=0))
@@ -62,9 +64,10 @@ def reference_key(cfg, data) -> tuple[str, int]:
     width += width % 2
     model = base_model_record(m.name_or_path, m.init, cfg.train.seed)["fingerprint"]
     config = Path(m.name_or_path) / "config.json" if Path(m.name_or_path).is_dir() else Path(m.name_or_path)
-    parts = [model, weights_sample(m.name_or_path) if m.init == "pretrained" else None,
-             config.read_text() if config.is_file() else m.name_or_path, m.dtype, width,
+    parts = [model, config.read_text() if config.is_file() else m.name_or_path, m.dtype, width,
              {s: ds._fingerprint for s, ds in sets.items()}]
+    if sampled:
+        parts.insert(1, weights_sample(m.name_or_path) if m.init == "pretrained" else None)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24], width
 
 
@@ -109,13 +112,14 @@ def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScore
     it before the engine's first step or checkpoint load) and written there by rank 0; ``beat()``
     after each micro-batch scored (the heartbeat's progress)."""
     key, width = reference_key(cfg, data)
+    unsampled = reference_key(cfg, data, sampled=False)[0]
     root = data_cache_dir(cfg) / "reference" / key
     found = [(root / "meta.json").is_file()]
     dist.broadcast_object_list(found, src=0)  # one decision: rank 0's view of the cache
     if found[0]:
         scores = {s: np.load(root / f"{s}.npy") for s in SPLITS if (root / f"{s}.npy").is_file()}
         log(f"reference log-probabilities: cached {root}")
-        return ReferenceScores(key, width, scores)
+        return ReferenceScores(key, width, scores, unsampled)
     scores = {}
     for split in SPLITS:
         ds = getattr(data, split)
@@ -129,7 +133,7 @@ def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScore
                                                 "model": cfg.model.name_or_path, "dtype": cfg.model.dtype})
     dist.barrier()
     log(f"reference log-probabilities: scored {sum(len(r) for r in scores.values()):,} rows, cached in {root}")
-    return ReferenceScores(key, width, scores)
+    return ReferenceScores(key, width, scores, unsampled)
 
 
 def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarray:
@@ -149,10 +153,12 @@ def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarra
     return table[:len(ds)].cpu().numpy()
 
 
-def check_resumed(saved: str | None, key: str) -> None:
+def check_resumed(saved: str | None, key: str, unsampled_key: str | None = None) -> None:
     """A checkpoint trained against other reference scores (another starting model or data) cannot go on
-    with these: its DPO loss would change meaning mid-run."""
-    if saved is not None and saved != key:  # a ConfigError: a refusal, which no restart would change
+    with these: its DPO loss would change meaning mid-run. A checkpoint written before the weight sample
+    joined the key recorded ``unsampled_key``: it resumes on what it could record (the base's names,
+    shapes, config and dtype, and the data), as it did when it was written."""
+    if saved is not None and saved not in (key, unsampled_key):  # a ConfigError: a refusal, which no restart would change
         raise ConfigError(f"the checkpoint was trained against reference log-probabilities {saved}, this run's "
                            f"are {key}: the starting model (model.*) or the data (data.*) changed since it was "
                            "saved; resume with the run's original settings, or start a new run_dir")

@@ -259,7 +259,7 @@ class Trainer:
         progress = self.checkpoints.resume()
         self._resumed_at = time.time()
         if progress is not None and self.reference:
-            check_resumed(progress.get("reference"), self.reference.key)
+            check_resumed(progress.get("reference"), self.reference.key, self.reference.unsampled_key)
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
 
