@@ -61,7 +61,9 @@ AFTER_CRASH = ("corrupt", "hang_in_load")  # at checkpoint c; act when a restart
 CRASH = ("kill", "raise", "abort", "hang")  # what makes that restart
 OTHER_KINDS = ("slow_eval", "slow_export")
 LEFT_OUT = {"overflow": "fp16 only (a loss-scaler skip): the demo job trains in fp32",
-            "host_collective": "a probe that strict device mode is on, not a fault (it all-reduces on one rank)"}
+            "host_collective": "a probe that strict device mode is on, not a fault (it all-reduces on one rank)",
+            "hang_in_step": "hang's recovery from inside a step (tests/e2e/test_hang_phases.py: the step after an "
+                            "eval or a save is judged by the step's budget)"}
 RANK0_KINDS = ("corrupt", "kill_in_persist", "raise_in_persist")  # rank 0 commits; local rank 0 persists
 SLOW_MS = {"slow": 20, "slow_save": 300, "slow_eval": 300, "slow_export": 50}
 RECOVERY_PARTS = ("backoff", "torn_down", "rendezvous", "ranks_started", "rank_up", "checkpoint_loaded",

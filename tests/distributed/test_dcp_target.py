@@ -64,10 +64,29 @@ def test_megatron_tp2_run_resumes_in_plain_fsdp2_on_two_ranks(tmp_path):
     ckpt = tmp_path / "meg"
     source = run_ranks(megatron_run, 2, tmp_path, "llama", str(ckpt), K)[0]
     config.to_json_file(tmp_path / "config.json")
+    _no_decay_group_first(ckpt)
+    written = [g["weight_decay"] for g in open_source(ckpt, str(tmp_path / "config.json")).param_groups]
+    assert written == [0.0, 0.1], written  # the source's first group is not the matrices' rate
     convert(ckpt, tmp_path / "dcp", to="dcp", hf_config=str(tmp_path / "config.json"))
     resumed = _resume(tmp_path, tmp_path / "dcp", 2, megatron_batches(config.vocab_size, K), MEGATRON_HPARAMS)
     assert resumed["step"] == [float(K)]
+    # every written group's decay, as PyTorch's own loader sets it: the matrices 0.1, biases and norms 0
+    # (the losses alone cannot tell: a lost decay moved them by 3.3e-7 over two steps)
+    assert [g["weight_decay"] for g in resumed["groups"]] == [0.1, 0.0], resumed["groups"]
     assert resumed["losses"] == pytest.approx(source, rel=REL), (resumed["losses"], source)
+    # through ZeRO's universal layout, whose description keeps one rate: the matrices'
+    convert(ckpt, tmp_path / "zero", to="zero", hf_config=str(tmp_path / "config.json"))
+    convert(tmp_path / "zero", tmp_path / "dcp_via_zero", to="dcp")
+    assert open_source(tmp_path / "dcp_via_zero").optimizer_hparams["weight_decay"] == 0.1
+
+
+def _no_decay_group_first(ckpt: Path) -> None:
+    """The torch_dist checkpoint's optimizer groups (common.pt, which this test's run just wrote) in the
+    other order: megatron-core orders its groups by their settings (decay, lr multipliers, expert or not),
+    so a converter may not take the first group's decay as the matrices'."""
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    common["optimizer"]["optimizer"]["param_groups"].reverse()
+    torch.save(common, ckpt / "common.pt")
 
 
 def test_fsdp2_dcp_to_zero_and_back_is_bit_for_bit(tmp_path):

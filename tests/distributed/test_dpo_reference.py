@@ -2,8 +2,11 @@
 training, cached on disk) equals an online reference model's log-probabilities exactly: transformers'
 model loaded from the same base beside the engine, run on the same micro-batches, its log-softmax
 taken whole (not the toolkit's chunked kernel). On ZeRO-1 with two DP ranks (each scores its share),
-and with LoRA (the reference is the base: adapters off, as TRL + peft score it)."""
+and with LoRA (the reference is the base: adapters off, as TRL + peft score it). The trainer's eval before
+any step attaches each rank's own rows' scores: the policy is the reference, every pair's loss ln 2."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -22,7 +25,7 @@ def _config(base, data, cache, lora_rank: int):
     from toolkit.config import validate
     return validate({"model": {"name_or_path": str(base), "init": "pretrained"}, "zero": {"stage": 1},
                      "data": {"path": str(data), "format": "json", "template": "preference", "seq_len": 128,
-                              "cache_dir": str(cache)},
+                              "cache_dir": str(cache), "eval_fraction": 0.4},  # two eval micro-batches per rank
                      "train": {"objective": "dpo", "global_batch_size": 4, "micro_batch_size": MICRO},
                      "lora": {"rank": lora_rank}})
 
@@ -65,7 +68,19 @@ def _scores(rank, world, base, data, cache, run_dir, lora_rank):
                               rank, world, MICRO)
     first = rank * padded // world
     return {"width": ref.width, "key": ref.key, "offline": ref.scores["train"][first:first + rows],
-            "cached": again.scores["train"][first:first + rows], "online": _online(base, mine, ref.width)[:rows]}
+            "cached": again.scores["train"][first:first + rows], "online": _online(base, mine, ref.width)[:rows],
+            "eval_at_start": _eval_at_start(cfg, engine, packed, ref, run_dir)}
+
+
+def _eval_at_start(cfg, engine, packed, ref, run_dir) -> dict:
+    """The trainer's eval before any step (each DP rank its rows, with those rows' reference scores): the
+    policy is the reference, so every pair's loss is -log(sigmoid(0)) = ln 2."""
+    from toolkit.plan import build_plan
+    from toolkit.train.trainer import Trainer
+    trainer = Trainer(build_plan(cfg, [engine.dp_size]), engine, packed, None, run_dir)
+    trainer.reference = ref
+    loss = trainer.evaluate()
+    return {"loss": loss, "rows": len(packed.eval)}
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
@@ -76,6 +91,8 @@ def test_offline_reference_equals_the_online_model_exactly(lora_rank, demo_base,
                         str(tmp_path / "run"), lora_rank)
     for r in results:
         assert r["width"] >= 4 and r["key"] == results[0]["key"]
+        assert r["eval_at_start"]["rows"] >= 4 * MICRO  # two micro-batches per rank at least
+        assert r["eval_at_start"]["loss"] == pytest.approx(math.log(2), abs=1e-6), r["eval_at_start"]
         assert np.array_equal(r["offline"], r["cached"])
         gap = np.abs(r["offline"] - r["online"]).max()
         print(f"\nlora rank {lora_rank}: max |offline - online| {gap:.1e}")

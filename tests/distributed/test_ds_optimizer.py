@@ -9,20 +9,16 @@ worker records the choice in metrics.jsonl."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import sys
 
 import pytest
 import torch
 
 from tests.helpers.parity import batches
 from tests.helpers.ranks import run_ranks
-from tests.helpers.runs import TINY, start_forkserver
-from toolkit.config import load_config, validate
+from tests.helpers.runs import worker_ranks
+from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 from toolkit.loss import IGNORE_INDEX
-from toolkit.parallel import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
@@ -94,31 +90,35 @@ def test_failed_build_falls_back_to_torch_adamw_with_the_same_math(offload, tmp_
         assert moved < WEIGHT_RTOL, (name, moved.item())
 
 
-def _worker_with_failing_build(plan_path: str, builder: str, port: int) -> None:
-    """One rank of ``toolkit train`` (the worker's own entry) in which the op build fails."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cls, raising = failing_build(builder)
+def _one_rank_fails(rank, world):
+    """``with_available_adam`` where only rank 1's FusedAdam build fails."""
+    from toolkit.adapters.ds_optimizer import with_available_adam
+    cls, raising = failing_build(BUILDER[False])
+    if rank == 1:
+        cls.load = raising
+    resolved, choice = with_available_adam({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                            "zero_optimization": {"stage": 2}})
+    return {"params": resolved["optimizer"]["params"], **choice.record()}
+
+
+def test_when_one_ranks_build_fails_every_rank_falls_back(tmp_path):
+    """Ranks must step alike: the kernel that built on rank 0 is not used there either."""
+    got = run_ranks(_one_rank_fails, 2, tmp_path)
+    assert [g["optimizer"] for g in got] == ["torch.optim.AdamW(fused=True)"] * 2, got
+    assert got[0]["params"] == got[1]["params"] == {"lr": 1e-3, "torch_adam": True, "fused": True}
+    assert got[0]["fallback_reason"] == "DeepSpeed's FusedAdam did not load: it did not load on another rank"
+    assert "RuntimeError: simulated" in got[1]["fallback_reason"]
+
+
+def _failing_fusedadam(rank, run_dir) -> None:
+    """A rank's setup (``worker_ranks``): its FusedAdam build fails."""
+    cls, raising = failing_build(BUILDER[False])
     cls.load = raising
-    from toolkit.train.worker import main
-    code = main([plan_path])
-    sys.stdout.flush()
-    os._exit(code)
 
 
 def _run_with_failing_build(run_dir, data_cache, *sets: str) -> None:
-    """``toolkit train`` on one rank whose FusedAdam build fails: the plan written as the launcher
-    writes it, the rank forked from this test process's forkserver."""
-    from toolkit.plan import build_plan, write_plan
-    run_dir.mkdir(exist_ok=True)
-    cfg = load_config(None, [*TINY, f"data.cache_dir={data_cache}", f"run_dir={run_dir}", "nproc=1", "zero.stage=2",
-                             *sets])
-    plan_path = write_plan(build_plan(cfg, [1]), run_dir)
-    start_forkserver()
-    rank = multiprocessing.get_context("forkserver").Process(
-        target=_worker_with_failing_build, args=(str(plan_path), "FusedAdamBuilder", free_port()))
-    rank.start()
-    rank.join(timeout=600)
-    assert rank.exitcode == 0
+    """``toolkit train`` on one rank whose FusedAdam build fails."""
+    assert worker_ranks(run_dir, data_cache, _failing_fusedadam, "zero.stage=2", *sets) == [0]
 
 
 def optimizer_records(run_dir) -> list[dict]:

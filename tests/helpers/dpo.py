@@ -87,3 +87,25 @@ def held_models(engine) -> dict:
                 for p in objects if isinstance(p, torch.nn.Parameter)}
     return {"models": sum(id(o) not in inner for o in models), "live_param_bytes": sum(storages.values()),
             "param_bytes": sum(p.numel() * p.element_size() for p in engine.engine.module.parameters())}
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def fp32_sum_rounding(objective, policy_tokens: torch.Tensor, reference_tokens: torch.Tensor, labels: torch.Tensor,
+                      document_ids: torch.Tensor, width: int) -> float:
+    """The fp32 rounding scale of a DPO loss whose answers' log-probabilities are summed in fp32 (TRL) rather
+    than fp64 (the toolkit), relative to the loss: u * sum over answer tokens of |dL/dS_a| * (|x_t| + |r_t|) / |L|,
+    with S_a the sum of answer a that token t belongs to, x_t and r_t its policy and reference log-probabilities
+    and u fp32's unit roundoff. It is the first-order change of L when every term of every sum is off by one
+    rounding (a sum of n terms in fp32 is off by at most (n-1) u sum |terms|; torch's vectorized sums by about
+    log2(n) of them); the loss kind, beta and the answers' lengths all enter through dL/dS_a."""
+    from toolkit.objectives import document_sums
+    x = policy_tokens.detach().double().requires_grad_(True)
+    ref = document_sums(reference_tokens.detach().double(), document_ids, width)
+    loss_sum, stats = objective.loss_sum(x, labels, document_ids, ref)
+    loss = loss_sum / stats[-1]
+    loss.backward()
+    terms = x.grad.abs() * (policy_tokens.detach().double().abs() + reference_tokens.detach().double().abs())
+    return FP32_UNIT_ROUNDOFF * terms.sum().item() / abs(loss.item())
+

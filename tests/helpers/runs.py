@@ -116,6 +116,45 @@ def train_args(run_dir: Path, data_cache: Path, *overrides: str, nproc: int = 2,
     return args
 
 
+def worker_ranks(run_dir: Path, data_cache: Path, setup, *overrides: str, nproc: int = 1,
+                 base: list[str] = TINY) -> list[int]:
+    """``toolkit train``'s ranks without its launcher, each with a test's patch inside: the plan written as the
+    launcher writes it, ``nproc`` ranks of the worker's own entry forked from this test process's
+    forkserver, each calling ``setup(rank, run_dir)`` (a module-level function) before the worker; what
+    it returns, if anything, is called once the worker finished (to write what the patch saw). The ranks'
+    exit codes."""
+    import multiprocessing
+
+    from toolkit.config import load_config
+    from toolkit.parallel import free_port
+    from toolkit.plan import build_plan, write_plan
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, [*base, f"data.cache_dir={data_cache}", f"run_dir={run_dir}", f"nproc={nproc}",
+                             *overrides])
+    plan_path, port = write_plan(build_plan(cfg, [nproc]), run_dir), free_port()
+    start_forkserver()
+    ctx = multiprocessing.get_context("forkserver")
+    ranks = [ctx.Process(target=_patched_worker, args=(setup, str(plan_path), rank, nproc, port))
+             for rank in range(nproc)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=600)
+    return [rank.exitcode for rank in ranks]
+
+
+def _patched_worker(setup, plan_path: str, rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    done = setup(rank, Path(plan_path).parent)
+    from toolkit.train.worker import main
+    code = main([plan_path])
+    if done is not None:
+        done()
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def refused(args: list[str]) -> tuple[int, str, str]:
     """A command that must fail before anything starts, in this process (``run_in_process``, without
     a subprocess's ~8 s of imports): (exit code, stdout, stderr)."""

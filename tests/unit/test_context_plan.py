@@ -85,12 +85,33 @@ def test_step_time_counts_the_all_to_alls():
     assert "cp" not in {c.group for c in step_time(*_at(p, 1), Cluster()).collectives}
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_chunk_index_is_megatrons_layout_and_its_inverse(cp):
-    """Rank r holds chunks r and 2cp-1-r (megatron.core.utils.get_batch_on_this_cp_rank)."""
+class _CPGroup:
+    """What megatron-core's slicer asks of a context-parallel group: its size and this rank's place."""
 
-    from toolkit.adapters.megatron.context import chunk_index, chunk_order
-    assert chunk_order(cp) == [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
-    order = chunk_index(cp, "cpu")
-    assert order.tolist() == chunk_order(cp)
-    assert order[chunk_index(cp, "cpu", natural=True)].tolist() == list(range(2 * cp))
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_chunk_index_is_megatrons_layout_and_its_inverse(cp, monkeypatch):
+    """The ranks' tokens in rank order, as megatron-core's own slicer (``get_batch_on_this_cp_rank``, here
+    given each rank's place) cuts a sequence of positions: ``chunk_index`` names that order of the 2 x cp
+    chunks, and ``natural=True`` gives the positions back in token order."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from toolkit.adapters.megatron.context import _reorder, chunk_index, chunk_order
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # megatron reads the group only in a job
+    positions = torch.arange(2 * cp * 3)
+    held = torch.cat([get_batch_on_this_cp_rank({"x": positions[None]}, _CPGroup(cp, r))["x"][0] for r in range(cp)])
+    assert torch.equal(held, positions.reshape(2 * cp, 3)[chunk_index(cp, "cpu")].flatten()), held
+    assert chunk_index(cp, "cpu").tolist() == chunk_order(cp)
+    assert torch.equal(_reorder(held, cp, natural=True), positions)
+    assert torch.equal(_reorder(positions, cp, natural=False), held)

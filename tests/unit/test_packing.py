@@ -205,6 +205,17 @@ def test_moe_routing_statistics_count_real_tokens_only():
     assert not torch.equal(results["documents", False][0], results["pad", False][0])
 
 
+def test_a_moe_config_without_its_top_k_is_refused():
+    """The load-balancing loss needs the router's top-k: an HF MoE config.json without it is named, not guessed."""
+    from toolkit.adapters.ds_moe import RouterLoss
+    from toolkit.config import ConfigError
+    model = tiny_model("mixtral")
+    model.config.num_experts_per_tok = 0  # transformers 5 types the field an int: 0 stands for a config without it
+    with pytest.raises(ConfigError, match=r"mixtral: an HF mixture-of-experts config without num_experts_per_tok; "
+                                          r".*set it in config.json"):
+        RouterLoss(validate({}), model)
+
+
 def test_too_few_rows_names_the_packing(tmp_path, tok):
     cfg = validate({"data": {"path": str(write_instructions(tmp_path / "few.jsonl", n=3)), "seq_len": 32,
                              "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.0, "template": "instruction"},

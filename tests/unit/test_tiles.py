@@ -27,6 +27,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _tokens_seen(model) -> dict[str, list[int]]:
+    """Tokens per call of every MLP's gate_proj (``mlp``) and of the lm_head (``head``), in call order."""
+    seen = {"mlp": [], "head": []}
+
+    def count(kind):
+        return lambda module, args, output: seen[kind].append(args[0].shape[:-1].numel())
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_hook(count("mlp"))
+    model.get_output_embeddings().register_forward_hook(count("head"))
+    return seen
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tiled_mlp_and_loss_equal_hf_untiled(family):
     ref = tiny_model(family, seed=0, num_hidden_layers=2, hidden_size=16, intermediate_size=48)
@@ -37,12 +49,20 @@ def test_tiled_mlp_and_loss_equal_hf_untiled(family):
 
     model = tiny_model(family, seed=0, num_hidden_layers=2, hidden_size=16, intermediate_size=48)
     assert tile_mlps(model) == 2  # seq 40 over hidden 16: 3 tiles, the last shorter
+    tokens = _tokens_seen(model)
     hidden = HiddenStates(model)
     out = model(input_ids=ids, logits_to_keep=1)
     assert out.logits.shape[1] == 1
     got_loss, valid = tiled_token_loss_sum(hidden.take(), model.get_output_embeddings(), labels, rows=24)
+    forward = {k: v[:] for k, v in tokens.items()}
     got_loss.backward()
+    backward = {k: v[len(forward[k]):] for k, v in tokens.items()}
     got = _grads(model)
+    # tiled it was: each layer's MLP saw the 80 tokens 3 tiles at a time, forward and in the backward's
+    # recompute; the lm_head one position per row (logits_to_keep), then 24 tokens at a time, both ways
+    for seen in (forward["mlp"], backward["mlp"]):
+        assert len(seen) == 2 * 3 and max(seen) < 80 and sum(seen) == 2 * 80, seen
+    assert forward["head"][0] == 2 and forward["head"][1:] == backward["head"] == [24, 24, 24, 8], tokens
     assert int(valid) == int((labels != IGNORE_INDEX).sum())
     torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
     assert got.keys() == want.keys()
@@ -54,6 +74,9 @@ def test_tiled_mlp_and_loss_equal_hf_untiled(family):
 def test_refusals():
     with pytest.raises(ValueError, match="zero.tiled_mlp=true .* mixture-of-experts"):
         tile_mlps(tiny_model("mixtral", seed=0))
+    with pytest.raises(ValueError, match=r"zero.tiled_mlp=true needs MLPs of gate_proj/up_proj/down_proj/act_fn "
+                                         r"\(LlamaMLP's form\), but gpt2 has 4 of 4 other; set zero.tiled_mlp=false"):
+        tile_mlps(tiny_model("gpt2", seed=0))  # c_fc / c_proj
     with pytest.raises(ValueError, match="zero.tiled_loss=true .* train.objective=dpo"):
         validate({"zero": {"tiled_loss": True}, "train": {"objective": "dpo"},
                   "data": {"template": "preference"}})

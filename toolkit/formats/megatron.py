@@ -161,8 +161,9 @@ class MegatronSource(Source):
         groups = common.get("optimizer", {}).get("optimizer", {}).get("param_groups", [])
         self.param_groups = groups
         self.step = int(groups[0].get("step", 0)) if groups else (kw.get("trainer_state") or {}).get("step")
-        self.optimizer_hparams = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")
-                                  if groups and k in groups[0]}
+        self.optimizer_hparams = {k: groups[0][k] for k in ("lr", "betas", "eps") if groups and k in groups[0]}
+        if groups:  # the matrices' rate: megatron-core orders its groups by their settings (no-decay may be first)
+            self.optimizer_hparams["weight_decay"] = max(float(g.get("weight_decay", 0.0)) for g in groups)
         for name in self.layout_.hf_names():
             self.infos[name] = TensorInfo(self._hf_shape(name), self._dtype(name))
         self._cache: tuple | None = None

@@ -20,6 +20,7 @@
             last step): long healthy work that beats as it goes (every time, not once)
   hang_in_save  sleep forever while writing the checkpoint of step S (after the engine files)
   hang_in_load  sleep forever while resuming the checkpoint of step S (after the engine loaded it)
+  hang_in_step  sleep forever in step S, before its forward (a step that hangs, e.g. after an eval or a save)
   diverge   perturb one parameter on this rank after step S (replicas drift apart)
   overflow  make step S's gradients infinite on this rank (fp16: the loss scaler must skip the step)
   host_collective  all-reduce a tensor made without ``device=`` after step S (strict device mode
@@ -38,7 +39,7 @@ from pathlib import Path
 
 FAULT_KINDS = {"kill", "hang", "raise", "sigterm", "kill_in_save", "kill_in_persist", "corrupt", "slow", "diverge",
                "overflow", "host_collective", "slow_eval", "slow_save", "slow_export", "hang_in_save", "hang_in_load",
-               "abort", "sigint", "raise_in_persist", "enospc"}
+               "hang_in_step", "abort", "sigint", "raise_in_persist", "enospc"}
 
 
 def parse(spec: str) -> list[dict]:
@@ -113,6 +114,8 @@ class FaultInjector:
         for f in self.faults:  # every step from S on
             if f["kind"] == "slow" and step >= f["step"]:
                 time.sleep(f.get("ms", 200) / 1000)
+        if self._take("hang_in_step", step):
+            _sleep_forever()
         if self.params is not None and self._take("overflow", step):
             self._overflow_gradients()
         if self.params is not None and self._take("abort", step):

@@ -5,9 +5,10 @@ holding a second model through training, the engine scores every train and eval 
 first step and before a resume loads a checkpoint (so it is still the starting model; a LoRA run's
 base with its adapters off), at whatever layout the run has. The per-document sums (``[rows, width]``
 fp64, column d-1 for document d of the row) are cached beside the packed data, under a key of the
-model's fingerprint, its dtype and the packed sets' fingerprints (``ReferenceScores.key``); training
-then holds only the policy, at supervised fine-tuning's memory. A checkpoint records the key it was
-trained against (trainer.json ``reference``) and a resume refuses other scores.
+model's fingerprint and a sample of its weight values, its dtype and the packed sets' fingerprints
+(``ReferenceScores.key``); training then holds only the policy, at supervised fine-tuning's memory. A
+checkpoint records the key it was trained against (trainer.json ``reference``) and a resume refuses
+other scores.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class ReferenceScores:
     key: str
     width: int
     scores: dict[str, np.ndarray]
+    unsampled_key: str | None = None
+    """The key as checkpoints written before the weight sample joined it recorded it (``check_resumed``)."""
 
     def attach(self, split: str, micro_batches: list[dict], indices: list[int]) -> list[dict]:
         """``micro_batches`` (this rank's, in order, of the rows ``indices``) with their ``ref_logps``."""
@@ -50,9 +53,10 @@ class ReferenceScores:
         return micro_batches
 
 
-def reference_key(cfg, data) -> tuple[str, int]:
-    """(the cache key of the reference scores, the document width): the model (weights' fingerprint,
-    config, dtype) and the packed rows (``datasets`` fingerprints of both sets)."""
+def reference_key(cfg, data, sampled: bool = True) -> tuple[str, int]:
+    """(the cache key of the reference scores, the document width): the model (weights' fingerprint
+    and a sample of their values, config, dtype) and the packed rows (``datasets`` fingerprints of both
+    sets). ``sampled=False``: the key without the sample, as checkpoints written before it recorded."""
     m = cfg.model
     sets = {s: getattr(data, s) for s in SPLITS if getattr(data, s) is not None}
     width = max(int(np.max(ds.with_format("numpy", columns=["num_documents"])["num_documents"], initial=0))
@@ -62,7 +66,45 @@ def reference_key(cfg, data) -> tuple[str, int]:
     config = Path(m.name_or_path) / "config.json" if Path(m.name_or_path).is_dir() else Path(m.name_or_path)
     parts = [model, config.read_text() if config.is_file() else m.name_or_path, m.dtype, width,
              {s: ds._fingerprint for s, ds in sets.items()}]
+    if sampled:
+        parts.insert(1, weights_sample(m.name_or_path) if m.init == "pretrained" else None)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24], width
+
+
+SAMPLE_BYTES = 4096
+"""Bytes read at each end of every tensor (``weights_sample``)."""
+
+
+def weights_sample(name_or_path: str) -> str:
+    """A digest of the base's weight values, sampled: the first and last ``SAMPLE_BYTES`` of every tensor
+    of each safetensors file (16 samples of 64 KiB spread over any other weight file). The base's
+    fingerprint (``base_model_record``) reads names, shapes and sizes only, which a fine-tune of the same
+    model shares, so its cached scores would be taken for the fine-tune's; a fine-tune moves every
+    tensor's values. Reads a few MB of a 70B model's 140 GB, and the same on every node's copy."""
+    root = Path(name_or_path)
+    root = root.parent if root.is_file() else root
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in ("*.safetensors", "*.bin") for p in root.glob(pattern) if p.is_file()):
+        with open(path, "rb") as f:
+            for start, stop in _sample_ranges(f, path):
+                f.seek(start)
+                digest.update(f.read(stop - start))
+    return digest.hexdigest()[:32]
+
+
+def _sample_ranges(f, path: Path) -> list[tuple[int, int]]:
+    """Byte ranges of ``path`` to read: each tensor's ends (safetensors), else 16 spread over the file."""
+    size = path.stat().st_size
+    if path.suffix == ".safetensors" and size >= 8:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        base, ranges = 8 + header_len, []
+        for name in sorted(k for k in header if k != "__metadata__"):
+            start, stop = header[name]["data_offsets"]
+            ranges += [(base + start, base + min(stop, start + SAMPLE_BYTES)),
+                       (base + max(start, stop - SAMPLE_BYTES), base + stop)]
+        return ranges
+    return [(size * i // 16, min(size, size * i // 16 + 16 * SAMPLE_BYTES)) for i in range(16)]
 
 
 def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScores:
@@ -70,13 +112,14 @@ def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScore
     it before the engine's first step or checkpoint load) and written there by rank 0; ``beat()``
     after each micro-batch scored (the heartbeat's progress)."""
     key, width = reference_key(cfg, data)
+    unsampled = reference_key(cfg, data, sampled=False)[0]
     root = data_cache_dir(cfg) / "reference" / key
     found = [(root / "meta.json").is_file()]
     dist.broadcast_object_list(found, src=0)  # one decision: rank 0's view of the cache
     if found[0]:
         scores = {s: np.load(root / f"{s}.npy") for s in SPLITS if (root / f"{s}.npy").is_file()}
         log(f"reference log-probabilities: cached {root}")
-        return ReferenceScores(key, width, scores)
+        return ReferenceScores(key, width, scores, unsampled)
     scores = {}
     for split in SPLITS:
         ds = getattr(data, split)
@@ -90,7 +133,7 @@ def prepare_reference(cfg, engine, data, log=print, beat=None) -> ReferenceScore
                                                 "model": cfg.model.name_or_path, "dtype": cfg.model.dtype})
     dist.barrier()
     log(f"reference log-probabilities: scored {sum(len(r) for r in scores.values()):,} rows, cached in {root}")
-    return ReferenceScores(key, width, scores)
+    return ReferenceScores(key, width, scores, unsampled)
 
 
 def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarray:
@@ -110,10 +153,12 @@ def score(engine, ds, width: int, micro_batch_size: int, beat=None) -> np.ndarra
     return table[:len(ds)].cpu().numpy()
 
 
-def check_resumed(saved: str | None, key: str) -> None:
+def check_resumed(saved: str | None, key: str, unsampled_key: str | None = None) -> None:
     """A checkpoint trained against other reference scores (another starting model or data) cannot go on
-    with these: its DPO loss would change meaning mid-run."""
-    if saved is not None and saved != key:  # a ConfigError: a refusal, which no restart would change
+    with these: its DPO loss would change meaning mid-run. A checkpoint written before the weight sample
+    joined the key recorded ``unsampled_key``: it resumes on what it could record (the base's names,
+    shapes, config and dtype, and the data), as it did when it was written."""
+    if saved is not None and saved not in (key, unsampled_key):  # a ConfigError: a refusal, which no restart would change
         raise ConfigError(f"the checkpoint was trained against reference log-probabilities {saved}, this run's "
                            f"are {key}: the starting model (model.*) or the data (data.*) changed since it was "
                            "saved; resume with the run's original settings, or start a new run_dir")

@@ -118,6 +118,9 @@ class Trainer:
                           "overflow": d.overflow, "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
+        # the step's own phase from its start: the eval or save before it beat theirs, whose budgets
+        # (minutes for a big model's save) must not judge a hang in this step
+        self.monitor.heartbeat.beat(self.step, "step")
         self.hooks.before_step(self.step + 1)
         self.monitor.add_busy(time.perf_counter() - tic)  # data wait (and an injected delay) count as busy
         if self.profiler:
@@ -256,7 +259,7 @@ class Trainer:
         progress = self.checkpoints.resume()
         self._resumed_at = time.time()
         if progress is not None and self.reference:
-            check_resumed(progress.get("reference"), self.reference.key)
+            check_resumed(progress.get("reference"), self.reference.key, self.reference.unsampled_key)
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
 
