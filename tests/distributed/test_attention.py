@@ -4,8 +4,8 @@ Against references we did not write in the module: a plain masked-softmax attent
 (K/V repeated per head, the mask spelled out token by token, float64), HF's own RoPE
 (``LlamaRotaryEmbedding`` + ``apply_rotary_pos_emb``), and HF's own forward of packed rows (HF
 confines attention to each document when position_ids restart, with no attention mask) through the
-megatron engine at TP2+SP and PP2. Every kernel the CPU can run: sdpa (plain causal and with a
-boolean mask), the math path (softcapping), flex_attention forward (no CPU backward in torch).
+megatron engine at TP2+SP and PP2. Every kernel the CPU can run: sdpa (plain causal and per document span, a
+window through a band mask), the math path (softcapping), flex_attention forward (no CPU backward in torch).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ POSITIONS = torch.tensor([list(range(7)) + list(range(10)) + list(range(7)), lis
 @pytest.mark.parametrize("mode,case", [(m, c) for m in ("auto", "sdpa") for c in sorted(CASES)
                                        if not (m == "sdpa" and CASES[c][2])])  # sdpa cannot softcap (refused)
 def test_forward_and_gradients_match_the_reference(mode, case):
-    """CPU: sdpa (causal, or a boolean mask) and, for softcapping, the math path; fp32 vs float64."""
+    """CPU: sdpa (causal, per document span, a band mask for windows) and, for softcapping, the math path;
+    fp32 vs float64."""
     docs, window, softcap = CASES[case]
     layout = TokenLayout.of(torch.zeros(B, S, dtype=torch.long), document_ids=docs)
     q, k, v = qkv()
@@ -155,7 +156,7 @@ def test_kernel_choice_per_device_and_need():
     assert pick("auto", "cuda", softcap=True, dropout=True) == "math"
     assert pick("flex", "cpu", grad=False) == "flex" and pick("sdpa", "cuda", masked=True) == "sdpa"
     line = describe_kernels("auto", "cpu", "fp32", rope=True)
-    assert "causal rows -> sdpa" in line and "documents/windows -> sdpa with a boolean mask" in line
+    assert "causal rows -> sdpa" in line and "documents/windows -> sdpa per document span" in line
 
 
 @pytest.mark.parametrize("mode,need,message", [

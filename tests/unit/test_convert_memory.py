@@ -1,5 +1,5 @@
 """The two mechanisms that keep a conversion's RSS within a few tensors of its floor
-(``toolkit/formats/pages.py``); the figures per conversion path are in benchmarks/convert.py.
+(``toolkit/formats/pages.py``, ``toolkit/heap.py``); the figures per conversion path are in benchmarks/convert.py.
 
 Bugs these catch: freed tensors' pages kept by glibc's heap (the megatron writer grew by 100-300 MB
 over a write), a safetensors source's pages staying resident as it is read (an HF -> Megatron
@@ -7,39 +7,34 @@ conversion ended holding the whole model), and a release that loses data.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.helpers.runs import REPO
+from toolkit import heap
 from toolkit.formats import pages
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or pages._trim is None
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or heap._trim is None
                                 or "MALLOC_MMAP_THRESHOLD_" in os.environ,
                                 reason="glibc (malloc_trim, its dynamic mmap threshold) and /proc only")
 
 
-def _anonymous_mb() -> float:
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Anonymous:")) / 1024
-
-
 def test_trim_heap_gives_back_freed_tensors_kept_by_the_heap():
-    """As a streaming writer allocates: one tensor of a few MB after another, each freed while the
-    next is alive. After the first multi-MB free, glibc serves such tensors from its heap, which
-    gives pages back only from its top: the one still alive there holds every page below."""
-    first = torch.empty(2 << 20)  # 8 MiB: mmapped, and its free raises glibc's mmap threshold to it
-    del first
-    tensors = [torch.ones((2 << 20) - 1024) for _ in range(24)]  # just under 8 MiB each: from the heap
-    held = _anonymous_mb()
-    del tensors[:-1]  # the last one, on top of the heap, stays (the writer's current tensor)
-    after_free = _anonymous_mb()
-    pages.trim_heap()
-    after_trim = _anonymous_mb()
-    print(f"anonymous MB: {held:.0f} held, {after_free:.0f} after freeing 23 x 8 MiB, {after_trim:.0f} after trim_heap")
-    assert held - after_free < 20  # freeing gave back nothing: the heap kept the pages
-    assert after_free - after_trim > 150  # trim_heap gave them back
+    """As a streaming writer allocates (``tests/helpers/heap.py::kept_and_trimmed``), in a fresh process:
+    this one's mmap threshold may have been fixed by an in-process ``toolkit convert`` (``toolkit/heap.py``),
+    under which the freed tensors would have gone back by themselves."""
+    out = subprocess.run([sys.executable, "-m", "tests.helpers.heap", "trim"], cwd=REPO, capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    mb = json.loads(out)
+    print(f"anonymous MB: {mb['held']:.0f} held, {mb['after_free']:.0f} after freeing 23 x 8 MiB, "
+          f"{mb['after_trim']:.0f} after trim_heap")
+    assert mb["held"] - mb["after_free"] < 20  # freeing gave back nothing: the heap kept the pages
+    assert mb["after_free"] - mb["after_trim"] > 150  # trim_heap gave them back
 
 
 def test_source_maps_release_a_safetensors_source_pages_and_lose_nothing(tmp_path):

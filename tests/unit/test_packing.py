@@ -225,7 +225,7 @@ def test_too_few_rows_names_the_packing(tmp_path, tok):
 
 
 def test_the_logged_attention_path_names_the_kernel():
-    assert "documents -> sdpa" in hf_attention.describe("cpu", dropout=False) and "boolean" in \
+    assert "documents -> sdpa" in hf_attention.describe("cpu", dropout=False) and "per document span" in \
         hf_attention.describe("cpu", dropout=False)
     assert "documents -> math" in hf_attention.describe("cpu", dropout=False, softcap=True)
     assert "documents -> flex" in hf_attention.describe("cuda", dropout=False) and "block mask" in \

@@ -10,10 +10,12 @@ need                    GPU (cuda)                            CPU
 ======================  ====================================  =====================================
 causal                  sdpa ``is_causal`` (flash / cuDNN /   sdpa ``is_causal`` (torch's CPU flash
                         memory-efficient, torch picks)        kernel)
-documents and/or        flex_attention with a block mask      sdpa with a boolean ``[b, 1, s, s]``
-sliding window          (sdpa + boolean mask with dropout)    mask (the CPU flash kernel takes it)
-logit softcap           flex_attention ``score_mod``          ``math``: masked softmax in torch ops
-                                                              (flex_attention has no CPU backward)
+documents and/or        flex_attention with a block mask      sdpa per document span (``_by_spans``:
+sliding window          (sdpa + boolean mask with dropout)    causal, no mask; a window: a view of
+                                                              one band mask per micro-batch)
+logit softcap           flex_attention ``score_mod``          ``math``: masked softmax in torch ops,
+                                                              per document span (flex_attention has
+                                                              no CPU backward)
 ======================  ====================================  =====================================
 
 flex_attention is compiled on GPUs (Triton: a C compiler and Python headers). Where
@@ -40,8 +42,17 @@ from toolkit.config import ConfigError
 KERNEL_NOTES = {
     "sdpa": "torch scaled_dot_product_attention",
     "flex": "torch flex_attention (compiled, block mask / score_mod)",
-    "math": "masked softmax in torch ops (keeps the s x s scores)",
+    "math": "masked softmax in torch ops (keeps the scores)",
 }
+
+
+def masked_note(kernel: str, device_type: str) -> str:
+    """How ``attend`` confines ``kernel`` to documents and windows on ``device_type``, for the run's log."""
+    if kernel == "flex":
+        return "with a document block mask"
+    if device_type == "cpu":
+        return "per document span (no [b, 1, s, s] mask; a window: one band mask per micro-batch)"
+    return "with a boolean mask [b, 1, s, s]" + (" and the logit softcap" if kernel == "math" else "")
 
 
 # --- where each token sits -------------------------------------------------------------------------
@@ -120,6 +131,41 @@ class TokenLayout:
                 mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
             self._memo[key] = mask
         return self._memo[key]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(row, first token, tokens) of each document of each row, in order (a row without
+        ``document_ids`` is one span); read once per micro-batch, for the CPU's attention only.
+
+        The read is made outside torch's function modes: on the CPU it waits for nothing, and
+        ``syncs.SyncCounter``, which counts on the CPU what would make a GPU's host wait, would
+        count a read no GPU run makes (``attend`` calls this on CPU tensors only)."""
+        if "spans" not in self._memo:
+            b, s = self.position_ids.shape
+            if self.document_ids is None:
+                self._memo["spans"] = [(row, 0, s) for row in range(b)]
+            else:
+                if self.document_ids.device.type != "cpu":
+                    raise ValueError("TokenLayout.spans reads document boundaries on the CPU only")
+                with torch._C.DisableTorchFunction():  # [[row, token], ...] in order
+                    starts = _document_starts(self.document_ids).nonzero().tolist()
+                ends = starts[1:] + [[b, 0]]
+                self._memo["spans"] = [(r, t, (s if r2 != r else t2) - t) for (r, t), (r2, t2) in zip(starts, ends)]
+        return self._memo["spans"]
+
+    def band(self, window: int | None, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[1, 1, n, n]``: key k visible to query q iff 0 <= q - k (< window), as a view of one mask per
+        micro-batch, window and dtype, sized for its longest span: bool (the math path) or additive
+        float (0 / -inf: what sdpa takes without converting, so each layer saves a view of it, not a
+        copy of its own)."""
+        key = ("band", window, dtype)
+        if key not in self._memo:
+            idx = torch.arange(max(n for _, _, n in self.spans()), device=self.position_ids.device)
+            distance = idx[:, None] - idx[None, :]
+            visible = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+            self._memo[key] = (visible if dtype == torch.bool else
+                               torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+                               .masked_fill_(~visible, float("-inf")))[None, None]
+        return self._memo[key][..., :n, :n]
 
     def block_mask(self, window: int | None):
         """flex_attention's ``BlockMask`` of the same rule as ``allowed``, built from the document
@@ -253,6 +299,8 @@ def attend(q, k, v, layout: TokenLayout, mode: str = "auto", *, window: int | No
                            grad=torch.is_grad_enabled() and q.requires_grad, no_compile=flex_unavailable(q.device.type))
     if kernel == "flex":
         return _flex(q, k, v, layout.block_mask(window), scale, score_mod or softcap_score_mod(softcap))
+    if q.device.type == "cpu" and (masked or kernel == "math"):
+        return _by_spans(kernel, q, k, v, layout, window, scale, softcap, dropout)
     mask = layout.allowed(window) if masked else None
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
@@ -316,6 +364,42 @@ def _compile_with_limit(fn):
         return torch.compile(fn, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=False)
+
+
+# --- CPU: one document span at a time --------------------------------------------------------------
+
+def _by_spans(kernel: str, q, k, v, layout: TokenLayout, window: int | None, scale: float, softcap: float | None,
+              dropout: float) -> torch.Tensor:
+    """``attend`` on CPU, document by document: each span (``TokenLayout.spans``) runs alone, causal
+    (a span no longer than the window needs no mask at all). Why: sdpa turns a boolean mask into an fp32
+    ``[b, 1, s, s]`` tensor per call and saves it for backward, so every layer kept one (1 GiB per layer
+    at 16k tokens) beside the memoized boolean mask (256 MiB); the math path keeps ``s x s`` scores.
+    Per span there is no mask, or (window shorter than the span) a view of one band mask per
+    micro-batch in the kernel's own form (``TokenLayout.band``: what sdpa saves is that view, shared
+    by every layer), and scores of a span's size only. Exact: a document attends only to itself.
+
+    The spans' outputs (each ``[1, heads, n, d]``) are joined token-major into ``[b, s, heads, d]``,
+    the layout transformers and megatron read next, returned as ``[b, heads, s, d]``; a micro-batch
+    of one span per row (plain rows) runs as one call, its output as the kernel makes it."""
+    spans = layout.spans()
+    b, s = q.shape[0], q.shape[2]
+    if len(spans) == b and all(n == s for _, _, n in spans):
+        spans = [(slice(None), 0, s)]  # one document per row: all rows in one call
+    parts = []
+    for row, start, n in spans:
+        windowed = window if window is not None and n > window else None  # else the span is all causal
+        rows = row if isinstance(row, slice) else slice(row, row + 1)
+        qs, ks, vs = (x[rows, :, start:start + n] for x in (q, k, v))
+        if kernel == "sdpa":
+            band = layout.band(windowed, n, q.dtype) if windowed else None
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, dropout_p=dropout,
+                                                        is_causal=band is None, scale=scale, enable_gqa=True))
+        else:
+            parts.append(_math(qs, ks, vs, layout.band(windowed, n, torch.bool), scale, softcap, dropout))
+    if len(parts) == 1:
+        return parts[0]
+    joined = torch.cat([p.transpose(1, 2) for p in parts], dim=1)  # [1, b * s, heads, d], rows in order
+    return joined.view(b, s, *joined.shape[2:]).transpose(1, 2)
 
 
 def _math(q, k, v, mask, scale: float, softcap: float | None, dropout: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.formats.canonical import Source, TensorInfo
-from toolkit.formats.pages import trim_heap
+from toolkit.heap import trim_heap
 
 
 class ModuleSource(Source):
@@ -52,7 +52,7 @@ class ModuleSource(Source):
         in the gather."""
         if self._cached is None or self._cached[0] != param_name:
             self._cached = None
-            trim_heap()  # the previous tensor's pages back to the OS (formats/pages.py: else RSS grows)
+            trim_heap()  # the previous tensor's pages back to the OS (toolkit/heap.py: else RSS grows)
             whole = self._gathered_fp32(param_name)
             self._cached = (param_name, whole)
         return self._cached[1]

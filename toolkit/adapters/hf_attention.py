@@ -9,7 +9,7 @@ keyword ``LAYOUT_KWARG``, which transformers threads through the decoder layers 
 function untouched (as it does flash-attention's ``cu_seq_lens``). The function runs
 ``toolkit/adapters/attention.attend`` with the layer's own scale, dropout, sliding window and softcap:
 
-- CPU: sdpa with the boolean ``[b, 1, s, s]`` document mask (``math`` with a logit softcap);
+- CPU: sdpa per document span, no ``[b, 1, s, s]`` mask (``math`` with a logit softcap);
 - GPU: flex_attention with a document block mask (sdpa with the mask when attention dropout is on).
 
 Boundaries come from the data's ``document_ids``, never from positions. transformers builds no mask
@@ -33,6 +33,7 @@ from toolkit.adapters.attention import (
     attend,
     choose_kernel,
     flex_unavailable,
+    masked_note,
     softcap_score_mod,
 )
 
@@ -61,6 +62,12 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, layout, window=sliding_window or None, scale=scale, softcap=softcap,
                  dropout=dropout, score_mod=_score_mod(softcap))
+    # A copy only under zero.sp, and the one DeepSpeed's wrapper would make itself: the kernel's output
+    # follows the queries' layout, there [b, heads/sp, s, d] (ulysses_sp.py makes them contiguous), and
+    # the wrapper reshapes [b, s, heads/sp, d] to [s, b, heads/sp * d] for its all-to-all, a copy unless
+    # token-major (measured: returning the view moved the same bytes into that reshape). HF's own
+    # [b, s, heads, d] queries and the CPU's document spans give it token-major: no copy. It also keeps
+    # what reaches the wrapper's collective contiguous (NCCL refuses strided tensors).
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -126,7 +133,6 @@ def describe(device_type: str, dropout: bool, softcap: bool = False) -> str:
     """The line the DeepSpeed path logs for rows packed by documents on this device."""
     kernel = choose_kernel("auto", device_type, masked=True, softcap=softcap, dropout=dropout,
                            no_compile=flex_unavailable(device_type))
-    how = {"sdpa": "with a boolean [b, 1, s, s] document mask", "flex": "with a document block mask",
-           "math": "with the document mask and the logit softcap"}[kernel]
     return (f"HF attention: attn_implementation={ATTENTION} on {device_type}: documents -> {kernel} "
-            f"({KERNEL_NOTES[kernel]}) {how}; positions restart per document (position_ids)")
+            f"({KERNEL_NOTES[kernel]}) {masked_note(kernel, device_type)}; positions restart per document "
+            "(position_ids)")

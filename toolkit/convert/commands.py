@@ -27,6 +27,8 @@ def cmd_convert(args) -> int:
 
 def _convert(args) -> int:
     from toolkit.convert import convert
+    from toolkit.heap import return_large_frees
+    return_large_frees()  # freed tensors of a few MB go back to the OS between tensors (toolkit/heap.py)
     try:
         summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                           zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,

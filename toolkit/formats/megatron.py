@@ -35,8 +35,9 @@ from toolkit.formats.describe import (
     write_megatron_description,
 )
 from toolkit.formats.errors import ConvertError
-from toolkit.formats.pages import SourceMaps, give_back, trim_heap
+from toolkit.formats.pages import SourceMaps, give_back
 from toolkit.formats.safeload import safe_load
+from toolkit.heap import trim_heap
 
 KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}

@@ -6,9 +6,10 @@ reading every partition of a ZeRO checkpoint would end with the whole file resid
 mapping is simply re-read on the next touch. On anonymous memory it would zero the data, so it is
 applied only inside a mapping of a file.
 
-``trim_heap`` gives the C heap's free pages back: a writer that frees a tensor of several MB after
-each one would otherwise keep growing (below). ``SourceMaps`` does the same for the mappings of a
-source's files (safetensors maps each shard whole: every tensor read stayed resident).
+``toolkit.heap.trim_heap`` gives the C heap's free pages back (a writer that frees a tensor of
+several MB after each one would otherwise keep growing; ``toolkit/heap.py`` says why, and holds the
+mmap threshold ``toolkit convert`` fixes at its start). ``SourceMaps`` does the same for the mappings
+of a source's files (safetensors maps each shard whole: every tensor read stayed resident).
 Writers call both after each tensor (``give_back``).
 
 ``FileMaps`` is a snapshot of this process's file mappings (/proc/self/maps), taken by a reader
@@ -23,6 +24,8 @@ import os
 import sys
 
 import torch
+
+from toolkit.heap import trim_heap
 
 MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -68,23 +71,6 @@ class FileMaps:
         end = (t.data_ptr() + t.nbytes) // _PAGE * _PAGE
         if end > start and self._find(start, end) is not None:
             _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
-
-
-def trim_heap() -> None:
-    """Return the C heap's free pages to the OS now (glibc's ``malloc_trim``; elsewhere a no-op).
-
-    Why a streaming writer needs it: glibc serves an allocation above its mmap threshold (128 KiB at
-    first) with its own mapping, unmapped on free - but the first such free raises the threshold to
-    that size (up to 32 MiB). From then on every tensor of a few MB comes from the heap, and a heap
-    gives pages back only from its top, so the freed tensors' pages stayed resident between
-    long-lived small objects: the megatron writer's RSS grew by 100-150 MB over a 340-tensor write
-    (``benchmarks/convert.py``), ~90% of it free heap. ``malloc_trim`` releases every free page, not
-    only the top ones; it costs a walk over the heap's free chunks (tens of microseconds here)."""
-    if _trim is not None:
-        _trim(0)
-
-
-_trim = getattr(_libc, "malloc_trim", None) if _libc is not None else None
 
 
 class SourceMaps:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.config import ConfigError, RunConfig, dump_config
+from toolkit.heap import mmap_threshold
 
 if TYPE_CHECKING:
     from toolkit.plan import Plan
@@ -47,6 +48,7 @@ def train(run: RunConfig | Plan, *, nnodes: int = 1, min_nnodes: int | None = No
     from toolkit.parallel import adopt_slurm_env, launched_externally
     from toolkit.plan import Plan, build_plan
 
+    mmap_threshold()  # a bad TOOLKIT_MMAP_THRESHOLD stops here, not in every rank (toolkit/heap.py)
     nodes = Nodes(nnodes, min_nnodes, node_rank, rdzv_endpoint)
     cfg = run.config if isinstance(run, Plan) else run
     if launched_externally(own_rendezvous=rdzv_endpoint is not None):  # torchrun / srun / deepspeed made us a rank

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit import device
+from toolkit import device, heap
 from toolkit.config import ConfigError, RunConfig
 from toolkit.data import load_tokenizer, prepare_data
 from toolkit.engine import Engine
@@ -25,6 +25,7 @@ from toolkit.plan import Plan, read_plan, write_plan
 def run_worker(plan: Plan, record_plan: bool = False) -> None:
     """``record_plan``: this job's ranks made the plan themselves (torchrun, srun, the deepspeed
     launcher): rank 0 writes it to RUN_DIR/plan.json, replacing a previous job's."""
+    heap.return_large_frees()  # first: freed activations go back to the OS, not into glibc's heap (heap.py)
     run_dir = Path(plan.config.run_dir)
     adopt_slurm_env()  # RANK before the process group: the heartbeat and stack files are per rank
     budgets = phase_budgets(plan.config.restart, *plan.trainable_parameters(), share=_rank_share(plan))

@@ -40,6 +40,7 @@ from toolkit.adapters.attention import (  # noqa: F401 - TokenLayout, positions_
     attend,
     choose_kernel,
     flex_unavailable,
+    masked_note,
     positions_in_documents,
     softcap_score_mod,
 )
@@ -72,7 +73,7 @@ def describe_kernels(mode: str, device_type: str, dtype: str, *, rope: bool, sof
     plain, masked = (choose_kernel(mode, device_type, masked=m, softcap=softcap, dropout=dropout,
                                    no_compile=flex_unavailable(device_type)) for m in (False, True))
     return (f"megatron.attention={mode} on {device_type} {dtype}: causal rows -> {plain} ({KERNEL_NOTES[plain]}); "
-            f"documents/windows -> {masked}{' with a boolean mask' if masked == 'sdpa' else ''}; "
+            f"documents/windows -> {masked} {masked_note(masked, device_type)}; "
             + ("RoPE at per-token positions" if rope else "learned positions from position_ids"))
 
 

@@ -23,7 +23,7 @@ from toolkit.adapters.megatron.weights import (
     local_params,
 )
 from toolkit.formats.canonical import Source, TensorInfo
-from toolkit.formats.pages import trim_heap
+from toolkit.heap import trim_heap
 
 MAX_DIMS = 8  # of a tensor's shape, sent ahead of its data
 
@@ -126,7 +126,7 @@ class MegatronSource(Source):
         mcore, entry = self.entries[name]
         if self._cached is None or self._cached[0] != mcore:
             self._cached = None
-            trim_heap()  # the previous tensor's pages back to the OS (formats/pages.py: else RSS grows)
+            trim_heap()  # the previous tensor's pages back to the OS (toolkit/heap.py: else RSS grows)
             self._cached = (mcore, self._hf_tensors(mcore, entry, name))
         return self._cached[1].get(name)
 
