@@ -101,7 +101,8 @@ def _drift(runs, layout: str) -> float:
     ZeRO stages give the same fp32 losses: ``test_train_deepspeed.py``)."""
     backend = ["backend=megatron"] if layout == "megatron" else []
     stage = [] if backend else [f"zero.stage={layout[-1]}"]
-    full = losses(runs(f"drift_{'megatron' if backend else 'zero0'}_fp32", *DRIFT, *backend, "zero.stage=0", nproc=1))
+    fp32 = backend or ["zero.stage=0"]
+    full = losses(runs(f"drift_{'megatron' if backend else 'zero0'}_fp32", *DRIFT, *fp32, nproc=1))
     half = losses(runs(f"drift_{layout}_bf16", *DRIFT, *backend, *stage, "model.dtype=bf16", nproc=1))
     assert len(full) == len(half) == 3
     return max(abs(h - f) / f for h, f in zip(half, full))

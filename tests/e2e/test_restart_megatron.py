@@ -45,8 +45,11 @@ def test_crash_corruption_and_divergence_recover_exactly(tmp_path, data_cache, u
     assert kinds.count("restart") == 4, kinds
     assert any(e["kind"] == "failure" and e["signal"] == "SIGKILL" and e["rank"] == 1 for e in ev)
     skipped = [e["reason"] for e in ev if e["kind"] == "checkpoint_skipped"]
-    assert len(skipped) == 1 and skipped[0].startswith("skipping checkpoint step_00000002: "), skipped
+    assert len(skipped) == 3 and skipped[0].startswith("skipping checkpoint step_00000002: "), skipped
     assert "(corrupted)" in skipped[0]
+    # damaged during the job: set aside (never deleted, never written over), the restart from step 0
+    assert skipped[1].startswith("restart: checkpoint step_00000002 (") and "moved to" in skipped[1], skipped
+    assert [p.name for p in run_dir.glob("set_aside/*/step_*")] == ["step_00000002"]
     divergence = next(e for e in ev if e["kind"] == "divergence")
     assert sorted(divergence["replica_groups"]) == [[1], [3]], divergence  # the tp-rank-1 replicas
     assert not any((run_dir / "checkpoints").glob(".staging-*"))
