@@ -69,6 +69,10 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
         hf_config = load_hf_config(cfg.model.name_or_path, cfg.model.trust_remote_code)
     if cfg.backend == "megatron":
         _check_family(cfg, hf_config, written)
+    if cfg.model.quantize != "none":
+        from toolkit.device import rank_device
+        from toolkit.quant import check_quantize
+        check_quantize(cfg, hf_config, rank_device().type)
     spec = model_spec(hf_config, model_code_dir(cfg.model.name_or_path, hf_config))
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
     ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
