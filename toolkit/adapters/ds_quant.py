@@ -50,11 +50,11 @@ def import_bnb():
 
 def build_quantized(plan: Plan, ds_config: dict, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The HF model with its 4-bit base, built piece by piece; partitioned piece by piece at ZeRO-3."""
+    bnb = import_bnb()  # first: transformers' bitsandbytes integration imports it too
     from transformers.integrations import replace_with_bnb_linear
 
     from toolkit import quant
     from toolkit.adapters import hf
-    bnb = import_bnb()
     cfg = plan.config
     model = hf.empty_model(plan.model.hf_config())
     replace_with_bnb_linear(model, modules_to_not_convert=quant.kept_modules(model),
