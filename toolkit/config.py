@@ -51,10 +51,7 @@ class ModelConfig(_Section):
     offer); false keeps strict IEEE fp32. MFU uses the matching peak."""
     activation_checkpointing: bool = False
     quantize: Literal["none", "nf4", "fp4"] = "none"
-    """A 4-bit base for LoRA (QLoRA, DeepSpeed only; needs ``lora.rank`` > 0): every linear layer
-    transformers' ``BitsAndBytesConfig`` would quantize is held in 4 bits by bitsandbytes (``pip install
-    'toolkit[quant]'``), read and quantized one layer at a time; embeddings, the LM head and norms stay
-    in model.dtype, which is also the compute and storage dtype (``toolkit/quant.py``, docs/lora.md)."""
+    """A 4-bit base under LoRA adapters (QLoRA, DeepSpeed, bitsandbytes: ``toolkit/quant.py``, docs/lora.md)."""
     quantize_double: bool = True
     """With model.quantize: quantize the quantization constants too (bitsandbytes' double quantization)."""
     trust_remote_code: bool = False
@@ -403,7 +400,6 @@ class RunConfig(_Section):
             raise ValueError(f"{' and '.join(tiled)} tile the HF model on DeepSpeed, but backend=megatron; unset "
                              f"{', '.join(tiled)} (megatron's own recompute and its vocabulary-parallel loss apply)")
         self._offload_activations_fits()
-        self._quantize_fits()
         if dpo and self.zero.tiled_loss:
             raise ValueError("zero.tiled_loss=true takes the token cross-entropy only; train.objective=dpo needs "
                              "per-token log-probabilities from whole logits: set zero.tiled_loss=false")
@@ -427,22 +423,6 @@ class RunConfig(_Section):
                              f"(backend={owner}), ignored by backend={self.backend}; unset {keys} (or set "
                              f"backend={owner})")
         return self
-
-    def _quantize_fits(self) -> None:
-        """A 4-bit base is frozen: it trains LoRA adapters, on DeepSpeed (bitsandbytes' layers are HF modules)."""
-        key = f"model.quantize={self.model.quantize}"
-        if self.model.quantize == "none":
-            return
-        if self.backend == "megatron":
-            raise ValueError(f"{key} needs backend=deepspeed: no megatron-core path quantizes its linear layers "
-                             "(bitsandbytes' Linear4bit is an HF module); set backend=deepspeed, or model.quantize=none "
-                             "for LoRA on megatron")
-        if not self.lora.enabled:
-            raise ValueError(f"{key} freezes the base in 4 bits and trains LoRA adapters only, but lora.rank=0; set "
-                             "lora.rank > 0 (e.g. --set lora.rank=16), or model.quantize=none")
-        if self.zero.offload_params:
-            raise ValueError(f"{key} with zero.offload_params=true is not supported yet (DeepSpeed would offload the "
-                             "packed 4-bit weights, untested); unset zero.offload_params")
 
     def _offload_activations_fits(self) -> None:
         """zero.offload_activations moves what HF's activation checkpointing keeps, on DeepSpeed only."""

@@ -26,6 +26,12 @@ DTYPES_BY_DEVICE = {"cpu": ("fp32", "bf16"), "cuda": ("fp32", "bf16", "fp16")}
 (quant type, dtype) pair on either device; DeepSpeed's CPU accelerator has no fp16 (measured, issue #43)."""
 
 
+def stored_bytes_per_weight(cfg: RunConfig) -> tuple[float, float]:
+    """(packed, constants) bytes per quantized weight: 4 bits, and the absmax per 64-block (fp32; with
+    double quantization one byte, plus an fp32 absmax per 256 of those); the code tables are per tensor."""
+    return 0.5, (1 / BLOCKSIZE + 4 / (BLOCKSIZE * 256)) if cfg.model.quantize_double else 4 / BLOCKSIZE
+
+
 def quantized(cfg: RunConfig) -> bool:
     return cfg.model.quantize != "none"
 
@@ -64,12 +70,23 @@ def quantized_modules(model: torch.nn.Module) -> list[str]:
 
 
 def check_quantize(cfg: RunConfig, hf_config, device_type: str) -> None:
-    """Refuse, before any rank starts, a 4-bit base this toolkit cannot train exactly: a model without a
-    family table (its weights are read by name, one layer at a time), GPT-2-style Conv1D layers, a
-    trained copy of a quantized layer, a shape bitsandbytes cannot pack, an unsupported dtype."""
+    """Refuse, before any rank starts, a 4-bit base this toolkit cannot train exactly: no LoRA (the base
+    is frozen), megatron, a model without a family table (its weights are read by name, one layer at a
+    time), GPT-2-style Conv1D layers, a trained copy of a quantized layer, a shape bitsandbytes cannot
+    pack, an unsupported dtype, parameter offload (untested with packed weights)."""
     from toolkit.families import find_family
     from toolkit.families.meta import meta_model
     key = f"model.quantize={cfg.model.quantize}"
+    if cfg.backend == "megatron":
+        raise ConfigError(f"{key} needs backend=deepspeed: no megatron-core path quantizes its linear layers "
+                          "(bitsandbytes' Linear4bit is an HF module); set backend=deepspeed, or model.quantize=none "
+                          "for LoRA on megatron")
+    if not cfg.lora.enabled:
+        raise ConfigError(f"{key} freezes the base in 4 bits and trains LoRA adapters only, but lora.rank=0; set "
+                          "lora.rank > 0 (e.g. --set lora.rank=16), or model.quantize=none")
+    if cfg.zero.offload_params:
+        raise ConfigError(f"{key} with zero.offload_params=true is not supported yet (DeepSpeed would offload the "
+                          "packed 4-bit weights, untested); unset zero.offload_params")
     if cfg.model.dtype not in DTYPES_BY_DEVICE.get(device_type, ()):
         raise ConfigError(f"{key} with model.dtype={cfg.model.dtype} does not run on {device_type} (supported there: "
                           f"{', '.join(DTYPES_BY_DEVICE.get(device_type, ()))}); set model.dtype=bf16 or fp32")

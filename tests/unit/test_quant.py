@@ -1,7 +1,8 @@
 """The 4-bit base (``model.quantize``, ``toolkit/quant.py``, ``toolkit/adapters/ds_quant.py``) against
 transformers' own ``BitsAndBytesConfig`` load: the same layers quantized in every tiny family, the same
 packed bits and quantization constants in fp32 and bf16, and the guards bitsandbytes needs (no in-place
-CPU repack in eval, no quant state in state dicts, finite checksums). Plan-time refusals name the fix."""
+CPU repack in eval, no quant state in state dicts, finite checksums), and ``toolkit estimate``'s weights are
+the bytes the built base holds. Plan-time refusals name the fix."""
 from __future__ import annotations
 
 import math
@@ -49,6 +50,7 @@ def _built(rank, world, base, dtype, quantize_double):
     left the weights as they were."""
     from toolkit.adapters.deepspeed import _build_hf
     from toolkit.adapters.ds_quant import checksum_view, is_4bit
+    from toolkit.estimate.memory import memory
     from toolkit.plan import build_plan
     cfg = validate({"model": {"name_or_path": str(base), "init": "pretrained", "quantize": "nf4", "dtype": dtype,
                               "quantize_double": quantize_double},
@@ -60,7 +62,12 @@ def _built(rank, world, base, dtype, quantize_double):
     with torch.no_grad():
         model.eval()(input_ids=torch.randint(0, 250, (1, 8)))  # bitsandbytes' CPU repack would rewrite weights here
     after = {n: p.data.view(torch.uint8) for n, p in model.named_parameters() if is_4bit(p)}
-    return {"packed": packed, "unchanged": all(torch.equal(after[n], packed[n][0]) for n in packed),
+    states = [p.quant_state for p in model.parameters() if is_4bit(p)]
+    absmax = [t for s in states for t in (s.absmax, *([s.state2.absmax] if s.nested else []))]
+    return {"held_bytes": sum(p.numel() * p.element_size() for p in model.parameters())
+                          + sum(t.numel() * t.element_size() for t in absmax),
+            "estimated_bytes": memory(plan.config, plan.model, plan.layout(world)).weights, "packed": packed,
+            "unchanged": all(torch.equal(after[n], packed[n][0]) for n in packed),
             "dense": {n: p.detach().clone() for n, p in model.named_parameters() if not is_4bit(p)},
             "keys": sorted(model.state_dict()),
             "float_sum": sum(p.detach().double().sum().item() for p in model.parameters()),
@@ -88,6 +95,8 @@ def test_our_piece_by_piece_base_has_transformers_bits_and_the_guards(family, dt
     assert all(ours["dense"][n].dtype == DTYPES[dtype] and torch.equal(ours["dense"][n], p) for n, p in dense.items())
     assert ours["unchanged"]  # support_avx512bf16_for_cpu off: eval under no_grad repacks nothing
     assert not [k for k in ours["keys"] if ".weight." in k]  # no absmax / quant_map / quant_state.* keys
+    # toolkit estimate's weights: packed storage + absmax (the per-tensor code tables are not counted)
+    assert ours["estimated_bytes"] == pytest.approx(ours["held_bytes"], rel=1e-9)
     assert math.isfinite(ours["checksum"])  # an integer view of packed storage (its float sum may be NaN)
     print(f"\n{family} {dtype}: float sum over packed storage {ours['float_sum']}, checksum {ours['checksum']:.6e}")
 
