@@ -10,8 +10,10 @@ linear layers a 4-bit base quantizes) is drawn by the toolkit's seeded init piec
 the fullest): ``imports_mib``, resident memory before the model is built (torch, DeepSpeed, transformers);
 ``load_mib``, the high-water mark (VmHWM) from the process start to the built engine (model, adapters,
 ``deepspeed.initialize``); ``step_mib``, the high-water mark during the first training step (VmHWM reset
-through /proc/self/clear_refs after glibc's malloc_trim); ``load_s``, the build time. Results:
-benchmarks/results/qlora_memory.json.
+through /proc/self/clear_refs after glibc's malloc_trim); ``load_s``, the build time. Each rank fixes
+glibc's mmap threshold first, as every toolkit rank does (``toolkit/heap.py``). Results:
+benchmarks/results/qlora_memory.json (by dtype; ``fp32_before_heap_fixes``: the first run, before the
+loader returned each piece's freed pages: QLoRA's load peak was 0.68x LoRA's).
 """
 from __future__ import annotations
 
@@ -46,9 +48,11 @@ def _rank(rank, world, model_dir, mode, dtype, seq, micro):
     import torch
     import torch.distributed as dist
 
+    from toolkit import heap
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.config import validate
     from toolkit.plan import build_plan
+    heap.return_large_frees()  # as every toolkit rank does first (train/worker.py)
     imports = _memory_mib()["rss"]
     raw = {"model": {"name_or_path": model_dir, "dtype": dtype, **MODES[mode].get("model", {})},
            "zero": {"stage": 2}, "lora": MODES[mode].get("lora", {}),

@@ -2,7 +2,8 @@
 activation checkpointing and eval on, its checkpoints and their resumes; the bad inputs refused before
 anything starts (parity with transformers + bitsandbytes + peft: tests/distributed/test_qlora.py).
 
-- the checkpoint holds the adapters only (no quant state), and meta.json records the quantization;
+- the checkpoint holds the adapters only (no quant state), and meta.json records the quantization; it
+  converts ``--to peft`` (the run's adapter/), and ``--to hf`` (a merge onto the full-precision files) is refused;
 - kill -9 at step 5 and ``--resume auto``: the losses are the uninterrupted run's, bit for bit;
 - the ZeRO-3 DP2 checkpoint resumes at ZeRO-2 DP1 (resharded) on the loss curve;
 - a resume with another model.quantize is refused naming both; ``model.quantize`` without LoRA, on
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.lora import LORA_RUN
-from tests.helpers.runs import losses, refused, resumes, train
+from tests.helpers.runs import losses, refused, resumes, run_in_process, train
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")
 
@@ -45,6 +46,20 @@ def test_checkpoint_holds_the_adapters_and_records_the_quantization(qlora_run):
     saved = set(states["module"])
     assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved), sorted(saved)[:5]
     assert (qlora_run / "adapter" / "bnb_config.json").is_file() and (qlora_run / "hf_final").is_dir()
+
+
+@pytest.mark.slow
+def test_checkpoint_converts_to_peft_and_refuses_a_merge_onto_the_full_precision_base(qlora_run, tmp_path):
+    """``--to peft``: the run's own adapter/; ``--to hf`` would merge onto the unquantized files (another
+    function than the one trained): refused, naming hf_final/ and --to peft."""
+    from safetensors.torch import load_file
+    ckpt = qlora_run / "checkpoints" / "step_00000006"
+    run_in_process(["convert", str(ckpt), str(tmp_path / "peft"), "--to", "peft"])
+    got, want = (load_file(d / "adapter_model.safetensors") for d in (tmp_path / "peft", qlora_run / "adapter"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    code, _, err = refused(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf"])
+    assert code == 2 and "nf4-quantized base" in err and "hf_final/" in err and "--to peft" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow
