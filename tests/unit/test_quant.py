@@ -95,8 +95,9 @@ def test_our_piece_by_piece_base_has_transformers_bits_and_the_guards(family, dt
     assert all(ours["dense"][n].dtype == DTYPES[dtype] and torch.equal(ours["dense"][n], p) for n, p in dense.items())
     assert ours["unchanged"]  # support_avx512bf16_for_cpu off: eval under no_grad repacks nothing
     assert not [k for k in ours["keys"] if ".weight." in k]  # no absmax / quant_map / quant_state.* keys
-    # toolkit estimate's weights: packed storage + absmax (the per-tensor code tables are not counted)
-    assert ours["estimated_bytes"] == pytest.approx(ours["held_bytes"], rel=1e-9)
+    # toolkit estimate's weights: packed storage + absmax (the per-tensor code tables are not counted); with
+    # double quantization the fp32 absmax per 256 blocks rounds up per tensor: measured 6.4e-4 short on llama
+    assert ours["estimated_bytes"] == pytest.approx(ours["held_bytes"], rel=0 if not double else 1e-3)
     assert math.isfinite(ours["checksum"])  # an integer view of packed storage (its float sum may be NaN)
     print(f"\n{family} {dtype}: float sum over packed storage {ours['float_sum']}, checksum {ours['checksum']:.6e}")
 
