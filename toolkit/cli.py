@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=3)
     s.add_argument("--backoff-s", type=float, default=1.0)
     s.add_argument("--hang-timeout-s", type=float, default=300.0,
-                   help="restart when no rank beat for this long (the script calls toolkit.launch.heartbeat.beat)")
+                   help="restart when no rank beat for this long (the script calls toolkit.watch.heartbeat.beat)")
     s.add_argument("--nnodes", action=NodeRange, default=1, help="N, or MIN:MAX (elastic)")
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint")
@@ -144,7 +144,7 @@ def _config_from_args(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from toolkit.launch.run import train
+    from toolkit.run import train
     return train(_config_from_args(args), **_nodes(args), dry_run=args.dry_run)
 
 
@@ -165,7 +165,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_supervise(args) -> int:
-    from toolkit.launch.run import supervise
+    from toolkit.run import supervise
     return supervise(args.command_line, nproc=args.nproc, run_dir=args.run_dir, **_nodes(args),
                      max_restarts=args.max_restarts, backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
 

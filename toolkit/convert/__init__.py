@@ -19,9 +19,4 @@ from toolkit.formats.errors import ConvertError
 __all__ = ["ConvertError", "convert", "inspect", "open_source"]
 
 
-def command():
-    """What calling this package runs (``toolkit.callable_package``)."""
-    return convert
-
-
 call_as_command(__name__)

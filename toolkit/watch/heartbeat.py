@@ -1,11 +1,11 @@
 """Per-rank heartbeats (``RUN_DIR/heartbeat/rank_XXXXX.json``) read by the agent's hang watchdog.
 
 A beat says what the rank is doing (its phase, ``PHASES``) and how long it may stay silent in it
-(``budget_s``, from ``toolkit.launch.budgets``). Long work beats as it progresses (per eval batch, per
+(``budget_s``, from ``toolkit.watch.budgets``). Long work beats as it progresses (per eval batch, per
 checkpoint file, per exported tensor: ``Heartbeat.progress``), never from a timer thread, which
 would beat on through a real hang.
 
-Any training script can beat: ``toolkit.launch.heartbeat.beat(step)`` finds the run directory and
+Any training script can beat: ``toolkit.watch.heartbeat.beat(step)`` finds the run directory and
 rank from the environment ``toolkit supervise`` sets.
 """
 from __future__ import annotations
