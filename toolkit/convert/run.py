@@ -29,11 +29,11 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     from toolkit.formats.staging import staged
     tic = time.perf_counter()
     found = src if isinstance(src, Located) else locate(src, hf_config)
+    src = found.path if isinstance(src, Located) else src
     if by_name(found.format).adapters:
         summary = _convert_adapters(found, Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)), zero_stage,
                                     weights_only, hf_config, max_shard_bytes, base, vocab_divisor)
-        return {**summary, "src": str(found.path if isinstance(src, Located) else src),
-                "seconds": round(time.perf_counter() - tic, 3)}
+        return {**summary, "src": str(src), "seconds": round(time.perf_counter() - tic, 3)}
     if base is not None:
         raise ConvertError(f"--base {base}: applies to LoRA sources only (an HF-PEFT directory or a toolkit LoRA "
                            f"checkpoint); {found.path} is {found.format}")
