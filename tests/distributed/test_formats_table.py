@@ -199,3 +199,17 @@ def test_torchtitan_checkpoint_is_detected_read_and_described(tmp_path):
     assert sorted(source.names()) == sorted(held)
     for n in source.names():
         assert torch.equal(source.read(n), held[n]), n
+
+
+def test_the_command_line_offers_the_tables_targets_and_sources():
+    """``convert --to`` choices and the SRC / PATH help are the table's, not a second list."""
+    import argparse
+
+    from toolkit.cli import _parser
+    from toolkit.formats.table import SOURCES_HELP
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    convert, inspect = commands.choices["convert"], commands.choices["inspect"]
+    action = {a.dest: a for a in convert._actions}
+    assert tuple(action["to"].choices) == TARGETS
+    assert action["src"].help == SOURCES_HELP == next(a for a in inspect._actions if a.dest == "path").help
+    assert all(f.help and f.help in SOURCES_HELP for f in FORMATS)
