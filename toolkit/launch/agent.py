@@ -191,7 +191,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _dump_stacks(self, worker_group: WorkerGroup, hang: dict[int, dict]) -> dict[int, str]:
         """Ask every rank for its Python stacks (faulthandler on SIGUSR2, registered first thing by
-        each rank: ``launch.monitor.register_stack_dump``), each dump headed by the rank's phase."""
+        each rank: ``watch.monitor.register_stack_dump``), each dump headed by the rank's phase."""
         paths = {w.global_rank: self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
                  for w in worker_group.workers}
         (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ PROGRESS_EVERY_S = 0.2  # progress beats closer than this are skipped (a file wr
 
 class Heartbeat:
     def __init__(self, run_dir: Path | str, rank: int, budgets: dict[str, float] | None = None):
-        """``budgets``: the longest silence allowed per phase (``launch.budgets.phase_budgets``);
+        """``budgets``: the longest silence allowed per phase (``watch.budgets.phase_budgets``);
         without one, the agent judges a beat by ``restart.hang_timeout_s``."""
         self.dir = Path(run_dir) / HEARTBEAT_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
