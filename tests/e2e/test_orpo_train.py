@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.dpo import write_preference_data
+from tests.helpers.orpo import metric_gap
 from tests.helpers.runs import train
 from toolkit.objectives.orpo import ORPO_METRICS
 from toolkit.observe.metrics import read_metrics
@@ -26,9 +27,12 @@ MODES = {  # overrides, ranks, eval micro-batches per rank (8 eval rows in every
     "zero2_dp2_micro2": (("zero.stage=2", "train.micro_batch_size=2"), 2, 2),
     "megatron_tp2_micro2": (("backend=megatron", "megatron.tp=2", "train.micro_batch_size=2"), 2, 4),
 }
-LOSS_RTOL = 1e-6  # measured max: see the report printed by -s
-GRAD_NORM_RTOL = 1e-5
-METRIC_RTOL = 1e-5
+# Measured (relative, max over 3 steps or 3 evals; ZeRO-2 DP2 / megatron TP2): loss 1.5e-8 / 1.7e-8, eval loss
+# 1.1e-8 / 1.4e-8, grad norm 9.0e-6 / 5.2e-6, metrics at most 1.1e-7 / 1.1e-7 (log_odds_ratio; margins against
+# their operands: tests/helpers/orpo.py::metric_gap).
+LOSS_RTOL = 1e-6
+GRAD_NORM_RTOL = 5e-5  # DPO's bound at the same layouts (tests/e2e/test_dpo_train.py)
+METRIC_RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +60,12 @@ def test_steps_and_evals_match_one_process(mode, orpo_runs):
     assert [g["pairs"] for g in got["steps"]] == [w["pairs"] for w in want["steps"]]
     assert [g["eval_pairs"] for g in got["evals"]] == [w["eval_pairs"] for w in want["evals"]]
     gaps = {}
-    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL),
-                      *((name, METRIC_RTOL) for name in (*ORPO_METRICS, "nll_loss"))):
+    for key in ("loss", "grad_norm"):
         gaps[key] = max(_gap(g[key], w[key]) for g, w in zip(got["steps"], want["steps"]))
-    for key in ("eval_loss", *(f"eval_{name}" for name in (*ORPO_METRICS, "nll_loss"))):
-        gaps[key] = max(_gap(g[key], w[key]) for g, w in zip(got["evals"], want["evals"]))
+    gaps["eval_loss"] = max(_gap(g["eval_loss"], w["eval_loss"]) for g, w in zip(got["evals"], want["evals"]))
+    for name in (*ORPO_METRICS, "nll_loss"):
+        gaps[name] = max(metric_gap(name, g, w) for g, w in zip(got["steps"], want["steps"]))
+        gaps[f"eval_{name}"] = max(metric_gap(name, g, w, "eval_") for g, w in zip(got["evals"], want["evals"]))
     print(f"\n{mode}: " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
     bounds = {"loss": LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL, "eval_loss": LOSS_RTOL}
     failed = {k: v for k, v in gaps.items() if v >= bounds.get(k, METRIC_RTOL)}

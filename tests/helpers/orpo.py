@@ -32,3 +32,15 @@ def rows_of_orpo_batch(batch: dict, pairs_per_row: int, seq_len: int) -> dict[st
     rows = rows_of_trl_batch(dpo_batch, pairs_per_row, seq_len)
     rows["num_pairs"] = (rows["document_ids"].amax(1) + 1) // 2
     return rows
+
+
+METRIC_SCALE = {"rewards/margins": ("rewards/chosen", "rewards/rejected"),
+                "log_odds_chosen": ("logps/chosen", "logps/rejected")}
+"""Differences of two near-equal means are measured against their operands' size (a margin of 0.006 between
+two rewards of -0.77 carries their rounding, 3.8e-6 of itself); every other metric against its own size."""
+
+
+def metric_gap(name: str, mine: dict, theirs: dict, prefix: str = "") -> float:
+    """|mine - theirs| of metric ``name`` (``prefix``: ``eval_``) relative to its scale (``METRIC_SCALE``)."""
+    scale = sum(abs(theirs[prefix + k]) for k in METRIC_SCALE.get(name, (name,)))
+    return abs(mine[prefix + name] - theirs[prefix + name]) / max(scale, 1e-12)

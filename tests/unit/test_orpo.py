@@ -10,26 +10,16 @@ import pytest
 import torch
 
 from tests.helpers.dpo import preference_texts
-from tests.helpers.orpo import rows_of_orpo_batch, trl_orpo_trainer
+from tests.helpers.orpo import metric_gap, rows_of_orpo_batch, trl_orpo_trainer
 from toolkit.loss import LogitScores
 from toolkit.objectives.orpo import ORPO, ORPO_METRICS, ChosenTokens
 
 BETA = 0.25
 # Measured on this machine's CPU (fp32 TRL against fp64 sums here), relative: loss 8.3e-8 (either split),
-# gradients 8.0e-7 (worst parameter, max |diff| / max |grad|), metrics <= 1.7e-7 (log_odds_ratio; METRIC_SCALE).
+# gradients 8.0e-7 (worst parameter, max |diff| / max |grad|), metrics <= 1.7e-7 (log_odds_ratio; metric_gap).
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 METRIC_RTOL = 1e-6
-METRIC_SCALE = {"rewards/margins": ("rewards/chosen", "rewards/rejected"),
-                "log_odds_chosen": ("logps/chosen", "logps/rejected")}
-"""Differences of two near-equal means are relative to their operands' size (a margin of 0.006 between two
-rewards of -0.77 carries their fp32 rounding, 3.8e-6 of itself); every other metric to its own size."""
-
-
-def _metric_gap(name: str, mine: dict, theirs: dict) -> float:
-    scale = sum(abs(theirs[k]) for k in METRIC_SCALE.get(name, (name,)))
-    return abs(mine[name] - theirs[name]) / max(scale, 1e-12)
-
 
 @pytest.fixture(scope="module")
 def trl_step(tmp_path_factory):
@@ -79,7 +69,7 @@ def test_loss_gradients_and_metrics_equal_trl(split, trl_step):
     gap = abs(loss - trl_step["loss"]) / abs(trl_step["loss"])
     worst = max(((g - trl_step["grads"][n]).abs().max() / trl_step["grads"][n].abs().max()).item()
                 for n, g in grads.items())
-    metric_gaps = {k: _metric_gap(k, metrics, trl_step["metrics"]) for k in trl_step["metrics"]
+    metric_gaps = {k: metric_gap(k, metrics, trl_step["metrics"]) for k in trl_step["metrics"]
                    if not k.startswith("logits/")}
     print(f"\n{split}: loss {trl_step['loss']:.6f} relative gap {gap:.1e}; worst gradient gap {worst:.1e}; "
           f"metrics {', '.join(f'{k} {v:.1e}' for k, v in metric_gaps.items())}")
