@@ -1,5 +1,5 @@
-"""The reference scores' old address: they are the DPO objective's own hook now
-(``toolkit/objectives/reference.py``); the names stay importable from here."""
+"""The reference scores' old address: they are an objective's own hook now (``toolkit/objectives/reference.py``);
+the names stay importable from here for the code and tests that import them so."""
 from toolkit.objectives.reference import (  # noqa: F401
     REF_COLUMN,
     ReferenceScores,
