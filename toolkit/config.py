@@ -53,7 +53,7 @@ class ModelConfig(_Section):
     offer); false keeps strict IEEE fp32. MFU uses the matching peak."""
     activation_checkpointing: bool = False
     quantize: Literal["none", "nf4", "fp4"] = "none"
-    """A 4-bit base under LoRA adapters (QLoRA, DeepSpeed, bitsandbytes: ``toolkit/quant.py``, docs/lora.md)."""
+    """A 4-bit base under LoRA adapters (QLoRA, DeepSpeed, bitsandbytes: ``toolkit/lora/quant.py``, docs/lora.md)."""
     quantize_double: bool = True
     """With model.quantize: quantize the quantization constants too (bitsandbytes' double quantization)."""
     trust_remote_code: bool = False

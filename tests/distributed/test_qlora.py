@@ -89,7 +89,7 @@ def job(bases, tmp_path_factory):
 
 def _quant_config(quant: str):
     from toolkit.config import validate
-    from toolkit.quant import bnb_config
+    from toolkit.lora.quant import bnb_config
     return bnb_config(validate({"model": {"quantize": quant, "quantize_double": _double(quant)}, "lora": {"rank": 4}}))
 
 
@@ -130,7 +130,7 @@ def test_peft_adapter_on_a_transformers_quantized_base_gives_hf_final(job, bases
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from toolkit.quant import BNB_CONFIG_FILE
+    from toolkit.lora.quant import BNB_CONFIG_FILE
     root, _ = job
     family, stage, quant = case
     run = root / f"{family}-{stage}"

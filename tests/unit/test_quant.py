@@ -1,4 +1,4 @@
-"""The 4-bit base (``model.quantize``, ``toolkit/quant.py``, ``toolkit/adapters/ds_quant.py``) against
+"""The 4-bit base (``model.quantize``, ``toolkit/lora/quant.py``, ``toolkit/adapters/ds_quant.py``) against
 transformers' own ``BitsAndBytesConfig`` load: the same layers quantized in every tiny family, the same
 packed bits and quantization constants in fp32 and bf16, and the guards bitsandbytes needs (no in-place
 CPU repack in eval, no quant state in state dicts, finite checksums), and ``toolkit estimate``'s weights are
@@ -38,7 +38,7 @@ def test_the_quantized_layers_are_the_ones_transformers_quantizes(family, bases)
     import bitsandbytes as bnb
 
     from toolkit.families.meta import meta_model
-    from toolkit.quant import bnb_config, quantized_modules
+    from toolkit.lora.quant import bnb_config, quantized_modules
     want = sorted(n for n, m in hf_4bit(bases / family, bnb_config(_cfg(bases / family))).named_modules()
                   if isinstance(m, bnb.nn.Linear4bit))
     assert sorted(quantized_modules(meta_model(tiny_config(family)))) == want and want
@@ -81,7 +81,7 @@ def test_our_piece_by_piece_base_has_transformers_bits_and_the_guards(family, dt
     import bitsandbytes as bnb
 
     from toolkit.engine import DTYPES
-    from toolkit.quant import bnb_config
+    from toolkit.lora.quant import bnb_config
     ours, = run_ranks(_built, 1, tmp_path, bases / family, dtype, double)
     ref = hf_4bit(bases / family, bnb_config(_cfg(bases / family, dtype=dtype, quantize_double=double)))
     ref_packed = {n: (p.data.view(torch.uint8), p.quant_state.absmax) for n, p in ref.named_parameters()

@@ -1,4 +1,4 @@
-"""The 4-bit base of a QLoRA run on DeepSpeed (``model.quantize``, ``toolkit/quant.py``), built one piece at
+"""The 4-bit base of a QLoRA run on DeepSpeed (``model.quantize``, ``toolkit/lora/quant.py``), built one piece at
 a time so that no rank ever holds the base in full precision, and the guards bitsandbytes needs.
 
 The model skeleton is ``hf.empty_model``'s (meta parameters) with transformers' own
@@ -53,8 +53,8 @@ def build_quantized(plan: Plan, ds_config: dict, dtype: torch.dtype, device: tor
     bnb = import_bnb()  # first: transformers' bitsandbytes integration imports it too
     from transformers.integrations import replace_with_bnb_linear
 
-    from toolkit import quant
     from toolkit.adapters import hf
+    from toolkit.lora import quant
     cfg = plan.config
     model = hf.empty_model(plan.model.hf_config())
     replace_with_bnb_linear(model, modules_to_not_convert=quant.kept_modules(model),

@@ -147,7 +147,7 @@ def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_n
                     quantization=None) -> None:
     """The HF-PEFT directory staged beside ``path``, then put in its place whole."""
     from toolkit.lora.convert import save_peft
-    from toolkit.quant import BNB_CONFIG_FILE, bnb_config, quantized
+    from toolkit.lora.quant import BNB_CONFIG_FILE, bnb_config, quantized
     with _replaced_whole(path) as stage:
         save_peft(module, trained, stage, base_name)
         if quantization is not None and quantized(quantization):

@@ -155,7 +155,7 @@ def lora_record(plan: Plan) -> dict:
     """meta.json's LoRA fields ({} for full fine-tuning): the adapters' spec and the base they need."""
     if plan.lora is None:
         return {}
-    from toolkit.quant import record
+    from toolkit.lora.quant import record
     m = plan.config.model
     base = meta_files.base_model_record(m.name_or_path, m.init, plan.config.train.seed)
     if record(plan.config) is not None:  # a 4-bit base (model.quantize): how it was quantized

@@ -188,7 +188,7 @@ def _held_weights(cfg: RunConfig, spec: ModelSpec, phi: int, w: int, shards: int
     ``spec.quantized`` packed (and partitioned) at half a byte, their constants whole on every rank."""
     if cfg.model.quantize == "none":
         return phi * w / shards
-    from toolkit.quant import stored_bytes_per_weight
+    from toolkit.lora.quant import stored_bytes_per_weight
     packed, constants = stored_bytes_per_weight(cfg)
     q = spec.quantized
     return ((phi - q) * w + q * packed) / shards + q * constants

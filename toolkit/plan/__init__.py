@@ -77,7 +77,7 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
         hf_config = load_hf_config(cfg.model.name_or_path, cfg.model.trust_remote_code)
     if cfg.model.quantize != "none":  # a 4-bit base: its refusals first (megatron has no such path)
         from toolkit.device import rank_device
-        from toolkit.quant import check_quantize
+        from toolkit.lora.quant import check_quantize
         check_quantize(cfg, hf_config, rank_device().type)
     if cfg.backend == "megatron":
         _check_family(cfg, hf_config, written)

@@ -106,7 +106,7 @@ def _parameter_counts(model, layers: int) -> dict:
 
 
 def _quantized_weights(model) -> int:
-    from toolkit.quant import quantized_modules
+    from toolkit.lora.quant import quantized_modules
     return sum(model.get_submodule(name).weight.numel() for name in quantized_modules(model))
 
 
