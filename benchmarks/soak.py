@@ -420,7 +420,7 @@ def at_scale() -> dict:
     from toolkit.config import load_config
     from toolkit.estimate.goodput import checkpoint_seconds, model, recovery_seconds
     from toolkit.estimate.steptime import Cluster, step_time
-    from toolkit.plan.layout import check_layout
+    from toolkit.plan.checks import check_layout
     from toolkit.plan.model import model_spec
     a = SCALE_ASSUMPTIONS
     jobs = {}

@@ -14,7 +14,7 @@ from toolkit.cli import main
 from toolkit.config import load_config
 from toolkit.estimate.memory import GiB, memory, suggestions
 from toolkit.estimate.steptime import Cluster, collective_seconds, step_time
-from toolkit.plan.layout import check_layout
+from toolkit.plan.checks import check_layout
 from toolkit.plan.model import model_spec
 
 LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

@@ -98,7 +98,7 @@ def test_checkpoints_of_as_many_zero_partitions_load_as_they_are():
     """ZeRO writes one partition per rank of dp x sp: sp=2 x dp=1 is sp=1 x dp=2 file for file; a
     different count or stage needs the converter (which is told dp x sp partitions)."""
     from toolkit.adapters.ulysses import same_zero_files
-    from toolkit.plan.layout import zero_partitions
+    from toolkit.layout import zero_partitions
     sp2 = {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2, "sp": 2}
     assert same_zero_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2})
     assert not same_zero_files(sp2, {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2})

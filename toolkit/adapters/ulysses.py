@@ -182,7 +182,7 @@ def same_zero_files(saved: dict, ours: dict) -> bool:
     """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
     writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
     into dp x sp."""
-    from toolkit.plan.layout import zero_partitions
+    from toolkit.layout import zero_partitions
     rest = ("tp", "pp", "zero_stage")
     return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
         all(saved.get(k) == ours.get(k) for k in rest)

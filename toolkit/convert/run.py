@@ -9,27 +9,31 @@ from toolkit.config import DTYPE_NAMES  # names only: the direct ZeRO -> HF rout
 from toolkit.formats.canonical import Source, WriteRequest
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.table import TARGETS, for_target
+from toolkit.layout import DEFAULT_VOCAB_DIVISOR, Layout
 
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
             zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None,
-            vocab_divisor: int | None = None) -> dict:
+            vocab_divisor: int | None = None, *, layout: Layout | None = None) -> dict:
     """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
     ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
     formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
     the torch one), seconds. A LoRA source (a toolkit LoRA checkpoint or an HF-PEFT directory)
     converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``lora/convert.py``).
     ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
-    source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
+    source's recorded one, else megatron's 128); a run resumes it only at its own divisor. ``layout``
+    (keyword only; a resume's reshard passes its run's, ``Layout.for_checkpoint``) stands for
+    ``tp``/``pp``/``ep``/``dp``/``zero_stage``/``vocab_divisor``."""
     from toolkit.formats.detect import locate, open_located
     from toolkit.formats.direct import open_direct
     from toolkit.formats.staging import staged
     tic = time.perf_counter()
     if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
         if to in ("zero", "megatron"):
-            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)),
-                                               zero_stage, weights_only, base, vocab_divisor)
+            asked = layout or _asked_layout(to, tp, pp, ep, dp, zero_stage, vocab_divisor)
+            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, asked, layout is None and vocab_divisor is None,
+                                               weights_only, base)
             return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
         from toolkit.lora.convert import convert_adapter, open_adapter
         adapter, described = open_adapter(Path(src), base, hf_config)
@@ -44,8 +48,8 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
                            f"checkpoint); {src} is neither")
     found = locate(src, hf_config)
     to = to or ("zero" if found.format == "hf" else "hf")
-    dp = _dp_or_default(dp, to, ep)
-    _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype, vocab_divisor)
+    asked = layout or _asked_layout(to, tp, pp, ep, dp, zero_stage, vocab_divisor)
+    _check_request(found.hf_config, to, asked, dtype, None if layout else vocab_divisor)
     direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
     source = direct or open_located(found)
     try:
@@ -53,9 +57,10 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             if direct is not None:
                 direct.write_hf(stage, max_shard_bytes, progress)
             else:
-                request = WriteRequest(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, dtype=_torch_dtype(dtype),
-                                       weights_only=weights_only, max_shard_bytes=max_shard_bytes,
-                                       vocab_divisor=_vocab_divisor(source, vocab_divisor))
+                if layout is None and vocab_divisor is None:  # keep a megatron source's padding
+                    asked = _with_source_divisor(asked, source)
+                request = WriteRequest(layout=asked, dtype=_torch_dtype(dtype), weights_only=weights_only,
+                                       max_shard_bytes=max_shard_bytes)
                 _write(source, stage, for_target(to), request, progress)
     finally:
         source.close()
@@ -65,8 +70,8 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
-                             base: str | None, vocab_divisor: int | None) -> dict:
+def _convert_lora_checkpoint(src: Path, dst: Path, to: str, layout: Layout, source_divisor: bool,
+                             weights_only: bool, base: str | None) -> dict:
     """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
     ``to``'s backend (``lora/checkpoint.py``)."""
     from toolkit.formats.detect import resolve_run_dir
@@ -83,11 +88,12 @@ def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage
     else:
         ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
         source = read_lora_checkpoint(ckpt, meta)
-    _check_request(source.hf_config, to, parallel, zero_stage, None, vocab_divisor)
+    _check_request(source.hf_config, to, layout, None)
+    if source_divisor:  # no divisor asked for: keep a megatron source's padding
+        layout = _with_source_divisor(layout, source)
     with staged(dst) as stage:
-        layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only, _vocab_divisor(source, vocab_divisor))
-        tp, pp, _, dp = parallel
-        describe_for_resume(source, stage, for_target(to).backend, layout, None, dp * tp * pp,
+        record = write_lora(source, stage, layout=layout, weights_only=weights_only)
+        describe_for_resume(source, stage, for_target(to).backend, record, None, layout.world,
                             {k: meta[k] for k in ("lora", "base_model") if k in meta})
     return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
@@ -108,11 +114,18 @@ def is_lora_source(src) -> bool:
                              or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 
 
-def _vocab_divisor(source, requested: int | None) -> int:
-    """The megatron output's vocabulary divisor: the one asked for, else the one a megatron source
-    was written with (so a converted checkpoint keeps its run's padded vocabulary), else megatron's."""
-    from toolkit.plan.layout import DEFAULT_VOCAB_DIVISOR
-    return requested or getattr(source, "vocab_divisor", None) or DEFAULT_VOCAB_DIVISOR
+def _asked_layout(to: str, tp: int, pp: int, ep: int, dp: int | None, zero_stage: int,
+                  vocab_divisor: int | None) -> Layout:
+    """The output's layout from the converter's flags (checked by ``_check_request``); the divisor
+    megatron's default until a source says otherwise (``_with_source_divisor``)."""
+    return Layout.of_sizes("megatron" if to == "megatron" else "deepspeed", dp=_dp_or_default(dp, to, ep), tp=tp,
+                           pp=pp, ep=ep, zero_stage=zero_stage, vocab_divisor=vocab_divisor or DEFAULT_VOCAB_DIVISOR)
+
+
+def _with_source_divisor(layout: Layout, source) -> Layout:
+    """No divisor asked for: the one a megatron source was written with (so a converted checkpoint
+    keeps its run's padded vocabulary), else megatron's."""
+    return layout.model_copy(update={"vocab_divisor": getattr(source, "vocab_divisor", None) or DEFAULT_VOCAB_DIVISOR})
 
 
 def _torch_dtype(name: str | None):
@@ -128,9 +141,10 @@ def _dp_or_default(dp: int | None, to: str, ep: int) -> int:
     return dp if dp is not None else (ep if to == "megatron" else 1)
 
 
-def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,
-                   dtype: str | None, vocab_divisor: int | None = None) -> None:
-    tp, pp, ep, dp = parallel
+def _check_request(hf_config: dict, to: str, layout: Layout, dtype: str | None, vocab_divisor: int | None = None) -> None:
+    """The asked-for layout against the converter's rules, named by its flags (``vocab_divisor``: the
+    ``--vocab-divisor`` given, if any)."""
+    tp, pp, ep, dp, stage = layout.tp, layout.pp, layout.ep, layout.dp, layout.zero_stage
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
     if dtype is not None and dtype not in DTYPE_NAMES:
@@ -152,10 +166,10 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
 
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
-    """The run plan's megatron split rules (``toolkit.plan.layout``), named by the converter's flags."""
+    """The run plan's megatron split rules (``toolkit.layout``), named by the converter's flags."""
     from toolkit.convert.inspect import split_dims
     from toolkit.families import find_family
-    from toolkit.plan.layout import megatron_split_problems
+    from toolkit.layout import megatron_split_problems
     family = find_family(config.get("model_type"))
     missing = family.missing_fields(config) if family else []
     if missing:
@@ -184,7 +198,7 @@ def _write(source: Source, stage: Path, fmt, request: WriteRequest, progress) ->
         fmt.write(source, stage, request, progress)
         return
     layout = fmt.write(source, stage / "engine", request, progress)
-    describe_for_resume(source, stage, fmt.backend, layout, request.dtype, request.dp * request.tp * request.pp)
+    describe_for_resume(source, stage, fmt.backend, layout, request.dtype, request.layout.world)
 
 
 def describe_for_resume(source: Source, stage: Path, backend: str, layout: dict, dtype, world: int,
