@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=3)
     s.add_argument("--backoff-s", type=float, default=1.0)
     s.add_argument("--hang-timeout-s", type=float, default=300.0,
-                   help="restart when no rank beat for this long (the script calls toolkit.launch.heartbeat.beat)")
+                   help="restart when no rank beat for this long (the script calls toolkit.watch.heartbeat.beat)")
     s.add_argument("--nnodes", action=NodeRange, default=1, help="N, or MIN:MAX (elastic)")
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint")
@@ -99,12 +99,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parsers(sub) -> None:
-    """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py)."""
+    """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py; formats from its table)."""
+    from toolkit.formats.table import SOURCES_HELP, TARGETS
     c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
-    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, PyTorch DCP (FSDP2) dir, "
-                                  "a toolkit run/checkpoint, or an HF-PEFT adapter dir")
+    c.add_argument("src", help=SOURCES_HELP)
     c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
-    c.add_argument("--to", choices=["hf", "zero", "megatron", "dcp", "accelerate", "peft"],
+    c.add_argument("--to", choices=TARGETS,
                    help="default: hf (zero for an HF source); dcp: a PyTorch distributed checkpoint of an FSDP2 "
                         "model (HF names, AdamW state); accelerate: an HF Trainer / accelerate FSDP2 checkpoint-N/; "
                         "a LoRA checkpoint or HF-PEFT directory: hf (merged onto its base) or peft (the adapter)")
@@ -126,7 +126,7 @@ def _add_convert_parsers(sub) -> None:
     c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
     i = sub.add_parser("inspect", help="format, family, layout, step, size and completeness of a checkpoint")
-    i.add_argument("path")
+    i.add_argument("path", help=SOURCES_HELP)
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--hf-config", help="config.json (or its dir) when none lies beside PATH")
     i.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args))
@@ -144,7 +144,7 @@ def _config_from_args(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from toolkit.launch.run import train
+    from toolkit.run import train
     return train(_config_from_args(args), **_nodes(args), dry_run=args.dry_run)
 
 
@@ -165,7 +165,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_supervise(args) -> int:
-    from toolkit.launch.run import supervise
+    from toolkit.run import supervise
     return supervise(args.command_line, nproc=args.nproc, run_dir=args.run_dir, **_nodes(args),
                      max_restarts=args.max_restarts, backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
 

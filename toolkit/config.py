@@ -273,7 +273,7 @@ class RestartConfig(_Section):
     io_bytes_per_s: float = Field(100e6, gt=0)
     """The slowest read/write rate a healthy rank sees (a loaded shared filesystem): the default
     budget of load, reshard, save and export is hang_timeout_s + the model's bytes / this
-    (``toolkit/launch/budgets.py``)."""
+    (``toolkit/watch/budgets.py``)."""
     startup_s: float = Field(300.0, gt=0)
     """What a rank's load costs before it moves the model's bytes (imports, process group, tokenizer,
     a first build of DeepSpeed's CPU ops): the default load budget is this + the model's bytes / io_bytes_per_s."""

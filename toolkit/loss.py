@@ -7,6 +7,8 @@ HF path's loss with ``loss_chunk_rows``; the data pipeline writes ``IGNORE_INDEX
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,15 @@ about three such chunks at once: log-probabilities, their gradient, the logits' 
 LOSS_ROW_MULTIPLE = 8
 """Chunks start at multiples of 8 rows, so every row sits at the same 16-byte alignment it has in a
 whole-tensor upcast: CUDA's softmax kernels pick their reduction order by pointer alignment."""
+
+
+def mlp_tiles(seq: int, hidden: int) -> int:
+    """``zero.tiled_mlp``'s tile count for rows of ``seq`` tokens (the tiled MLP and the memory
+    estimate): ALST's rule: ceil(seq / hidden). No collective is needed to agree on it (ZeRO-3 gathers
+    the MLP's parameters once per tile on every rank): every rank's rows are ``data.seq_len`` long
+    (``seq_len / sp`` each under zero.sp), so every rank computes the same count, with no host sync
+    per layer on a GPU."""
+    return max(1, math.ceil(seq / hidden))
 
 
 def loss_chunk_rows(vocab: int) -> int:

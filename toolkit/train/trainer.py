@@ -19,17 +19,17 @@ from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
 from toolkit.engine import Engine, StepStats
 from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
-from toolkit.launch.agent import PREEMPTED_EXIT
-from toolkit.launch.events import emit, read_events
-from toolkit.launch.faults import FaultInjector
-from toolkit.launch.heartbeat import Heartbeat
-from toolkit.launch.monitor import RankMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
 from toolkit.syncs import strict_sync_counter
 from toolkit.train.reference import ReferenceScores, check_resumed, prepare_reference
 from toolkit.train.schedule import lr_at
+from toolkit.watch.events import emit, read_events
+from toolkit.watch.faults import FaultInjector
+from toolkit.watch.heartbeat import Heartbeat
+from toolkit.watch.monitor import RankMonitor
+from toolkit.watch.protocol import PREEMPTED_EXIT
 
 
 class Trainer:
@@ -239,7 +239,7 @@ class Trainer:
         return loss
 
     def _phase(self, phase: str, step: int | None = None) -> Callable[[], None]:
-        """Beat ``phase`` (``launch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
+        """Beat ``phase`` (``watch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
         default the loop's); the callable returned is called after each unit of the phase's work (a
         micro-batch, a file, a tensor) and beats again, so long healthy work is never taken for a
         hang while a stuck one still is (an injected ``slow_<phase>`` fault delays each unit)."""

@@ -40,10 +40,10 @@ from toolkit.adapters.megatron.weights import (
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
-from toolkit.launch.budgets import plan_collective_timeout_s
 from toolkit.loss import IGNORE_INDEX
 from toolkit.objectives import DPO, REF_COLUMN, STATS, document_sums, metrics
 from toolkit.plan import Plan
+from toolkit.watch.budgets import plan_collective_timeout_s
 
 
 class MegatronEngine:
