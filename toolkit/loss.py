@@ -108,7 +108,7 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | No
     logits ``[batch, seq, vocab]`` (any float dtype), labels ``[batch, seq]`` already shifted. Bit for
     bit ``log_softmax(logits.float(), -1).gather(-1, labels)`` (masked) and its gradient, with fp32
     only ``chunk_rows`` rows at a time (``ChunkedTokenLogProbs``): the preference objectives
-    (``toolkit/objectives.py``) sum them per document."""
+    (``toolkit/objectives/``) sum them per document."""
     require_on_device(labels, "labels")
     vocab = logits.shape[-1]
     out = ChunkedTokenLogProbs.apply(logits.reshape(-1, vocab), labels.reshape(-1),
@@ -270,3 +270,17 @@ class TileGrads:
         if self.partitioned:
             return []
         return [None if s is None else s.to(p.dtype) for s, p in zip(self.sums, self.params)]
+
+
+class LogitScores:
+    """A micro-batch's full-vocabulary logits ``[batch, seq, vocab]`` (the HF path) as the objectives read
+    them (``objectives.base.Scores``): the chunked fp32 loss sum, or each label token's log-probability."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def loss_sum(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss_sum(self.logits, labels)
+
+    def logps(self, labels: torch.Tensor) -> torch.Tensor:
+        return token_logps(self.logits, labels)
