@@ -102,7 +102,7 @@ def train_args(run_dir: Path, sets: list[str], nproc: int, *extra: str) -> list[
 
 
 BUILD_OPS = """
-from toolkit.adapters.deepspeed import _install_op_caches
+from toolkit.adapters.deepspeed.engine import _install_op_caches
 _install_op_caches()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import op_builder

@@ -27,7 +27,7 @@ def test_a_ranks_place_is_where_megatron_groups_it(tp, cp, dp, pp):
 
 
 def test_ulysses_ranks_of_a_row_are_consecutive():
-    """DeepSpeed's sequence groups (``adapters/ulysses.py``) hold ranks ``first, first + sp, ...``:
+    """DeepSpeed's sequence groups (``adapters/deepspeed/ulysses.py``) hold ranks ``first, first + sp, ...``:
     those of one sp rank; a row's sp ranks are consecutive (one dp rank)."""
     lay = Layout(backend="deepspeed", world=6, dp=3, sp=2)
     assert [tuple(lay.place(r)) for r in range(6)] == [(d, 0, 0, 0, s) for d, s in itertools.product(range(3), range(2))]

@@ -25,7 +25,7 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
 
 def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
     """``zero.sp``: DeepSpeed only, dividing the world, the heads and the sequence. MoE models are fine:
-    their load-balancing loss sums the routers' counts over the sequence group (``adapters/ds_moe.py``)."""
+    their load-balancing loss sums the routers' counts over the sequence group (``adapters/deepspeed/moe.py``)."""
     sp = cfg.zero.sp
     if cfg.backend != "deepspeed":
         raise ConfigError(f"zero.sp={sp} is DeepSpeed's Ulysses sequence parallelism and backend={cfg.backend}; "
