@@ -73,7 +73,7 @@ class DeepSpeedEngine:
         self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
         self.objective, self.eval_metrics = plan.objective, {}
-        self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
+        self.seq = SequenceSplit(self.lay, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
