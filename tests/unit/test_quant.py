@@ -1,4 +1,4 @@
-"""The 4-bit base (``model.quantize``, ``toolkit/lora/quant.py``, ``toolkit/adapters/ds_quant.py``) against
+"""The 4-bit base (``model.quantize``, ``toolkit/lora/quant.py``, ``toolkit/adapters/deepspeed/quant.py``) against
 transformers' own ``BitsAndBytesConfig`` load: the same layers quantized in every tiny family, the same
 packed bits and quantization constants in fp32 and bf16, and the guards bitsandbytes needs (no in-place
 CPU repack in eval, no quant state in state dicts, finite checksums), and ``toolkit estimate``'s weights are
@@ -48,9 +48,9 @@ def _built(rank, world, base, dtype, quantize_double):
     """Our 4-bit base at ZeRO-2 (one rank): packed bytes and constants per layer, the unquantized
     parameters, its state-dict keys, sums over the packed storage, and whether eval under no_grad
     left the weights as they were."""
-    from toolkit.adapters.deepspeed import _build_hf
-    from toolkit.adapters.ds_quant import checksum_view, is_4bit
+    from toolkit.adapters.deepspeed.engine import _build_hf
     from toolkit.estimate.memory import memory
+    from toolkit.lora.quant import checksum_view, is_4bit
     from toolkit.plan import build_plan
     cfg = validate({"model": {"name_or_path": str(base), "init": "pretrained", "quantize": "nf4", "dtype": dtype,
                               "quantize_double": quantize_double},

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.adapters.ds_quant import dense, dense_shape
 from toolkit.formats.canonical import Source, TensorInfo
 from toolkit.heap import trim_heap
+from toolkit.lora.quant import dense, dense_shape
 
 
 class ModuleSource(Source):

@@ -6,10 +6,11 @@ The quantized layers are the ones transformers would quantize, by transformers' 
 last parameter) and the model's ``_keep_in_fp32_modules``. Embeddings, the LM head and norms are never
 ``nn.Linear`` or are kept, so they stay in the model dtype. The quantization constants (blocksize 64,
 double quantization optional) and the storage dtype (= the model dtype, which DeepSpeed can partition
-and never value-casts: ``adapters/ds_quant.py``) are bitsandbytes' and transformers' defaults.
+and never value-casts: ``adapters/deepspeed/quant.py``) are bitsandbytes' and transformers' defaults.
 
-Nothing here imports bitsandbytes (the launcher checks a config without it); ``adapters/ds_quant.py``
-builds and trains the model.
+Nothing here imports bitsandbytes but ``dense`` (the launcher checks a config without it);
+``adapters/deepspeed/quant.py`` builds and trains the model. The readers of a 4-bit parameter at the end
+serve the exports (``adapters/export.py``) and the replica checksum.
 """
 from __future__ import annotations
 
@@ -114,3 +115,32 @@ def check_quantize(cfg: RunConfig, hf_config, device_type: str) -> None:
         raise ConfigError(f"{key}: {odd[0]} has {model.get_submodule(odd[0]).weight.numel()} weights, which do not "
                           f"pack into {cfg.model.dtype} storage (a multiple of {2 * itemsize} is needed); "
                           "set model.dtype=bf16 or model.quantize=none")
+
+
+# --- reading a quantized parameter back ----------------------------------------------------------
+
+def is_4bit(param) -> bool:
+    return getattr(param, "quant_state", None) is not None and type(param).__name__ == "Params4bit"
+
+
+def dense_shape(param) -> tuple[int, ...]:
+    """The weight's shape as the model uses it ([out, in]; the packed storage is [n, 1])."""
+    return tuple(param.quant_state.shape) if is_4bit(param) else tuple(getattr(param, "ds_shape", param.shape))
+
+
+def dense(param) -> torch.Tensor:
+    """A 4-bit weight dequantized (bitsandbytes' own, the values the forward multiplies with, in the model
+    dtype); any other parameter as it is. A ZeRO-3 parameter must be gathered."""
+    if not is_4bit(param):
+        return param.detach()
+    import bitsandbytes.functional as F
+    return F.dequantize_4bit(param.data, param.quant_state)
+
+
+def checksum_view(param) -> torch.Tensor:
+    """What a replica checksum sums: a 4-bit weight's bytes as integers (its storage holds NaN bit
+    patterns: a float sum is NaN, and NaN != NaN fails a comparison of equal replicas)."""
+    if not is_4bit(param):
+        return param.detach()
+    data = param.detach()
+    return data.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[data.element_size()])

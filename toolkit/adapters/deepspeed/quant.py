@@ -48,8 +48,10 @@ def import_bnb():
     return bitsandbytes
 
 
-def build_quantized(plan: Plan, ds_config: dict, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The HF model with its 4-bit base, built piece by piece; partitioned piece by piece at ZeRO-3."""
+def build_quantized(plan: Plan, ds_config: dict, dtype: torch.dtype, device: torch.device,
+                    attention=None) -> torch.nn.Module:
+    """The HF model with its 4-bit base, built piece by piece; partitioned piece by piece at ZeRO-3.
+    ``attention``: what ``hf.finish`` installs for the run's sequence split (Ulysses under zero.sp)."""
     bnb = import_bnb()  # first: transformers' bitsandbytes integration imports it too
     from transformers.integrations import replace_with_bnb_linear
 
@@ -81,7 +83,7 @@ def build_quantized(plan: Plan, ds_config: dict, dtype: torch.dtype, device: tor
             module.support_avx512bf16_for_cpu = False
     model.register_state_dict_post_hook(_drop_quant_state)
     model.is_loaded_in_4bit = True  # what transformers marks (peft reads it: its 4-bit LoRA layers)
-    return hf.finish(model, plan)
+    return hf.finish(model, plan, attention)
 
 
 class _Reader:
@@ -143,32 +145,3 @@ def _place(model, owners, name: str, value: torch.Tensor, dtype, device, bnb) ->
 def _drop_quant_state(module, state_dict, prefix, local_metadata) -> None:
     for key in [k for k in state_dict if k.startswith(prefix) and QUANT_STATE_KEY.search(k)]:
         del state_dict[key]
-
-
-# --- reading a quantized parameter back ----------------------------------------------------------
-
-def is_4bit(param) -> bool:
-    return getattr(param, "quant_state", None) is not None and type(param).__name__ == "Params4bit"
-
-
-def dense_shape(param) -> tuple[int, ...]:
-    """The weight's shape as the model uses it ([out, in]; the packed storage is [n, 1])."""
-    return tuple(param.quant_state.shape) if is_4bit(param) else tuple(getattr(param, "ds_shape", param.shape))
-
-
-def dense(param) -> torch.Tensor:
-    """A 4-bit weight dequantized (bitsandbytes' own, the values the forward multiplies with, in the model
-    dtype); any other parameter as it is. A ZeRO-3 parameter must be gathered."""
-    if not is_4bit(param):
-        return param.detach()
-    import bitsandbytes.functional as F
-    return F.dequantize_4bit(param.data, param.quant_state)
-
-
-def checksum_view(param) -> torch.Tensor:
-    """What a replica checksum sums: a 4-bit weight's bytes as integers (its storage holds NaN bit
-    patterns: a float sum is NaN, and NaN != NaN fails a comparison of equal replicas)."""
-    if not is_4bit(param):
-        return param.detach()
-    data = param.detach()
-    return data.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[data.element_size()])
