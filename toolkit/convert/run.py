@@ -79,7 +79,8 @@ def _convert_adapters(found, dst: Path, to: str | None, layout: Layout, source_d
     from toolkit.lora.convert import convert_adapter
     adapter, described = fmt.open_adapter(found, base, hf_config)
     try:
-        summary = convert_adapter(adapter, found.path, dst, to or "hf", max_shard_bytes, described.get("step"))
+        summary = convert_adapter(adapter, found.path, dst, to or "hf", max_shard_bytes, described.get("step"),
+                                  base_given=base is not None)
     finally:
         if adapter.base_source is not None:
             adapter.base_source.close()
