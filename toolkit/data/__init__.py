@@ -72,7 +72,8 @@ from toolkit.data.batches import (
            global_batch_indices,
            rank_micro_batches,
 )
-from toolkit.data.pack import pack_tokens, prepare_data
+from toolkit.data.load import prepare_data
+from toolkit.data.pack import pack_tokens
 from toolkit.data.sources import load_source
 from toolkit.data.tokenizer import load_tokenizer
 

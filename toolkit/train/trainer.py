@@ -1,7 +1,7 @@
 """The one training loop, over any Engine: data order, LR schedule, eval, metrics; checkpoints,
 health checks and fault hooks are calls at named points.
 
-Global batch k always holds the same samples (``data.global_batch_indices``), the step is the only
+Global batch k always holds the same samples (``data.batches.batch_indices``), the step is the only
 data position, and every rank's RNG state is checkpointed, so a resume continues bit for bit.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from toolkit.checkpoint.checkpointer import Checkpointer
-from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
+from toolkit.data import PackedData, batch_counts, eval_micro_batches, rank_micro_batches
+from toolkit.data.batches import batch_indices, tokens_by_source
 from toolkit.engine import Engine, StepStats
 from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.launch.agent import PREEMPTED_EXIT
@@ -194,12 +195,12 @@ class Trainer:
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
-        indices = global_batch_indices(len(ds), t.global_batch_size, t.seed, step)
+        indices = batch_indices(self.data, t.global_batch_size, t.seed, step)
         micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
         if self.reference:
             per_rank = len(indices) // self.engine.dp_size
             micro = self.reference.attach("train", micro, indices[self.engine.dp_rank * per_rank:][:per_rank])
-        return micro, batch_counts(ds, indices)
+        return micro, {**batch_counts(ds, indices), "by_source": tokens_by_source(self.data, indices)}
 
     def _log_step(self, stats: StepStats, counts: dict, step_s: float, elapsed_s: float) -> None:
         """``tokens``: row tokens (global batch x seq_len, padding included); ``packing_efficiency``:
@@ -212,6 +213,8 @@ class Trainer:
                   "packing_efficiency": counts["tokens"] / tokens, "step_s": step_s, "elapsed_s": elapsed_s}
         if counts["documents"] is not None:  # rows packed by documents count them
             record["documents_per_row"] = counts["documents"] / t.global_batch_size
+        if counts.get("by_source") is not None:  # a blend (data.weights): document tokens per source
+            record["tokens_by_source"] = counts["by_source"]
         if self.dpo:  # the loss is the mean over these pairs; TRL's reward metrics come in stats.extra
             record["pairs"] = counts["pairs"]
         if stats.loss_scale is not None:  # fp16: dynamic loss scaling
