@@ -93,25 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="PNG plots (loss, LR, grad norm, tokens/s, restarts) and a markdown summary of a run")
     r.add_argument("run_dir", help="a run directory written by toolkit train")
     r.add_argument("--out", help="where to write (default: RUN_DIR/report)")
-    r.set_defaults(func=cmd_report)
+    r.set_defaults(func=lambda args: __import__("toolkit.observe.report", fromlist=["x"]).cmd_report(args))
     _add_convert_parsers(sub)
-    _add_prepare_parser(sub)
-    return p
-
-
-def _add_prepare_parser(sub) -> None:
-    """``prepare`` (implemented in toolkit/data/prepare.py)."""
-    pr = sub.add_parser("prepare", help="tokenize data.path into a Megatron indexed dataset (PREFIX.bin + PREFIX.idx)",
-                        description="Tokenize the config's data.path (any source a run takes) with its tokenizer and "
-                                    "data.template into PREFIX.bin/.idx, streamed in bounded memory over data.num_proc "
-                                    "processes; train from it with data.path=PREFIX. Killed part-way, it starts afresh.")
-    pr.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
+    pr = sub.add_parser("prepare", help="tokenize data.path into a Megatron indexed dataset PREFIX.bin/.idx, streamed")
+    pr.add_argument("config", nargs="?", help="YAML run config: data.path, data.template, data.num_proc, the tokenizer")
     pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx, PREFIX.json "
-                                                                   "(and PREFIX_loss.* when prompts carry no loss)")
+    pr.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json (+ PREFIX_loss.*)")
     pr.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX")
-    pr.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
-    pr.set_defaults(func=cmd_prepare)
+    pr.set_defaults(func=lambda args: __import__("toolkit.data.prepare", fromlist=["x"]).cmd_prepare(args))
+    return p
 
 
 def _add_convert_parsers(sub) -> None:
@@ -141,12 +131,11 @@ def _add_convert_parsers(sub) -> None:
                                   "adapter_config.json's base_model_name_or_path, or the checkpoint's meta.json)")
     c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
-    i = sub.add_parser("inspect", help="format, family, layout, step, size and completeness of a checkpoint; "
-                                       "documents, tokens, dtype and tokenizer of a Megatron indexed dataset PREFIX")
+    i = sub.add_parser("inspect", help="a checkpoint's format, layout, step, completeness; a data PREFIX's documents")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--hf-config", help="config.json (or its dir) when none lies beside PATH")
-    i.set_defaults(func=cmd_inspect)
+    i.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args))
 
 
 def _config_from_args(args) -> RunConfig:
@@ -165,28 +154,6 @@ def cmd_train(args) -> int:
     return train(_config_from_args(args), **_nodes(args), dry_run=args.dry_run)
 
 
-def cmd_prepare(args) -> int:
-    from toolkit.data.prepare import prepare_prefix
-    meta = prepare_prefix(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-                          progress=True if args.progress else None)
-    print(f"toolkit: wrote {args.out}.bin/.idx: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
-          f"({meta['dtype']}, {meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s); train with "
-          f"data.path={args.out}")
-    return 0
-
-
-def cmd_inspect(args) -> int:
-    """A Megatron indexed dataset PREFIX (toolkit/data/prepare.py), else a checkpoint (toolkit/convert)."""
-    import json
-
-    from toolkit.data.prepare import describe_prefix
-    info = describe_prefix(args.path)
-    if info is None:
-        return __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args)
-    print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
-    return 0
-
-
 def cmd_estimate(args) -> int:
     """Exit 0 when the layout fits the device memory, 3 when it does not."""
     from toolkit.estimate.run import parse_cluster, run_estimate
@@ -194,13 +161,6 @@ def cmd_estimate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)
-
-
-def cmd_report(args) -> int:
-    from toolkit.observe.report import write_report
-    out = write_report(args.run_dir, args.out)
-    print(f"toolkit: report written to {out}/report.md ({', '.join(sorted(p.name for p in out.glob('*.png')))})")
-    return 0
 
 
 def cmd_supervise(args) -> int:

@@ -7,7 +7,6 @@ the value, the constraint and the fix; unknown keys suggest the nearest valid on
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from importlib.resources import files
 from pathlib import Path
@@ -62,12 +61,9 @@ class DataConfig(_Section):
     """Local text/json/jsonl/csv/parquet file(s) (comma-separated or glob), a ``save_to_disk``
     directory, or a hub dataset name when online."""
     format: Literal["auto", "text", "json", "csv", "parquet", "disk", "hub", "megatron"] = "auto"
-    """``auto`` tells the format from each file; ``megatron``: Megatron indexed datasets (``PREFIX`` for
-    ``PREFIX.bin`` + ``PREFIX.idx``, also detected by ``auto``; ``toolkit prepare`` writes them)."""
+    """``megatron``: ``path`` names Megatron indexed datasets (PREFIX.bin + PREFIX.idx; ``auto`` detects them)."""
     weights: list[float] | None = None
-    """A blend: one weight per comma-separated ``path`` part (each part is then a source of its own),
-    normalized; samples are drawn in these proportions by Megatron's blending rule (``toolkit/data/blend.py``).
-    None: the parts are one source, read one after the other."""
+    """One per comma-separated ``path`` part: a blend of sources, normalized (``toolkit/data/blend.py``)."""
     split: str = "train"
     text_column: str = "text"
     template: Literal["none", "instruction", "chat", "preference"] = "none"
@@ -116,30 +112,6 @@ class DataConfig(_Section):
                                  "counted) or raise data.seq_len")
             self.overflow = "drop"  # the default for pairs; the guard above keeps re-validation from looping
         return self
-
-    @model_validator(mode="after")
-    def _blend_weights(self) -> "DataConfig":
-        if self.weights is None:
-            return self
-        parts = [p for p in self.path.split(",") if p.strip()]
-        if len(self.weights) != len(parts):
-            raise ValueError(f"data.weights has {len(self.weights)} weights and data.path {len(parts)} comma-separated "
-                             f"sources ({parts}); give one weight per source")
-        if len(parts) < 2:
-            raise ValueError("data.weights blends several sources; data.path names one: drop data.weights")
-        bad = [w for w in self.weights if not (math.isfinite(w) and w > 0)]
-        if bad:
-            raise ValueError(f"data.weights={self.weights}: {bad[0]} is not a positive number; every source needs "
-                             "a weight > 0 (drop a source from data.path instead of weighting it 0)")
-        if self.template == "preference":
-            raise ValueError("data.weights with data.template=preference: DPO scores every pair of one source "
-                             "before training; blend the pairs into one file instead")
-        return self
-
-    @property
-    def blend_weights(self) -> list[float] | None:
-        """``weights`` normalized to sum 1."""
-        return [w / sum(self.weights) for w in self.weights] if self.weights else None
 
     @property
     def packing_mode(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +25,7 @@ import datasets
 import numpy as np
 
 from toolkit.config import RunConfig
-from toolkit.data.base import PackedData
+from toolkit.data.base import DataError, PackedData
 from toolkit.data.batches import _epoch_permutation
 
 if TYPE_CHECKING:
@@ -140,10 +141,30 @@ def source_names(parts: list[str]) -> list[str]:
     return [s if stems.count(s) == 1 else f"{s}#{i}" for i, s in enumerate(stems)]
 
 
+def blend_weights(cfg: RunConfig) -> list[float]:
+    """``data.weights`` normalized to sum 1, after the checks: one per ``data.path`` part, each > 0."""
+    d = cfg.data
+    parts = [p.strip() for p in d.path.split(",") if p.strip()]
+    if len(d.weights) != len(parts):
+        raise DataError(f"data.weights has {len(d.weights)} weights and data.path {len(parts)} comma-separated "
+                        f"sources ({parts}); give one weight per source")
+    if len(parts) < 2:
+        raise DataError("data.weights blends several sources; data.path names one: drop data.weights")
+    bad = [w for w in d.weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise DataError(f"data.weights={d.weights}: {bad[0]} is not a positive number; every source needs a weight "
+                        "> 0 (drop a source from data.path rather than weighting it 0)")
+    if d.template == "preference":
+        raise DataError("data.weights with data.template=preference: DPO scores every pair of one source before "
+                        "training; blend the pairs into one file instead")
+    return [w / sum(d.weights) for w in d.weights]
+
+
 def prepare_blend(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase",
                   prepare_data: Callable[[RunConfig, "PreTrainedTokenizerBase"], PackedData]) -> PackedData:
     """Each source prepared (by ``prepare_data``) as a run on it alone would, then concatenated with the
     blend's order."""
+    weights = blend_weights(cfg)
     parts = [p.strip() for p in cfg.data.path.split(",") if p.strip()]
     sources = []
     for part in parts:
@@ -151,7 +172,7 @@ def prepare_blend(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase",
         sources.append(prepare_data(alone, tokenizer))
     train = datasets.concatenate_datasets([s.train for s in sources])
     evals = [s.eval for s in sources if s.eval is not None]
-    blend = Blend(names=source_names(parts), weights=cfg.data.blend_weights, sizes=[len(s.train) for s in sources],
+    blend = Blend(names=source_names(parts), weights=weights, sizes=[len(s.train) for s in sources],
                   seed=cfg.train.seed)
     return PackedData(train=train, eval=datasets.concatenate_datasets(evals) if evals else None,
                       num_tokens=sum(s.num_tokens for s in sources),

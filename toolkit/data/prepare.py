@@ -170,6 +170,16 @@ def _tokenize_chunk(chunk: tuple[int, dict]) -> tuple[np.ndarray, np.ndarray, np
     return flat, mask, lengths
 
 
+def cmd_prepare(args) -> int:
+    """``toolkit prepare [CONFIG] [--set ...] --out PREFIX [--overwrite]``."""
+    from toolkit.config import load_config
+    meta = prepare_prefix(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite)
+    print(f"toolkit: wrote {args.out}.bin/.idx: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
+          f"({meta['dtype']}, {meta['tokens'] / max(meta['seconds'], 1e-9):,.0f} tokens/s); train with "
+          f"data.path={args.out}")
+    return 0
+
+
 def describe_prefix(path: str) -> dict | None:
     """``toolkit inspect PREFIX``: what the prefix holds, or None when ``path`` names no prefix."""
     from toolkit.data.indexed import IndexedPrefix
