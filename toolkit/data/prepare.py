@@ -26,13 +26,13 @@ import numpy as np
 from toolkit.config import RunConfig
 from toolkit.data.base import PACK_BATCH_DOCS, DataError
 from toolkit.data.indexed import LOSS_SUFFIX, SIDECAR_FORMAT, PrefixWriter, optimal_dtype, prefix_of
-from toolkit.data.pack import _tokenizer_key
 
 _worker_tokenize: Callable | None = None
 
 
 def prepare_prefix(cfg: RunConfig, out: str, overwrite: bool = False, progress: bool | None = None) -> dict:
     """Write ``out``.bin/.idx (and ``out``_loss.* for masked templates) from ``data.path``; returns the sidecar."""
+    from toolkit.data.pack import _tokenizer_key  # here, not at the top: workers load no torch
     from toolkit.data.tokenizer import load_tokenizer
     d = cfg.data
     if d.template == "preference":
