@@ -64,6 +64,8 @@ class DataConfig(_Section):
     """``megatron``: ``path`` names Megatron indexed datasets (PREFIX.bin + PREFIX.idx; ``auto`` detects them)."""
     weights: list[float] | None = None
     """One per comma-separated ``path`` part: a blend of sources, normalized (``toolkit/data/blend.py``)."""
+    streaming: bool = False
+    """Read, tokenize and pack ``path`` as the run trains, never whole (``toolkit/data/stream.py``)."""
     split: str = "train"
     text_column: str = "text"
     template: Literal["none", "instruction", "chat", "preference"] = "none"

@@ -77,3 +77,17 @@ def test_a_blend_realizes_its_weights_and_resumes_exactly(layout, prepared, tmp_
     tokens = np.array([[r["tokens_by_source"]["docs"], r["tokens_by_source"]["mc"]] for r in rows])
     print(f"\n{layout}: blend losses {losses(tmp_path / 'whole')}, tokens by source {tokens.tolist()}")
     assert len(rows) == 4 and (tokens > 0).all() and tokens[:, 0].sum() > 2 * tokens[:, 1].sum()
+
+
+def test_a_stream_killed_and_resumed_trains_the_uninterrupted_tokens(prepared, tmp_path, data_cache):
+    """``data.streaming``: the position saved with the step-2 checkpoint (trainer.json ``data_stream``)
+    reopens the source where it was; the resumed run's losses equal the uninterrupted one's bit for bit."""
+    args = ("train.steps=5", "data.eval_fraction=0", "backend=deepspeed", "zero.stage=2", "checkpoint.every=2",
+            f"data.path={prepared / 'docs.jsonl'}", "data.streaming=true")
+    train(tmp_path / "whole", data_cache, *args)
+    train(tmp_path / "killed", data_cache, *args, "restart.max_restarts=1", "restart.backoff_s=0.2",
+          env={"TOOLKIT_FAULT": "kill:step=3:rank=1"})
+    assert resumes(tmp_path / "killed") == [("step_00000002", 2, "as saved")]
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole") and len(losses(tmp_path / "whole")) == 5
+    saved = json.loads((tmp_path / "whole" / "checkpoints" / "step_00000004" / "trainer.json").read_text())
+    assert saved["data_stream"]["offset"] == 4 * 8 and saved["data_stream"]["epoch"] == 0

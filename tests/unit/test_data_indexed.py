@@ -198,3 +198,35 @@ def test_blend_of_prefixes_trains_from_its_sources_rows(corpus, tok):
                          ([1, 0], "not a positive number")):
         with pytest.raises(DataError, match=message):
             prepare_data(cfg_for(root, f"{root / 'none-concat'},{root / 'text.jsonl'}", weights=bad), tok)
+
+
+# --- streaming -------------------------------------------------------------------------------------
+
+def test_a_stream_resumes_at_the_exact_row_inside_a_chunk_at_its_edge_and_across_epochs(corpus, tok):
+    """Batches of 8 from chunks of 50 source rows over 150 rows (3 chunks an epoch): a new pipeline seeked
+    to ``position(s)`` gives the uninterrupted batches from s on, for s inside a chunk, at a chunk's
+    edge and past an epoch; one streamed epoch holds the rows of packing each chunk alone."""
+    import json as json_module
+
+    from toolkit.data.stream import StreamBatches
+    root, _ = corpus
+    small = root / "small.jsonl"
+    small.write_text("".join((root / "text.jsonl").read_text().splitlines(keepends=True)[:150]))
+    cfg = cfg_for(root, small, eval_fraction=0, streaming=True)
+
+    def rows(ds):
+        return ds.with_format("numpy")[:]["input_ids"].tolist()
+    whole = StreamBatches(cfg, tok, chunk_docs=50)
+    batches, positions = [], []
+    for step in range(100):
+        positions.append(json_module.loads(json_module.dumps(whole.position(step))))  # through trainer.json
+        batches.append(rows(whole.global_batch(step, 8)))
+    epochs = {p["epoch"] for p in positions}
+    straddles = [s for s in range(99) if positions[s]["chunk"] != positions[s + 1]["chunk"]]  # batch s crosses
+    assert len(epochs) >= 3 and straddles, (epochs, straddles)
+    for step in (3, straddles[0], [s for s, p in enumerate(positions) if p["epoch"] == 1][1]):
+        resumed = StreamBatches(cfg, tok, chunk_docs=50)
+        resumed.seek(positions[step], step)
+        assert [rows(resumed.global_batch(s, 8)) for s in range(step, step + 6)] == batches[step:step + 6], step
+    with pytest.raises(DataError, match="data.eval_fraction=0"):
+        prepare_data(cfg_for(root, small, streaming=True), tok)

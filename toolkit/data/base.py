@@ -64,6 +64,9 @@ class PackedData:
     blend: Any = None
     """A blend of sources (``data.weights``): ``train``/``eval`` hold every source's rows one after the
     other, and the blend says which rows each global batch takes (``toolkit/data/blend.py``)."""
+    stream: Any = None
+    """``data.streaming``: the ``stream.StreamBatches`` that makes each global batch (``train`` then holds
+    only its first chunk's rows, read to check the source)."""
     num_identical_pairs: int = 0
     """Template ``preference``: pairs whose chosen and rejected answers tokenize the same, dropped (their
     DPO margin is 0 whatever the weights: no gradient, only a diluted batch mean)."""

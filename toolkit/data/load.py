@@ -13,6 +13,7 @@ from toolkit.data.blend import prepare_blend
 from toolkit.data.indexed import prefix_of, read_sidecar
 from toolkit.data.indexed_rows import packed_prefix
 from toolkit.data.pack import _check_enough, _split_eval, prepare_source
+from toolkit.data.stream import prepare_stream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,6 +25,11 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
     Raises DataError before any training for a missing source or column, an empty source, non-text
     values, a prefix that does not fit the tokenizer, or fewer packed train samples than
     ``train.global_batch_size``."""
+    if cfg.data.streaming:
+        if cfg.data.weights is not None or indexed_prefixes(cfg):
+            raise DataError("data.streaming reads one source of files as it trains; a Megatron prefix is already "
+                            "memory-mapped and a blend mixes whole sources: drop data.streaming")
+        return prepare_stream(cfg, tokenizer)
     if cfg.data.weights is not None:
         return prepare_blend(cfg, tokenizer, _prepare_one)
     return _prepare_one(cfg, tokenizer)

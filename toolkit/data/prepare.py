@@ -42,6 +42,10 @@ def prepare_prefix(cfg: RunConfig, out: str, overwrite: bool = False, progress: 
         raise DataError("toolkit prepare writes one source; prepare each part of a blend alone (one --out each) "
                         "and blend the prefixes with data.weights")
     _check_output(out, overwrite)
+    from toolkit.data.load import indexed_prefixes
+    from toolkit.data.sources import stream_rows
+    if indexed_prefixes(cfg):
+        raise DataError(f"data.path={d.path!r} is already a Megatron indexed dataset: train from it as it is")
     rows = stream_rows(cfg)  # before the workers: a bad path fails here, at once
     tok = load_tokenizer(cfg)
     dtype = optimal_dtype(len(tok))
@@ -94,34 +98,6 @@ def _finalize(writer: PrefixWriter, partial: str, out: str) -> None:
 def _progress_bar(enabled: bool | None):
     from tqdm.auto import tqdm
     return tqdm(desc="prepare", unit=" docs", file=sys.stderr, disable=None if enabled is None else not enabled)
-
-
-def stream_rows(cfg: RunConfig):
-    """``data.path`` as a ``datasets.IterableDataset`` of the template's columns (nothing loaded whole)."""
-    import datasets
-
-    from toolkit.data.load import indexed_prefixes
-    from toolkit.data.sources import _resolve_source, required_columns
-    d = cfg.data
-    if indexed_prefixes(cfg):
-        raise DataError(f"data.path={d.path!r} is already a Megatron indexed dataset: train from it as it is")
-    fmt, target = _resolve_source(d.path, d.format)
-    if fmt == "disk":
-        loaded = datasets.load_from_disk(str(Path(target[0]).expanduser()))
-        loaded = loaded[d.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        rows = loaded.to_iterable_dataset()
-    elif fmt == "hub":
-        rows = datasets.load_dataset(target[0], split=d.split, streaming=True)
-    else:
-        rows = datasets.load_dataset(fmt, data_files=target, split="train", streaming=True)
-    first = next(iter(rows), None)
-    if first is None:
-        raise DataError(f"data.path={d.path!r} has no rows; it needs at least one document")
-    for field, column in required_columns(cfg).items():
-        if column not in first:
-            raise DataError(f"{field}={column!r} is not a column of data.path={d.path!r}; columns present: "
-                            f"{sorted(first)}. Set {field} to one of them (data.template={d.template!r})")
-    return rows.select_columns(list(required_columns(cfg).values()))
 
 
 def _tokenized(rows, cfg: RunConfig) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -195,7 +195,10 @@ class Trainer:
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
-        indices = batch_indices(self.data, t.global_batch_size, t.seed, step)
+        if self.data.stream is not None:  # data.streaming: the batch's own rows, made as the run trains
+            ds = self.data.stream.global_batch(step, t.global_batch_size)
+        indices = list(range(len(ds))) if self.data.stream is not None else \
+            batch_indices(self.data, t.global_batch_size, t.seed, step)
         micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
         if self.reference:
             per_rank = len(indices) // self.engine.dp_size
@@ -265,10 +268,13 @@ class Trainer:
             check_resumed(progress.get("reference"), self.reference.key, self.reference.unsampled_key)
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
+            if self.data.stream is not None and self.step:  # continue the stream where the checkpoint was
+                self.data.stream.seek(progress["data_stream"], self.step)
 
     def _progress(self) -> dict:
         """trainer.json: where the loop is (the schema: toolkit/storage/meta.py)."""
         t = self.cfg.train
         return {"step": self.step, "consumed_samples": self.step * t.global_batch_size,
                 "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed,
-                "skipped_steps": self.skipped_steps, **({"reference": self.reference.key} if self.reference else {})}
+                "skipped_steps": self.skipped_steps, **({"reference": self.reference.key} if self.reference else {}),
+                **({"data_stream": self.data.stream.position(self.step)} if self.data.stream is not None else {})}
