@@ -11,7 +11,7 @@ the background writer's faults can fire), an eval every 5 checkpoints, the final
 between two checks is overwritten by the next all-gather, its step's gradients already changed);
 ``--set`` adds or overrides any config key for both runs. DeepSpeed's JIT ops are built once first,
 in a copy of the environment's folder (``private_op_folder``). Faults are drawn from every kind of
-``toolkit/launch/faults.py`` (each at least once when ``--faults`` allows, ``LEFT_OUT`` says which
+``toolkit/watch/faults.py`` (each at least once when ``--faults`` allows, ``LEFT_OUT`` says which
 are not and why), each at its own step, on a random rank where the kind allows. ``corrupt`` and
 ``hang_in_load`` act on checkpoint ``c`` only when a restart resumes it, so each comes with a crash
 at ``c + every - 1`` that makes one.
@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from toolkit.launch.faults import FAULT_KINDS  # noqa: E402
+from toolkit.watch.faults import FAULT_KINDS  # noqa: E402
 
 PREEMPTED_EXIT = 75  # sigterm, sigint: the job saved and stopped; the same command resumes it
 

@@ -113,3 +113,22 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     from tests.helpers import container_image
     container_image.stop_background_build()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's time (tests/unit, distributed, e2e, ...): tests run and the seconds they took,
+    setup and teardown included (summed over the xdist workers: on 2 workers about twice the wall)."""
+    tiers: dict[str, list[float]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, when = getattr(report, "nodeid", ""), getattr(report, "when", None)
+            if not nodeid.startswith("tests/") or when is None:
+                continue
+            tier = tiers.setdefault(nodeid.split("/")[1], [0, 0.0])
+            tier[0] += when == "call"
+            tier[1] += getattr(report, "duration", 0.0)
+    if tiers:
+        terminalreporter.section("time per tier")
+        for name, (count, seconds) in sorted(tiers.items()):
+            minutes = f"{seconds / 60:.1f} min, summed over workers"
+            terminalreporter.write_line(f"{name:12} {count:5d} tests {seconds:8.0f} s ({minutes})")

@@ -14,7 +14,7 @@ The Python API is the functions the ``toolkit`` command runs (``toolkit/cli.py``
 
 Each name is imported on first use, so ``import toolkit`` loads neither torch nor a backend.
 ``toolkit.train`` and ``toolkit.convert`` are also the packages of those commands; calling the package
-calls its command's function (``toolkit.launch.run.train``, ``toolkit.convert.run.convert``).
+calls its command's function (``toolkit.run.train``, ``toolkit.convert.run.convert``).
 """
 __version__ = "0.1.0"
 
@@ -28,6 +28,8 @@ _EXPORTS = {  # name: (module, attribute; None: the module itself, a package cal
     "inspect": ("toolkit.convert", "inspect"),
 }
 __all__ = list(_EXPORTS)
+_COMMANDS = {"toolkit.train": ("toolkit.run", "train"), "toolkit.convert": ("toolkit.convert", "convert")}
+"""The function each callable package runs (``toolkit/callable_package.py``)."""
 
 
 def __getattr__(name: str):

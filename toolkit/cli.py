@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=3)
     s.add_argument("--backoff-s", type=float, default=1.0)
     s.add_argument("--hang-timeout-s", type=float, default=300.0,
-                   help="restart when no rank beat for this long (the script calls toolkit.launch.heartbeat.beat)")
+                   help="restart when no rank beat for this long (the script calls toolkit.watch.heartbeat.beat)")
     s.add_argument("--nnodes", action=NodeRange, default=1, help="N, or MIN:MAX (elastic)")
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint")
@@ -95,22 +95,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="where to write (default: RUN_DIR/report)")
     r.set_defaults(func=lambda args: __import__("toolkit.observe.report", fromlist=["x"]).cmd_report(args))
     _add_convert_parsers(sub)
-    pr = sub.add_parser("prepare", help="tokenize data.path into a Megatron indexed dataset PREFIX.bin/.idx, streamed")
-    pr.add_argument("config", nargs="?", help="YAML run config: data.path, data.template, data.num_proc, the tokenizer")
-    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json (+ PREFIX_loss.*)")
-    pr.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX")
-    pr.set_defaults(func=lambda args: __import__("toolkit.data.prepare", fromlist=["x"]).cmd_prepare(args))
     return p
 
 
 def _add_convert_parsers(sub) -> None:
-    """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py)."""
+    """``convert`` and ``inspect`` (implemented in toolkit/convert/commands.py; formats from its table)."""
+    from toolkit.formats.table import SOURCES_HELP, TARGETS
     c = sub.add_parser("convert", help="convert a checkpoint between HF, DeepSpeed ZeRO and Megatron at any layout")
-    c.add_argument("src", help="HF dir, DeepSpeed checkpoint, megatron torch_dist dir, PyTorch DCP (FSDP2) dir, "
-                                  "a toolkit run/checkpoint, or an HF-PEFT adapter dir")
+    c.add_argument("src", help=SOURCES_HELP)
     c.add_argument("dst", help="output directory (must not exist; written staged, then renamed)")
-    c.add_argument("--to", choices=["hf", "zero", "megatron", "dcp", "accelerate", "peft"],
+    c.add_argument("--to", choices=TARGETS,
                    help="default: hf (zero for an HF source); dcp: a PyTorch distributed checkpoint of an FSDP2 "
                         "model (HF names, AdamW state); accelerate: an HF Trainer / accelerate FSDP2 checkpoint-N/; "
                         "a LoRA checkpoint or HF-PEFT directory: hf (merged onto its base) or peft (the adapter)")
@@ -132,10 +126,16 @@ def _add_convert_parsers(sub) -> None:
     c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
     i = sub.add_parser("inspect", help="a checkpoint's format, layout, step, completeness; a data PREFIX's documents")
-    i.add_argument("path")
+    i.add_argument("path", help=SOURCES_HELP)
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--hf-config", help="config.json (or its dir) when none lies beside PATH")
     i.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args))
+    pr = sub.add_parser("prepare", help="tokenize data.path into a Megatron indexed dataset PREFIX.bin/.idx, streamed")
+    pr.add_argument("config", nargs="?", help="YAML run config: data.path, data.template, data.num_proc, the tokenizer")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json (+ PREFIX_loss.*)")
+    pr.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX")
+    pr.set_defaults(func=lambda args: __import__("toolkit.data.prepare", fromlist=["x"]).cmd_prepare(args))
 
 
 def _config_from_args(args) -> RunConfig:
@@ -150,7 +150,7 @@ def _config_from_args(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    from toolkit.launch.run import train
+    from toolkit.run import train
     return train(_config_from_args(args), **_nodes(args), dry_run=args.dry_run)
 
 
@@ -164,7 +164,7 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_supervise(args) -> int:
-    from toolkit.launch.run import supervise
+    from toolkit.run import supervise
     return supervise(args.command_line, nproc=args.nproc, run_dir=args.run_dir, **_nodes(args),
                      max_restarts=args.max_restarts, backoff_s=args.backoff_s, hang_timeout_s=args.hang_timeout_s)
 

@@ -23,6 +23,8 @@ DEMO_DIR = Path(str(files("toolkit") / "demo"))
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """model.dtype (and the converter's --dtype) -> the torch dtype's name."""
+PREFERENCE_OBJECTIVES = ("dpo", "orpo")
+"""The ``train.objective`` values that train on ``data.template: preference`` pairs (and only they do)."""
 
 
 class _Section(BaseModel):
@@ -152,10 +154,9 @@ class TrainConfig(_Section):
     moe_aux_loss_coeff: float | None = Field(None, ge=0, description="the router loss's weight; 0: off")
     """Mixture-of-experts models: weight of the router load-balancing loss (``toolkit/adapters/moe.py``);
     default: the HF config's ``router_aux_loss_coef``. 0 turns it off."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """``sft``: the mean token cross-entropy over the global batch. ``dpo``: direct preference
-    optimization on ``data.template: preference`` pairs, the mean pair loss over the global batch
-    (``dpo.*``; ``toolkit/objectives.py``; the reference model scored once before training)."""
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    """``sft``: the mean token cross-entropy; on preference pairs (``PREFERENCE_OBJECTIVES``) ``dpo`` (``dpo.*``,
+    a reference scored once before training) or ``orpo`` (``orpo.*``, none). One file each: ``toolkit/objectives/``."""
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> "TrainConfig":
@@ -278,7 +279,7 @@ class RestartConfig(_Section):
     io_bytes_per_s: float = Field(100e6, gt=0)
     """The slowest read/write rate a healthy rank sees (a loaded shared filesystem): the default
     budget of load, reshard, save and export is hang_timeout_s + the model's bytes / this
-    (``toolkit/launch/budgets.py``)."""
+    (``toolkit/watch/budgets.py``)."""
     startup_s: float = Field(300.0, gt=0)
     """What a rank's load costs before it moves the model's bytes (imports, process group, tokenizer,
     a first build of DeepSpeed's CPU ops): the default load budget is this + the model's bytes / io_bytes_per_s."""
@@ -350,14 +351,17 @@ class LoraConfig(_Section):
 
 class DpoConfig(_Section):
     """Direct preference optimization (``train.objective: dpo``), as TRL's ``DPOTrainer`` defines it."""
-    beta: float = Field(0.1, gt=0)
-    """Strength of the tie to the reference model (IPO: the regularization tau)."""
+    beta: float = Field(0.1, gt=0, description="the tie to the reference model (IPO: the regularization tau)")
     loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """``sigmoid``: -log sigmoid(beta x margin) (DPO); ``ipo``: (margin / answer tokens - 1 / (2 beta))^2
     with each answer's log-ratio averaged over its tokens (TRL's IPO); ``hinge``: relu(1 - beta x margin)."""
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    """``sigmoid`` only: the probability that a preference label is flipped (conservative DPO):
-    -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid only: the probability e that a "
+                                   "label is flipped (conservative DPO: -(1-e) log s(beta m) - e log s(-beta m))")
+
+
+class OrpoConfig(_Section):
+    """Odds-ratio preference optimization (``train.objective: orpo``), as TRL's ``ORPOTrainer`` defines it."""
+    beta: float = Field(0.1, gt=0, description="TRL's beta (the paper's lambda): the odds-ratio term's weight")
 
 
 class RunConfig(_Section):
@@ -376,34 +380,36 @@ class RunConfig(_Section):
     metrics: MetricsConfig = MetricsConfig()
     lora: LoraConfig = LoraConfig()
     dpo: DpoConfig = DpoConfig()
+    orpo: OrpoConfig = OrpoConfig()
 
     @model_validator(mode="after")
     def _objective_fits_data(self) -> "RunConfig":
-        """DPO trains on preference pairs and preference pairs train only with DPO."""
-        dpo, preference = self.train.objective == "dpo", self.data.template == "preference"
-        if dpo and not preference:
-            raise ValueError(f"train.objective=dpo needs preference pairs, but data.template={self.data.template}; "
-                             "set data.template=preference (with data.prompt_column, data.chosen_column, "
-                             "data.rejected_column)")
-        if preference and not dpo:
-            raise ValueError(f"data.template=preference holds pairs that only train.objective=dpo uses, but "
-                             f"train.objective={self.train.objective}; set train.objective=dpo")
-        if dpo and self.data.packing_mode == "concat":
-            raise ValueError("train.objective=dpo needs whole documents per pair: data.packing=concat cuts them; "
-                             "use data.packing=documents (or pad)")
+        """The preference objectives train on preference pairs and preference pairs train only with them."""
+        objective = self.train.objective
+        pairs, preference = objective in PREFERENCE_OBJECTIVES, self.data.template == "preference"
+        if pairs and not preference:
+            raise ValueError(f"train.objective={objective} needs preference pairs, but "
+                             f"data.template={self.data.template}; set data.template=preference (with "
+                             "data.prompt_column, data.chosen_column, data.rejected_column)")
+        if preference and not pairs:
+            raise ValueError(f"data.template=preference holds pairs that only the preference objectives use, but "
+                             f"train.objective={objective}; set train.objective=dpo (or orpo)")
+        if pairs and self.data.packing_mode == "concat":
+            raise ValueError(f"train.objective={objective} needs whole documents per pair: data.packing=concat "
+                             "cuts them; use data.packing=documents (or pad)")
         split = {"megatron.cp": self.megatron.cp} if self.backend == "megatron" else {"zero.sp": self.zero.sp}
         (key, size), = split.items()
-        if dpo and size > 1:  # a document's log-probability sum would span the ranks of its row
-            raise ValueError(f"train.objective=dpo does not run with {key}={size} yet (each answer's "
+        if pairs and size > 1:  # a document's log-probability sum would span the ranks of its row
+            raise ValueError(f"train.objective={objective} does not run with {key}={size} yet (each answer's "
                              f"log-probability sum would be split over the ranks of its row); set {key}=1")
         tiled = [f"zero.{k}" for k in ("tiled_mlp", "tiled_loss") if getattr(self.zero, k)]
         if tiled and self.backend == "megatron":
             raise ValueError(f"{' and '.join(tiled)} tile the HF model on DeepSpeed, but backend=megatron; unset "
                              f"{', '.join(tiled)} (megatron's own recompute and its vocabulary-parallel loss apply)")
         self._offload_activations_fits()
-        if dpo and self.zero.tiled_loss:
-            raise ValueError("zero.tiled_loss=true takes the token cross-entropy only; train.objective=dpo needs "
-                             "per-token log-probabilities from whole logits: set zero.tiled_loss=false")
+        if pairs and self.zero.tiled_loss:
+            raise ValueError(f"zero.tiled_loss=true takes the token cross-entropy only; train.objective={objective} "
+                             "needs per-token log-probabilities from whole logits: set zero.tiled_loss=false")
         if self.dpo.label_smoothing and self.dpo.loss != "sigmoid":
             raise ValueError(f"dpo.label_smoothing={self.dpo.label_smoothing} applies to dpo.loss=sigmoid only "
                              f"(dpo.loss={self.dpo.loss}); set dpo.label_smoothing=0")

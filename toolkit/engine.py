@@ -20,8 +20,8 @@ DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.i
 @dataclass
 class StepStats:
     loss: float
-    """Mean loss over all valid tokens of the global batch (all micro-batches, all DP ranks); DPO: the
-    mean pair loss over its pairs."""
+    """Mean loss over the global batch (all micro-batches, all DP ranks): over its valid tokens, or what
+    else the objective counts (preference pairs: ``toolkit/objectives/``)."""
     grad_norm: float | None
     """Global L2 norm of the gradient before clipping; None when the step was skipped."""
     compute_s: float = 0.0
@@ -49,25 +49,23 @@ class Engine(Protocol):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_tokens: int, lr: float) -> StepStats:
         """One optimizer step over this rank's micro-batches of a global batch.
 
-        ``loss_tokens`` is the number of valid tokens in the whole global batch (all ranks), so the
-        gradient is that of ``sum(token losses) / loss_tokens`` whatever the DP size or accumulation.
-        With ``train.objective: dpo`` it counts the global batch's preference pairs and the gradient is
-        that of ``sum(pair losses) / pairs`` (``toolkit/objectives.py``); ``StepStats.extra`` then holds
-        TRL's reward metrics of the global batch.
+        ``loss_tokens`` is the objective's count of the whole global batch (all ranks: its valid tokens,
+        or its preference pairs), so the gradient is that of ``sum(the objective's loss sums) / loss_tokens``
+        whatever the DP size or accumulation (``toolkit/objectives/base.py``); ``StepStats.extra`` holds the
+        objective's metrics of the global batch.
         """
 
     def eval_loss_sum(self, micro_batches: list[dict[str, torch.Tensor]], beat=None) -> tuple[float, int]:
-        """Summed token loss and valid-token count over the whole DP group (already reduced); with
-        ``train.objective: dpo``, summed pair losses and the pair count (``eval_metrics`` then holds
-        TRL's reward metrics of the eval pairs, ``eval_`` prefixed).
+        """The objective's summed loss and its count (valid tokens, or pairs) over the whole DP group (already
+        reduced); ``eval_metrics`` then holds the objective's metrics of the eval rows, ``eval_`` prefixed.
         ``beat()``, if given, after each micro-batch: the heartbeat's progress (here and below)."""
 
     def document_logps(self, micro_batches: list[dict[str, torch.Tensor]], width: int,
                        beat=None) -> list[torch.Tensor] | None:
         """Forward only, the model as built (a LoRA run's base): ``[mbs, width]`` fp64 sums of each
-        document's answer log-probabilities per micro-batch (``toolkit/objectives.py``), on the ranks
+        document's answer log-probabilities per micro-batch (``objectives.document_sums``), on the ranks
         that hold them (one per DP replica; the others: None). The reference scores of preference
-        objectives (``toolkit/train/reference.py``); collective."""
+        objectives (``toolkit/objectives/reference.py``); collective."""
 
     def save(self, path: Path, step: int, beat=None) -> None:
         """Write this engine's state (model, optimizer) of ``step`` under ``path``; collective;

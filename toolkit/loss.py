@@ -7,6 +7,8 @@ HF path's loss with ``loss_chunk_rows``; the data pipeline writes ``IGNORE_INDEX
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,15 @@ about three such chunks at once: log-probabilities, their gradient, the logits' 
 LOSS_ROW_MULTIPLE = 8
 """Chunks start at multiples of 8 rows, so every row sits at the same 16-byte alignment it has in a
 whole-tensor upcast: CUDA's softmax kernels pick their reduction order by pointer alignment."""
+
+
+def mlp_tiles(seq: int, hidden: int) -> int:
+    """``zero.tiled_mlp``'s tile count for rows of ``seq`` tokens (the tiled MLP and the memory
+    estimate): ALST's rule: ceil(seq / hidden). No collective is needed to agree on it (ZeRO-3 gathers
+    the MLP's parameters once per tile on every rank): every rank's rows are ``data.seq_len`` long
+    (``seq_len / sp`` each under zero.sp), so every rank computes the same count, with no host sync
+    per layer on a GPU."""
+    return max(1, math.ceil(seq / hidden))
 
 
 def loss_chunk_rows(vocab: int) -> int:
@@ -97,7 +108,7 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | No
     logits ``[batch, seq, vocab]`` (any float dtype), labels ``[batch, seq]`` already shifted. Bit for
     bit ``log_softmax(logits.float(), -1).gather(-1, labels)`` (masked) and its gradient, with fp32
     only ``chunk_rows`` rows at a time (``ChunkedTokenLogProbs``): the preference objectives
-    (``toolkit/objectives.py``) sum them per document."""
+    (``toolkit/objectives/``) sum them per document."""
     require_on_device(labels, "labels")
     vocab = logits.shape[-1]
     out = ChunkedTokenLogProbs.apply(logits.reshape(-1, vocab), labels.reshape(-1),
@@ -259,3 +270,17 @@ class TileGrads:
         if self.partitioned:
             return []
         return [None if s is None else s.to(p.dtype) for s, p in zip(self.sums, self.params)]
+
+
+class LogitScores:
+    """A micro-batch's full-vocabulary logits ``[batch, seq, vocab]`` (the HF path) as the objectives read
+    them (``objectives.base.Scores``): the chunked fp32 loss sum, or each label token's log-probability."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def loss_sum(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss_sum(self.logits, labels)
+
+    def logps(self, labels: torch.Tensor) -> torch.Tensor:
+        return token_logps(self.logits, labels)

@@ -33,7 +33,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_inspect_names_it_a_lora_dcp_with_rank_and_targets(peft_dcp):
+    """Its line of the format table (tests/distributed/test_formats_table.py has the other formats')."""
+    from toolkit.formats.detect import locate
+    from toolkit.formats.table import by_name
     ckpt, base, _ = peft_dcp
+    found = locate(ckpt, str(base))
+    assert (found.format, by_name(found.format).describe(found.path)) == ("dcp (peft LoRA)", {"dp": 2})
     info = inspect(ckpt, str(base))
     assert info["format"] == "dcp (peft LoRA)" and info["rank"] == 4 and info["alpha"] == 8
     assert sorted(info["targets"]) == sorted(PEFT_TARGETS) and info["adapted_layers"] == 8
@@ -75,7 +80,7 @@ def test_accelerates_layout_with_the_trainers_adapter_config_converts_the_same(p
     ``checkpoint-N/`` itself; and a toolkit LoRA checkpoint's torch_dist directory is not taken for one."""
     from safetensors.torch import load_file
 
-    from toolkit.lora.files import find_peft_dcp
+    from toolkit.formats.peft import find_peft_dcp
     ckpt, base, _ = peft_dcp
     trainer = tmp_path / "checkpoint-2"
     shutil.copytree(ckpt, trainer / "pytorch_model_fsdp_0")

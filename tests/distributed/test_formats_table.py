@@ -33,6 +33,11 @@ READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-leg
              "dcp": {"dp": 2}, "torchtitan": {"dp": 1}}
 """Checkpoints written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2;
 torchtitan's layout through DCP in one process, tests/helpers/torchtitan.py)."""
+ADAPTERS = {"peft": {}, "toolkit-deepspeed (LoRA)": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2},
+            "toolkit-megatron (LoRA)": {"dp": 2, "tp": 2, "pp": 1, "vpp": None, "ep": 1, "format": "torch_dist"},
+            "dcp (peft LoRA)": {"dp": 2}}
+"""LoRA adapters, converted whole (``lora/``): peft's own save, and the toolkit's LoRA checkpoints written from
+it (below); the DCP of a peft model FSDP2 saved on 2 ranks is tests/distributed/test_dcp_peft.py's case."""
 MEGATRON_DESCRIPTION = {
     "format": "megatron-core torch_dist", "family": "qwen2", "vocab_size": 250, "padded_vocab_size": 256,
     "make_vocab_size_divisible_by": 64, "layer_spec": "gpt_layer_local_spec",
@@ -49,9 +54,55 @@ def hf_model(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_every_registered_format_is_tested_here():
     """A new format is registered in the table and gets its case here."""
-    assert {f.name for f in FORMATS} == set(WRITTEN) | set(READ_ONLY)
+    assert {f.name for f in FORMATS} == set(WRITTEN) | set(READ_ONLY) | set(ADAPTERS)
     assert {f.name for f in FORMATS if f.writer} == set(WRITTEN)
-    assert TARGETS == ("hf", "megatron", "zero", "dcp", "accelerate")
+    assert {f.name for f in FORMATS if f.adapters} == set(ADAPTERS)
+    assert TARGETS == ("hf", "megatron", "zero", "dcp", "accelerate", "peft")
+
+
+def test_lora_adapters_are_detected_described_and_refused_as_a_stream(tmp_path):
+    """A peft adapter directory and the ZeRO / megatron LoRA checkpoints converted from it are found by
+    their own lines of the table (a LoRA checkpoint also from its engine/), described with the layout
+    they were written at, and refused as a model's stream with the command that converts them."""
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.convert import convert
+    model = tiny_model(FAMILY)
+    model.save_pretrained(tmp_path / "base")
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "peft")
+    convert(tmp_path / "peft", tmp_path / "zero", to="zero", base=str(tmp_path / "base"))
+    convert(tmp_path / "zero", tmp_path / "megatron", to="megatron", tp=2, dp=2)
+    cases = {"peft": tmp_path / "peft", "toolkit-deepspeed (LoRA)": tmp_path / "zero",
+             "toolkit-megatron (LoRA)": tmp_path / "megatron"}
+    for name, path in cases.items():
+        for where in (path, path / "engine") if name != "peft" else (path,):
+            found = locate(where)
+            assert (found.format, found.path) == (name, path)
+        assert by_name(name).describe(found.path) == ADAPTERS[name]
+        with pytest.raises(ConvertError, match="it converts only as a whole: toolkit convert"):
+            open_located(found)
+    with pytest.raises(ConvertError, match="--to peft: writes LoRA adapters, from a LoRA source only"):
+        convert(tmp_path / "base", tmp_path / "out", to="peft")
+
+
+def test_a_lora_checkpoint_is_located_once_per_convert_and_verify(tmp_path, monkeypatch, capsys):
+    """``toolkit convert --verify`` of a LoRA checkpoint finds its format once, for the conversion and
+    the verification (it probed the source's LoRA files six times and more before the table had them)."""
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.cli import main
+    from toolkit.formats import detect
+    model = tiny_model(FAMILY)
+    model.save_pretrained(tmp_path / "base")
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "peft")
+    main(["convert", str(tmp_path / "peft"), str(tmp_path / "zero"), "--to", "zero", "--base", str(tmp_path / "base")])
+    located = []
+    real = detect.locate
+    monkeypatch.setattr(detect, "locate", lambda path, *a, **kw: located.append(str(path)) or real(path, *a, **kw))
+    for to, out in (("megatron", "megatron"), ("peft", "adapter")):
+        assert main(["convert", str(tmp_path / "zero"), str(tmp_path / out), "--to", to, "--verify"]) == 0
+        assert "verify: OK" in capsys.readouterr().out
+    assert located == [str(tmp_path / "zero")] * 2
 
 
 def _write(fmt, hf_dir: Path, out: Path) -> dict:
@@ -84,8 +135,9 @@ def test_megatron_description_keeps_its_keys_and_values(hf_model, tmp_path):
 
 def test_targets_name_their_formats_and_an_unknown_one_is_refused():
     assert {to: for_target(to).name for to in TARGETS} == {"hf": "hf", "megatron": "megatron", "zero": "zero-universal",
-                                                           "dcp": "dcp", "accelerate": "accelerate"}
-    with pytest.raises(ConvertError, match=r"--to 'zarr': choose one of \['hf', 'megatron', 'zero', 'dcp', 'accelerate'\]"):
+                                                           "dcp": "dcp", "accelerate": "accelerate", "peft": "peft"}
+    with pytest.raises(ConvertError, match=r"--to 'zarr': choose one of \['hf', 'megatron', 'zero', 'dcp', 'accelerate', "
+                                           r"'peft'\]"):
         for_target("zarr")
     with pytest.raises(ConvertError, match="the zero format is read only"):
         by_name("zero").write(None, Path("."), REQUEST)
@@ -147,3 +199,17 @@ def test_torchtitan_checkpoint_is_detected_read_and_described(tmp_path):
     assert sorted(source.names()) == sorted(held)
     for n in source.names():
         assert torch.equal(source.read(n), held[n]), n
+
+
+def test_the_command_line_offers_the_tables_targets_and_sources():
+    """``convert --to`` choices and the SRC / PATH help are the table's, not a second list."""
+    import argparse
+
+    from toolkit.cli import _parser
+    from toolkit.formats.table import SOURCES_HELP
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    convert, inspect = commands.choices["convert"], commands.choices["inspect"]
+    action = {a.dest: a for a in convert._actions}
+    assert tuple(action["to"].choices) == TARGETS
+    assert action["src"].help == SOURCES_HELP == next(a for a in inspect._actions if a.dest == "path").help
+    assert all(f.help and f.help in SOURCES_HELP for f in FORMATS)

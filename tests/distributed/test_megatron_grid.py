@@ -43,7 +43,7 @@ def test_each_rank_finds_its_place(tmp_path, name):
         assert got["ep_rank"] == (rank % ep if ep > 1 else 0)
         assert got["ends"] == (place.pp_rank == 0, place.pp_rank == pp - 1)
         assert (got["tp_group"], got["dp_group"]) == (tp, dp)
-        assert got["timeout_s"] == 180  # not megatron's default 30 minutes: launch/budgets.py sets it
+        assert got["timeout_s"] == 180  # not megatron's default 30 minutes: watch/budgets.py sets it
 
 
 def _mismatch(rank, world):

@@ -160,7 +160,7 @@ def test_trainjob_wiring_agrees_with_the_cli_and_the_runtime():
     assert job_spec["backoffLimit"] == 0 and job_spec["template"]["spec"]["restartPolicy"] == "Never"
     assert job_spec["podFailurePolicy"]["rules"] == [
         {"action": "Ignore", "onExitCodes": {"containerName": "node", "operator": "In", "values": [75]}}]
-    from toolkit.launch.agent import PREEMPTED_EXIT
+    from toolkit.watch.protocol import PREEMPTED_EXIT
     assert PREEMPTED_EXIT == 75
     mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
     volumes = {v["name"]: v for v in job_spec["template"]["spec"]["volumes"]}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.runs import losses, resumes, train
-from toolkit.launch.events import read_events
 from toolkit.storage import verify_complete
+from toolkit.watch.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The hang watchdog judges each heartbeat phase by its own budget (``toolkit/launch/budgets.py``):
+"""The hang watchdog judges each heartbeat phase by its own budget (``toolkit/watch/budgets.py``):
 long healthy work (an eval, a save, the final export), which beats as it progresses, is not a hang;
 a rank stuck in a load or a save is caught, its phase named in events.jsonl and its stacks, and the
 job recovers from the last good checkpoint with the uninterrupted run's losses."""
@@ -12,8 +12,8 @@ import pytest
 from tests.helpers.runs import TINY, losses, resumes, train
 from toolkit.config import RestartConfig
 from toolkit.launch.agent import find_hang
-from toolkit.launch.budgets import collective_timeout_s, phase_budgets
-from toolkit.launch.heartbeat import Heartbeat, read_heartbeats
+from toolkit.watch.budgets import collective_timeout_s, phase_budgets
+from toolkit.watch.heartbeat import Heartbeat, read_heartbeats
 
 # --- the rule and the judgement (no processes) ----------------------------------------------------
 
@@ -200,9 +200,9 @@ def _resume_phases(rank, world, run_dir, overrides):
 
     from toolkit.checkpoint.checkpointer import Checkpointer
     from toolkit.config import load_config
-    from toolkit.launch.faults import FaultInjector
     from toolkit.plan import build_plan
     from toolkit.train.worker import build_engine
+    from toolkit.watch.faults import FaultInjector
     run_dir = Path(run_dir)
     plan = build_plan(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]), [world])
     engine = build_engine(plan, run_dir, rank)

@@ -403,7 +403,7 @@ def test_dry_run_shows_the_resolved_lora_and_its_trainable_count(tmp_path, data_
 @pytest.mark.slow
 def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
     from toolkit.convert import ConvertError, inspect
-    from toolkit.formats.detect import locate
+    from toolkit.formats.detect import open_source
     run = lora_runs("zero2")
     ckpt, peft_dir = inspect(run), inspect(run / "adapter")
     plan = json.loads((run / "plan.json").read_text())["lora"]
@@ -414,9 +414,9 @@ def test_inspect_describes_adapters_and_convert_refuses_them_by_name(lora_runs):
     assert peft_dir["format"] == "peft" and peft_dir["dtypes"] == ["F32"]
     with pytest.raises(ConvertError, match="a LoRA checkpoint \\(adapters only, base .*\\); it converts only as a "
                                            "whole: toolkit convert CKPT OUT --to peft"):
-        locate(run)
+        open_source(run)
     with pytest.raises(ConvertError, match="an HF-PEFT adapter directory"):
-        locate(run / "adapter")
+        open_source(run / "adapter")
 
 
 @pytest.mark.slow

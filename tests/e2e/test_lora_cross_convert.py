@@ -62,8 +62,8 @@ def test_megatron_lora_checkpoint_resumes_on_zero3_dp2(lora_runs, tmp_path, data
 
 def test_round_trip_keeps_adapters_and_moments_bit_for_bit_and_back_to_peft_exact(lora_runs, tmp_path):
     from toolkit.convert import convert
+    from toolkit.formats.lora_checkpoint import lora_checkpoint_meta
     from toolkit.lora.checkpoint import read_lora_checkpoint
-    from toolkit.lora.files import lora_checkpoint_meta
     ckpt = lora_runs["zero2"] / "checkpoints" / f"step_{K:08d}"
     convert(ckpt, tmp_path / "m", to="megatron", tp=2)
     convert(tmp_path / "m", tmp_path / "z", to="zero", dp=2, zero_stage=1)

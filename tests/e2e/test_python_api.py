@@ -29,12 +29,12 @@ def test_the_api_and_the_cli_call_the_same_train_and_convert(monkeypatch, tmp_pa
     """``toolkit.train`` / ``toolkit.convert`` and ``toolkit train`` / ``toolkit convert`` reach one
     function each (replaced here by a recorder, so nothing runs)."""
     import toolkit.convert
-    import toolkit.launch.run
+    import toolkit.run
     from toolkit.cli import main
     calls = []
     summary = {"from": "hf", "to": "zero", "tensors": 0, "step": None, "optimizer_state": False, "reader": "torch",
                "seconds": 0.0}
-    monkeypatch.setattr(toolkit.launch.run, "train", lambda run, **kw: calls.append(("train", run.run_dir, kw)) or 0)
+    monkeypatch.setattr(toolkit.run, "train", lambda run, **kw: calls.append(("train", run.run_dir, kw)) or 0)
     monkeypatch.setattr(toolkit.convert, "convert", lambda src, dst, **kw: calls.append(("convert", src, dst)) or summary)
     nodes = {"nnodes": 1, "min_nnodes": None, "node_rank": 0, "rdzv_endpoint": None, "dry_run": False}
     assert main(["train", "--run-dir", str(tmp_path)]) == 0
@@ -49,17 +49,17 @@ def test_the_api_and_the_cli_call_the_same_train_and_convert(monkeypatch, tmp_pa
 def test_exports_are_the_cli_s_own_functions():
     import toolkit.cli
     import toolkit.convert
-    import toolkit.launch.run
     import toolkit.plan
+    import toolkit.run
     import toolkit.train.trainer
     import toolkit.train.worker
     assert toolkit.load_config is toolkit.cli.load_config
-    assert toolkit.build_plan is toolkit.plan.build_plan  # what toolkit.launch.run.train plans with
+    assert toolkit.build_plan is toolkit.plan.build_plan  # what toolkit.run.train plans with
     assert toolkit.build_engine is toolkit.train.worker.build_engine  # what each rank's run_worker calls
     assert toolkit.Trainer is toolkit.train.trainer.Trainer
     assert toolkit.inspect is toolkit.convert.inspect  # what cmd_inspect calls
     import inspect
-    assert inspect.signature(toolkit.train) == inspect.signature(toolkit.launch.run.train)
+    assert inspect.signature(toolkit.train) == inspect.signature(toolkit.run.train)
     assert list(inspect.signature(toolkit.convert).parameters)[:3] == ["src", "dst", "to"]
 
 

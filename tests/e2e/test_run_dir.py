@@ -24,8 +24,8 @@ import pytest
 
 from tests.helpers.disks import read_only, small_disk
 from tests.helpers.runs import REPO, losses, refused, resumes, run_cli, train, train_args
-from toolkit.launch.events import read_events
 from toolkit.storage import verify_complete
+from toolkit.watch.events import read_events
 
 pytestmark = pytest.mark.slow
 

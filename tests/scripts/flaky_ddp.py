@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from toolkit.launch.heartbeat import beat
+from toolkit.watch.heartbeat import beat
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -1,4 +1,4 @@
-"""Per-rank phase budgets and the process-group timeout (``toolkit/launch/budgets.py``): a rank's save
+"""Per-rank phase budgets and the process-group timeout (``toolkit/watch/budgets.py``): a rank's save
 and load budgets count the bytes that rank moves, not the whole model's (a 70B hung save is caught in
 minutes, not hours), and every process group's timeout exceeds every budget, so that a rank waiting
 in a collective for a healthy peer's long write is never killed before the watchdog judges it."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from toolkit.config import RestartConfig, load_config
-from toolkit.launch.budgets import RankShare, collective_timeout_s, phase_budgets, rank_share
 from toolkit.plan import build_plan
+from toolkit.watch.budgets import RankShare, collective_timeout_s, phase_budgets, rank_share
 
 B70 = 70_000_000_000
 

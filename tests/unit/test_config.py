@@ -101,7 +101,7 @@ def test_offload_params_needs_stage3():
 
 
 def test_rank_start_method_is_checked(monkeypatch):
-    from toolkit.launch.run import _rank_entrypoint
+    from toolkit.run import _rank_entrypoint
     cfg = load_config()
     monkeypatch.setenv("TOOLKIT_RANK_START", "fork")
     with pytest.raises(ConfigError, match=r"TOOLKIT_RANK_START='fork': choose spawn or forkserver"):

@@ -219,6 +219,6 @@ def test_a_global_batch_no_micro_batch_fits_names_the_fixes_that_exist():
 ])
 def test_the_last_line_of_a_run_says_what_it_wrote(sets, says, never):
     """"model in RUN/hf_final" was printed with train.export_hf=false, which writes none."""
-    from toolkit.launch.run import done_line
+    from toolkit.run import done_line
     line = done_line(load_config(None, sets))
     assert says in line and never not in line, line

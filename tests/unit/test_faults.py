@@ -7,8 +7,8 @@ import errno
 import pytest
 
 from toolkit.checkpoint.manager import SaveFailed
-from toolkit.launch.faults import FaultInjector
 from toolkit.storage.space import describe_error
+from toolkit.watch.faults import FaultInjector
 
 
 def test_enospc_and_raise_in_persist_fire_at_their_step_once(tmp_path):

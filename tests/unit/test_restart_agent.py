@@ -13,14 +13,14 @@ Thread 0x00007f2368ad66c0 (most recent call first):
 """
 STUCK = OTHER_THREAD + """\
 Current thread 0x00007f23af7fab80 (most recent call first):
-  File "/repo/toolkit/launch/faults.py", line 77 in after_step
+  File "/repo/toolkit/watch/faults.py", line 77 in after_step
   File "/repo/toolkit/train/trainer.py", line 91 in fit
   File "/repo/toolkit/train/worker.py", line 86 in forked_main
 """ + WRAPPERS
 WAITING = """\
 Current thread 0x00007f23af7fab80 (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
-  File "/repo/toolkit/launch/monitor.py", line 58 in stop_agreed
+  File "/repo/toolkit/watch/monitor.py", line 58 in stop_agreed
   File "/repo/toolkit/train/worker.py", line 86 in forked_main
 """ + WRAPPERS
 

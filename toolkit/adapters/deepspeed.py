@@ -27,8 +27,8 @@ from toolkit.adapters.ulysses import (
 )
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
-from toolkit.loss import tiled_token_loss_sum
-from toolkit.objectives import DPO, STATS, hf_document_logps, hf_loss_sum, metrics
+from toolkit.loss import LogitScores, tiled_token_loss_sum
+from toolkit.objectives import document_sums
 from toolkit.plan import Plan
 
 
@@ -71,7 +71,7 @@ class DeepSpeedEngine:
         self.ds_config, self.optimizer_choice = resolved or with_available_adam(plan.ds_config(dist.get_world_size()))
         self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
-        self.objective, self.eval_metrics = DPO.of(cfg), {}
+        self.objective, self.eval_metrics = plan.objective, {}
         self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
@@ -81,7 +81,7 @@ class DeepSpeedEngine:
             experts_as_leaf_modules(model)
         if cfg.zero.tiled_mlp:
             tile_mlps(model)
-        self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # config refuses it with DPO
+        self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # the token cross-entropy only (config)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
@@ -97,7 +97,7 @@ class DeepSpeedEngine:
         self._set_lr(lr)
         # DeepSpeed averages gradients over DP ranks; scaling by dp makes the sum over ranks of
         # local sums / loss_tokens, i.e. the mean over the whole global batch (the loss contract;
-        # DPO: loss_tokens counts the global batch's pairs, toolkit/objectives.py). With zero.sp each
+        # loss_tokens is the objective's count: tokens, or pairs; toolkit/objectives/). With zero.sp each
         # rank's sum is over its slice of the rows, and DeepSpeed sums gradients over the world and
         # divides by dp = world / sp: the same mean.
         scale = self.dp_size / loss_tokens
@@ -124,7 +124,7 @@ class DeepSpeedEngine:
             grad_norm = float(self.engine.get_global_grad_norm())
         extra = self.router.stats.metrics(len(micro_batches) * self.dp_size) if self.router and self.router.stats else {}
         totals = local_sum.tolist()  # one host read: the loss and the objective's metrics
-        extra.update(metrics(self.objective, totals[1:]))
+        extra.update(self.objective.metrics(totals[1:]))
         return StepStats(loss=totals[0] / loss_tokens, grad_norm=None if skipped else grad_norm,
                          compute_s=forward_time.seconds(), skipped=skipped, loss_scale=self._loss_scale(),
                          extra=extra)
@@ -156,14 +156,10 @@ class DeepSpeedEngine:
         return out
 
     def _loss_sum(self, out, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hf_loss_sum`` of this rank's tokens; with zero.tiled_loss, from the decoder's hidden states
-        and the lm_head a tile at a time (``loss.tiled_token_loss_sum``), never the whole logits."""
-        mb = mb | {"labels": self._labels(mb)}
-        if self.hidden:
-            total, count = tiled_token_loss_sum(self.hidden.take(), self.hidden.head, mb["labels"],
-                                                tied=self.hidden.tied)
-            return total, count.double().view(1)
-        return hf_loss_sum(self.objective, out.logits, mb)
+        """The objective's (loss sum, stats) of this rank's tokens; with zero.tiled_loss, from the decoder's
+        hidden states and the lm_head a tile at a time (``_TiledScores``), never the whole logits."""
+        scores = _TiledScores(self.hidden) if self.hidden else LogitScores(out.logits)
+        return self.objective(scores, mb | {"labels": self._labels(mb)})
 
     def _labels(self, mb: dict) -> torch.Tensor:
         """The labels of the tokens this rank's forward scored."""
@@ -192,9 +188,9 @@ class DeepSpeedEngine:
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches, beat=None):
-        """Also sets ``eval_metrics`` (DPO: TRL's reward metrics over the eval pairs)."""
+        """Also sets ``eval_metrics`` (the objective's, over the eval rows)."""
         self.engine.eval()
-        totals = device.zeros(2 if self.objective is None else 1 + STATS, dtype=torch.float64)
+        totals = device.zeros(1 + self.objective.stats_size, dtype=torch.float64)
         for mb in map(device.to_device, micro_batches):
             out = self._forward(mb, router=False)
             loss_sum, stats = self._loss_sum(out, mb)
@@ -205,7 +201,7 @@ class DeepSpeedEngine:
         self.engine.train()
         dist.all_reduce(totals)
         values = totals.tolist()  # one host read
-        self.eval_metrics = metrics(self.objective, values[1:], prefix="eval_")
+        self.eval_metrics = self.objective.metrics(values[1:], prefix="eval_")
         return values[0], int(values[-1])
 
     @torch.no_grad()
@@ -216,7 +212,8 @@ class DeepSpeedEngine:
         with self.engine.module.disable_adapter() if self.lora else contextlib.nullcontext():
             out = []
             for mb in map(device.to_device, micro_batches):
-                out.append(hf_document_logps(self._forward(mb, router=False).logits, mb, width))
+                logps = LogitScores(self._forward(mb, router=False).logits).logps(mb["labels"])
+                out.append(document_sums(logps, mb["document_ids"], width))
                 if beat:
                     beat()
         self.engine.train()
@@ -326,6 +323,21 @@ class DeepSpeedEngine:
 
     def layout_record(self) -> dict:
         return self.lay.record()
+
+
+class _TiledScores:
+    """zero.tiled_loss's ``Scores``: the token cross-entropy from the decoder's hidden states and the lm_head,
+    a tile at a time (``loss.tiled_token_loss_sum``); no whole per-token log-probabilities (config refuses
+    the objectives that need them)."""
+
+    def __init__(self, hidden: HiddenStates):
+        self.hidden = hidden
+
+    def loss_sum(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tiled_token_loss_sum(self.hidden.take(), self.hidden.head, labels, tied=self.hidden.tied)
+
+    def logps(self, labels: torch.Tensor) -> torch.Tensor:
+        raise ConfigError("zero.tiled_loss=true gives the token cross-entropy only; set zero.tiled_loss=false")
 
 
 def _undo_state_init_step(optimizer) -> None:

@@ -13,13 +13,12 @@ states instead of the logits and runs the lm_head per tile.
 """
 from __future__ import annotations
 
-import math
 import types
 
 import torch
 
 from toolkit.adapters import moe
-from toolkit.loss import TileGrads
+from toolkit.loss import TileGrads, mlp_tiles
 
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -40,14 +39,6 @@ def tile_mlps(model: torch.nn.Module) -> int:
     for mlp in plain:
         mlp.forward = types.MethodType(_tiled_forward, mlp)
     return len(plain)
-
-
-def mlp_tiles(seq: int, hidden: int) -> int:
-    """ALST's tile count: ceil(seq / hidden). No collective is needed to agree on it (ZeRO-3 gathers
-    the MLP's parameters once per tile on every rank): every rank's rows are ``data.seq_len`` long
-    (``seq_len / sp`` each under zero.sp), so every rank computes the same count, with no host sync
-    per layer on a GPU."""
-    return max(1, math.ceil(seq / hidden))
 
 
 def _mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ class SequenceSplit:
 
 def _replica_group(sp: int):
     """The ranks holding the same slice of different rows (stride sp): this rank's DP replicas, for
-    the checks that compare replicas (``launch/monitor.py``); collective."""
+    the checks that compare replicas (``watch/monitor.py``); collective."""
     world = dist.get_world_size()
     mine = None
     for first in range(sp):

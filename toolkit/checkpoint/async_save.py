@@ -31,8 +31,6 @@ from toolkit.storage import fsync
 from toolkit.storage.space import describe_error, free_bytes, human_bytes, looks_full
 
 COPY_CHUNK = 1 << 22
-# Bytes a checkpoint may need per parameter: weights, fp32 master copy and two Adam moments.
-BYTES_PER_PARAM = 16
 
 
 def default_local_dir() -> Path:

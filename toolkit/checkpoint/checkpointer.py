@@ -3,7 +3,7 @@ every rank's RNG and the checkpoint's descriptions (``toolkit/storage/meta.py``)
 the newest complete checkpoint, resharded or converted when it was written at another layout.
 
 The loop calls ``save(step, progress)``, ``poll()`` at step boundaries and ``resume()`` once; the
-fault hooks (``launch/faults.py``) are called at the named points ``in_save``, ``in_persist`` and
+fault hooks (``watch/faults.py``) are called at the named points ``in_save``, ``in_persist`` and
 ``after_commit``.
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.checkpoint.async_save import BYTES_PER_PARAM, AsyncCheckpointer, local_root
+from toolkit.checkpoint.async_save import AsyncCheckpointer, local_root
 from toolkit.checkpoint.lineage import check_resumable, lora_record, resume_checkpoint, run_id_for
 from toolkit.checkpoint.manager import CheckpointError, CheckpointManager, SaveFailed
 from toolkit.checkpoint.reshard import drop_conversion, engine_state_dir
+from toolkit.estimate.goodput import CHECKPOINT_BYTES_PER_PARAM
 from toolkit.parallel import rng_state, seed_everything, set_rng_state
 from toolkit.plan import Plan
 from toolkit.storage import meta
@@ -68,7 +69,7 @@ class Checkpointer:
             return self._save_sync(step, progress)
         self.poll(wait=True)  # one save in flight at most
         trained, _ = self.plan.trainable_parameters()  # a LoRA checkpoint holds its adapters only
-        if not self.async_ckpt.has_room(trained * BYTES_PER_PARAM):
+        if not self.async_ckpt.has_room(trained * CHECKPOINT_BYTES_PER_PARAM):
             self.metrics.note(f"{self.async_ckpt.root.parent} lacks room for a checkpoint: saving synchronously")
             return self._save_sync(step, progress)
         tic = time.perf_counter()
@@ -136,7 +137,7 @@ class Checkpointer:
         ``unexpected pos``): measured now, before the partial checkpoint is removed. A disk with room
         for less than one checkpoint is full for this run."""
         trained, _ = self.plan.trainable_parameters()
-        if not looks_full(exc, where, needed=trained * BYTES_PER_PARAM):
+        if not looks_full(exc, where, needed=trained * CHECKPOINT_BYTES_PER_PARAM):
             return None
         free = free_bytes(where)
         return f"{where.parent} ({human_bytes(free) if free is not None else 'unknown'} free)"
@@ -156,7 +157,7 @@ class Checkpointer:
                         "or lower checkpoint.keep_last")
         if self.rank == 0:
             shutil.rmtree(self.manager.staging(exc.step), ignore_errors=True)
-            from toolkit.launch.events import emit
+            from toolkit.watch.events import emit
             emit(self.run_dir, "checkpoint_failed", step=exc.step, kept=kept, disk_full=disk_full,
                  full={str(rank): where for rank, where in exc.full.items()},
                  errors={str(rank): e for rank, e in enumerate(exc.errors) if e})
@@ -227,7 +228,7 @@ class Checkpointer:
         return progress
 
     def _skipped(self, message: str) -> None:
-        from toolkit.launch.events import emit
+        from toolkit.watch.events import emit
         self.metrics.note(message)
         emit(self.run_dir, "checkpoint_skipped", reason=message)
 

@@ -1,5 +1,5 @@
 """Which checkpoint a run resumes, and what a launch does to its run directory first. Decided the same
-way before launch (``toolkit train`` and its ``--dry-run``: ``toolkit/launch/run.py``) and in the
+way before launch (``toolkit train`` and its ``--dry-run``: ``toolkit/run.py``) and in the
 ranks at every restart (``Checkpointer.resume``), so that a run directory the ranks would refuse is
 refused before any rank starts, with nothing written.
 

@@ -5,7 +5,8 @@
   ``inspect(SRC)``  what a checkpoint is: format, family, layout, step, sizes, completeness
   ``verify(SRC, DST)``  in ``verify.py``: exact tensor round trip and matching logits
 
-LoRA checkpoints and HF-PEFT directories: ``toolkit/lora`` (``checkpoint.py``, ``convert.py``, ``files.py``).
+LoRA checkpoints and HF-PEFT directories are formats of the table too, converted whole by the
+``toolkit/lora`` functions their lines name (``checkpoint.py``, ``convert.py``, ``dcp.py``, ``files.py``).
 The package is callable: ``toolkit.convert(SRC, DST, to=...)`` is ``convert`` (the Python API).
 """
 from __future__ import annotations
@@ -17,11 +18,6 @@ from toolkit.formats.detect import open_source
 from toolkit.formats.errors import ConvertError
 
 __all__ = ["ConvertError", "convert", "inspect", "open_source"]
-
-
-def command():
-    """What calling this package runs (``toolkit.callable_package``)."""
-    return convert
 
 
 call_as_command(__name__)

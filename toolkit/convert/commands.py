@@ -27,10 +27,12 @@ def cmd_convert(args) -> int:
 
 def _convert(args) -> int:
     from toolkit.convert import convert
+    from toolkit.formats.detect import locate
     from toolkit.heap import return_large_frees
     return_large_frees()  # freed tensors of a few MB go back to the OS between tensors (toolkit/heap.py)
-    try:
-        summary = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
+    try:  # --verify reads SRC again: find its format once, for both
+        src = locate(args.src, args.hf_config) if args.verify else args.src
+        summary = convert(src, args.dst, to=args.to, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp,
                           zero_stage=args.zero_stage, dtype=args.dtype, weights_only=args.weights_only,
                           hf_config=args.hf_config, show_progress=sys.stderr.isatty() or args.progress,
                           base=args.base, vocab_divisor=args.vocab_divisor)
@@ -42,7 +44,7 @@ def _convert(args) -> int:
           f"{summary['seconds']} s -> {args.dst}")
     if args.verify:
         try:
-            report = _verify(args)
+            report = _verify(args, src)
         except ConvertError as exc:
             print(f"toolkit convert: error: {exc}", file=sys.stderr)
             return 2
@@ -51,20 +53,15 @@ def _convert(args) -> int:
     return 0
 
 
-def _verify(args):
+def _verify(args, found):
+    """DST against SRC (``found``: where ``formats.detect.locate`` found it); LoRA adapters by
+    ``lora/convert.py``'s ``verify_lora``."""
     from pathlib import Path
 
-    from toolkit.convert.run import is_lora_source
-    if is_lora_source(Path(args.src)) and args.to in ("zero", "megatron"):
-        from toolkit.lora.checkpoint import compare_lora_sources, open_lora_checkpoint
-        from toolkit.lora.convert import peft_dir_as_checkpoint
-        from toolkit.lora.files import is_peft_dir
-        src = Path(args.src)
-        source = peft_dir_as_checkpoint(src, args.base) if is_peft_dir(src) else open_lora_checkpoint(src)
-        return compare_lora_sources(source, open_lora_checkpoint(Path(args.dst)))
-    if is_lora_source(Path(args.src)):
-        from toolkit.lora.convert import verify_adapter
-        return verify_adapter(Path(args.src), Path(args.dst), args.base)
+    from toolkit.formats.table import by_name
+    if by_name(found.format).adapters:
+        from toolkit.lora.convert import verify_lora
+        return verify_lora(found, Path(args.dst), args.base, args.to)
     from toolkit.convert.verify import verify
     return verify(args.src, args.dst, args.hf_config)
 

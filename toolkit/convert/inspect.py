@@ -1,32 +1,22 @@
 """``inspect``: what a checkpoint is (format, family, layout, step, sizes, completeness) and where
-it can train; LoRA adapters are described by ``lora/files.py``."""
+it can train; a format not read as a stream (LoRA adapters) describes itself (``table.Format.inspector``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.formats.detect import open_source, resolve_run_dir
+from toolkit.formats.detect import locate, open_located
+from toolkit.formats.table import by_name
 
 
 def inspect(path, hf_config: str | None = None) -> dict:
     """A checkpoint described: format, family, layout, step, parameters, dtypes, size, optimizer
     state, completeness (a manifest that verifies, or none to check)."""
-    from toolkit.lora.files import (
-        find_peft_dcp,
-        inspect_lora_checkpoint,
-        inspect_peft,
-        is_peft_dir,
-        lora_checkpoint_meta,
-    )
     from toolkit.storage import MANIFEST
-    if Path(path).exists() and is_peft_dir(Path(path)) and find_peft_dcp(Path(path)) is None:
-        return inspect_peft(Path(path))
-    if Path(path).exists() and find_peft_dcp(Path(path)) is not None:
-        from toolkit.lora.dcp import dcp_hf_config, inspect_peft_dcp
-        return inspect_peft_dcp(Path(path), dcp_hf_config(Path(path), hf_config))
-    lora = lora_checkpoint_meta(resolve_run_dir(Path(path))) if Path(path).exists() else None
-    if lora is not None:
-        return inspect_lora_checkpoint(*lora)
-    src = open_source(path, hf_config)
+    found = locate(path, hf_config)
+    fmt = by_name(found.format)
+    if fmt.inspector is not None:
+        return fmt.inspect(found, hf_config)
+    src = open_located(found)
     try:
         root = Path(path)
         size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -8,42 +8,39 @@ from pathlib import Path
 from toolkit.config import DTYPE_NAMES  # names only: the direct ZeRO -> HF route imports no torch
 from toolkit.formats.canonical import Source, WriteRequest
 from toolkit.formats.errors import ConvertError
-from toolkit.formats.table import TARGETS, for_target
+from toolkit.formats.table import TARGETS, backend_targets, by_name, for_target
 
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
             zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None,
             vocab_divisor: int | None = None) -> dict:
-    """Convert SRC into DST (which must not exist). ``to`` defaults to hf (to zero for an HF source);
-    ``dp`` to the smallest size the layout allows (``ep`` for megatron, else 1). Returns a summary:
-    formats, tensors, step, optimizer state, which reader ran (the torch-free ZeRO -> HF route or
-    the torch one), seconds. A LoRA source (a toolkit LoRA checkpoint or an HF-PEFT directory)
-    converts ``--to peft`` or ``--to hf`` (merged onto its base, or onto ``base``: ``lora/convert.py``).
+    """Convert SRC (a path, or where ``formats.detect.locate`` found one) into DST (which must not
+    exist). ``to`` defaults to hf (to zero for an HF source); ``dp`` to the smallest size the layout
+    allows (``ep`` for megatron, else 1). Returns a summary: formats, tensors, step, optimizer state,
+    which reader ran (the torch-free ZeRO -> HF route or the torch one), seconds. LoRA adapters (a
+    toolkit LoRA checkpoint, an HF-PEFT directory, a DCP of a peft model: formats of the table too)
+    convert whole: ``--to peft``, ``--to hf`` (merged onto their base, or onto ``base``:
+    ``lora/convert.py``), or ``--to zero|megatron`` as that backend's LoRA checkpoint.
     ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
     source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
-    from toolkit.formats.detect import locate, open_located
+    from toolkit.formats.detect import Located, locate, open_located
     from toolkit.formats.direct import open_direct
     from toolkit.formats.staging import staged
     tic = time.perf_counter()
-    if _is_lora(src):  # adapters only: --to peft, --to hf merged onto its base, or another backend
-        if to in ("zero", "megatron"):
-            summary = _convert_lora_checkpoint(Path(src), Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)),
-                                               zero_stage, weights_only, base, vocab_divisor)
-            return {**summary, "seconds": round(time.perf_counter() - tic, 3)}
-        from toolkit.lora.convert import convert_adapter, open_adapter
-        adapter, described = open_adapter(Path(src), base, hf_config)
-        try:
-            summary = convert_adapter(adapter, Path(src), Path(dst), to or "hf", max_shard_bytes, described.get("step"))
-        finally:
-            if adapter.base_source is not None:
-                adapter.base_source.close()
-        return {**summary, "from": described["format"], "seconds": round(time.perf_counter() - tic, 3)}
+    found = src if isinstance(src, Located) else locate(src, hf_config)
+    src = found.path if isinstance(src, Located) else src
+    if by_name(found.format).adapters:
+        summary = _convert_adapters(found, Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)), zero_stage,
+                                    weights_only, hf_config, max_shard_bytes, base, vocab_divisor)
+        return {**summary, "src": str(src), "seconds": round(time.perf_counter() - tic, 3)}
     if base is not None:
         raise ConvertError(f"--base {base}: applies to LoRA sources only (an HF-PEFT directory or a toolkit LoRA "
-                           f"checkpoint); {src} is neither")
-    found = locate(src, hf_config)
+                           f"checkpoint); {found.path} is {found.format}")
     to = to or ("zero" if found.format == "hf" else "hf")
+    if to in TARGETS and for_target(to).adapters:
+        raise ConvertError(f"--to {to}: writes LoRA adapters, from a LoRA source only (a toolkit LoRA checkpoint, an "
+                           f"HF-PEFT directory or a DCP of a peft model); {found.path} is {found.format}")
     dp = _dp_or_default(dp, to, ep)
     _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype, vocab_divisor)
     direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
@@ -65,47 +62,41 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _convert_lora_checkpoint(src: Path, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
-                             base: str | None, vocab_divisor: int | None) -> dict:
-    """A toolkit LoRA checkpoint of either backend (or an HF-PEFT directory, as step 0) as one of
-    ``to``'s backend (``lora/checkpoint.py``)."""
-    from toolkit.formats.detect import resolve_run_dir
+def _convert_adapters(found, dst: Path, to: str | None, parallel, zero_stage: int, weights_only: bool,
+                      hf_config: str | None, max_shard_bytes: int, base: str | None, vocab_divisor: int | None) -> dict:
+    """LoRA adapters, whole: as another backend's LoRA checkpoint (``--to zero|megatron``), else as an
+    adapter directory or merged onto its base (``lora/convert.py``), through the format's own
+    functions (``table.Format.lora_checkpoint`` / ``lora_adapter``)."""
+    fmt = by_name(found.format)
+    if to in backend_targets():
+        return _convert_lora_checkpoint(fmt.open_lora_checkpoint(found, base), dst, to, parallel, zero_stage,
+                                        weights_only, vocab_divisor)
+    from toolkit.lora.convert import convert_adapter
+    adapter, described = fmt.open_adapter(found, base, hf_config)
+    try:
+        summary = convert_adapter(adapter, found.path, dst, to or "hf", max_shard_bytes, described.get("step"))
+    finally:
+        if adapter.base_source is not None:
+            adapter.base_source.close()
+    return {**summary, "from": described["format"]}
+
+
+def _convert_lora_checkpoint(source, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
+                             vocab_divisor: int | None) -> dict:
+    """A LoRA checkpoint's stream (a toolkit LoRA checkpoint of either backend, or an HF-PEFT
+    directory as step 0) written as one of ``to``'s backend (``lora/checkpoint.py``)."""
     from toolkit.formats.staging import staged
-    from toolkit.lora.checkpoint import read_lora_checkpoint, write_lora
-    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
-    if find_peft_dcp(src) is not None:
-        raise ConvertError(f"{src}: a DCP of a peft LoRA model converts --to peft or --to hf (merged); for a toolkit "
-                           f"LoRA run convert it --to peft first, then that adapter directory --to {to}")
-    if is_peft_dir(src):  # a step-0 checkpoint, no optimizer state
-        from toolkit.lora.convert import peft_dir_as_checkpoint
-        source = peft_dir_as_checkpoint(src, base)
-        meta = source.meta
-    else:
-        ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
-        source = read_lora_checkpoint(ckpt, meta)
+    from toolkit.lora.checkpoint import write_lora
+    meta = source.meta
     _check_request(source.hf_config, to, parallel, zero_stage, None, vocab_divisor)
     with staged(dst) as stage:
         layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only, _vocab_divisor(source, vocab_divisor))
         tp, pp, _, dp = parallel
         describe_for_resume(source, stage, for_target(to).backend, layout, None, dp * tp * pp,
                             {k: meta[k] for k in ("lora", "base_model") if k in meta})
-    return {"src": str(src), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
+    return {"src": str(source.path), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
             "reader": "torch"}
-
-
-def _is_lora(src) -> bool:
-    return is_lora_source(Path(src))
-
-
-def is_lora_source(src) -> bool:
-    """An HF-PEFT directory, a DCP of a peft model, or a toolkit LoRA checkpoint (or the run directory
-    holding one)."""
-    from toolkit.formats.detect import resolve_run_dir
-    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
-    src = Path(src)
-    return src.exists() and (is_peft_dir(src) or find_peft_dcp(src) is not None
-                             or lora_checkpoint_meta(resolve_run_dir(src)) is not None)
 
 
 def _vocab_divisor(source, requested: int | None) -> int:

@@ -2,41 +2,18 @@
 an HF forward of a fixed batch from each gives the same logits (within that dtype's rounding)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from toolkit.formats.canonical import Source, hf_config_object
 from toolkit.formats.detect import open_source
 from toolkit.formats.errors import ConvertError
+from toolkit.formats.report import Report
 
 LOGIT_RTOL = {torch.float32: 0.0, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 """Max |logit difference| between SRC's forward at its own precision and DST's as stored, relative
 to SRC's largest |logit|, per destination dtype. fp32 weights are bit-identical, so the forward is
 too. Half types round each weight (2^-8 / 2^-11 relative); measured on the tests' tiny models: bf16
 up to 9.1e-3, fp16 6.3e-4 (dense) and 5.2e-3 (MoE: rounding flips near-tied routing choices)."""
-
-
-@dataclass
-class Report:
-    tensors: int = 0
-    moments: int = 0
-    mismatched: list[str] = field(default_factory=list)
-    logits_max_diff: float | None = None
-    logits_tol: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatched and (self.logits_max_diff is None or self.logits_max_diff <= self.logits_tol)
-
-    def lines(self) -> list[str]:
-        out = [f"tensors: {self.tensors} compared, {len(self.mismatched)} differ"
-               + (f" ({', '.join(self.mismatched[:5])})" if self.mismatched else ""),
-               f"optimizer moments: {self.moments} compared"]
-        if self.logits_max_diff is not None:
-            out.append(f"logits: max |diff| {self.logits_max_diff:.3g} (allowed {self.logits_tol:g})")
-        out.append("verify: OK" if self.ok else "verify: MISMATCH")
-        return out
 
 
 def verify(src, dst, hf_config: str | None = None, logits: bool = True) -> Report:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-CHECKPOINT_BYTES_PER_PARAM = 16  # bf16/fp32 weights + fp32 master + Adam moments, as toolkit.checkpoint writes
+CHECKPOINT_BYTES_PER_PARAM = 16  # bf16/fp32 weights + fp32 master + two Adam moments: what a checkpoint may need
 
 
 def goodput(mtbf_s: float, step_s: float, save_every: int, save_s: float, recovery_s: float,

@@ -260,8 +260,8 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
 
 
 def mlp_tile_count(cfg: RunConfig, spec: ModelSpec, seq_split: int = 1) -> int:
-    """``zero.tiled_mlp``'s tiles for a rank's rows (``toolkit.adapters.tiles.mlp_tiles``: ALST's rule)."""
-    from toolkit.adapters.tiles import mlp_tiles
+    """``zero.tiled_mlp``'s tiles for a rank's rows (``toolkit.loss.mlp_tiles``: ALST's rule)."""
+    from toolkit.loss import mlp_tiles
     return mlp_tiles(cfg.data.seq_len // seq_split, spec.hidden)
 
 

@@ -9,6 +9,8 @@
                   ``zero_index`` where each parameter lies, ``torchzip`` ``.pt`` archives without torch,
                   ``direct`` the torch-free ZeRO -> HF copy
   ``megatron``    megatron-core torch_dist (read, write); ``megatron_legacy`` Megatron-LM's per-rank files
+  ``lora_zero``, ``lora_megatron``, ``peft``  LoRA adapters (detection; converted whole by ``toolkit/lora``)
+  ``report``      what ``--verify`` found
   ``safeload``    allowlisted unpickling; ``pages`` memory-mapped reads that give their pages back;
   ``staging``     outputs built beside DST and renamed into place with a manifest
   ``errors``      ``ConvertError``, raised by all of them

@@ -9,12 +9,7 @@ from pathlib import Path
 from toolkit.formats.canonical import Source
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.staging import check_manifest
-from toolkit.formats.table import FORMATS, by_name
-
-SOURCE_FORMATS_HELP = "an HF save_pretrained directory, a DeepSpeed checkpoint (global_stepN/ or the folder holding " \
-          "'latest'), a megatron-core torch_dist directory, a Megatron-LM legacy mp_rank_XX checkpoint, a " \
-          "PyTorch distributed checkpoint (FSDP2: .metadata + *.distcp; accelerate's checkpoint-N/; torchtitan's " \
-          "step-N/), or a toolkit run/checkpoint directory"
+from toolkit.formats.table import FORMATS, SOURCES_HELP, by_name
 
 
 @dataclass(frozen=True)
@@ -35,20 +30,24 @@ def open_source(path, hf_config: str | None = None) -> Source:
 
 def locate(path, hf_config: str | None = None) -> Located:
     """Which format ``path`` holds (the first of ``table.FORMATS`` that detects it), where, and its
-    config (a damaged manifest is refused here)."""
+    config (a damaged manifest is refused here). LoRA adapters come first, found as they lie (their
+    config is their base's, which ``toolkit/lora`` finds: ``hf_config`` here is ``--hf-config`` or {})."""
     path = Path(path)
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
     path = resolve_run_dir(path)
-    _refuse_lora(path)
-    check_manifest(path)
     config = _explicit_config(hf_config)
-    for fmt in FORMATS:
+    for fmt in (f for f in FORMATS if f.adapters):
+        folder = fmt.detect(path)
+        if folder is not None:
+            return Located(fmt.name, folder, config or {})
+    check_manifest(path)
+    for fmt in (f for f in FORMATS if not f.adapters):
         folder = fmt.detect(path)
         if folder is not None:  # a toolkit backend's checkpoint may have its trainer.json beside it
             return Located(fmt.name, folder, config or _config_near(folder),
                            _toolkit_extras(folder) if fmt.backend else {})
-    raise ConvertError(f"{path}: unknown checkpoint format; expected {SOURCE_FORMATS_HELP}")
+    raise ConvertError(f"{path}: unknown checkpoint format; expected {SOURCES_HELP}")
 
 
 def open_located(found: Located) -> Source:
@@ -64,23 +63,6 @@ def resolve_run_dir(path: Path) -> Path:
             raise ConvertError(f"{path}: a run directory without a complete checkpoint")
         return found
     return path
-
-
-def _refuse_lora(path: Path) -> None:
-    """LoRA runs (``lora.rank > 0``) checkpoint their adapters only, and export ``hf_final/`` (merged)
-    and ``adapter/`` (HF-PEFT). ``convert`` takes a LoRA checkpoint or an HF-PEFT directory whole
-    (``lora/convert.py``), never as a ZeRO or HF source of the model: say so, not "unknown format"
-    or missing tensors (``toolkit inspect`` describes both)."""
-    from toolkit.lora.files import is_peft_dir, lora_checkpoint_meta
-    if is_peft_dir(path):
-        raise ConvertError(f"{path}: an HF-PEFT adapter directory (LoRA); it converts only as a whole: toolkit "
-                           "convert DIR OUT --to hf [--base BASE_DIR] (merged onto its base) or --to peft")
-    found = lora_checkpoint_meta(path)
-    if found is not None:
-        ckpt, meta = found
-        raise ConvertError(f"{ckpt}: a LoRA checkpoint (adapters only, base {meta.get('base_model', {}).get('path')}); "
-                           "it converts only as a whole: toolkit convert CKPT OUT --to peft (the adapter) or --to hf "
-                           "(merged onto its base)")
 
 
 def _explicit_config(hf_config: str | None) -> dict | None:

@@ -1,2 +1,4 @@
-"""Fault tolerance: an elastic agent with a restart policy, heartbeats, hang/straggler/divergence
-detection, preemption, an event log and a fault injector for tests."""
+"""The supervisor: torch elastic's agent with a restart policy (``agent.py``), the launch of a
+job's ranks (``elastic.py``), a multi-node roster (``roster.py``) and the devices a node offers
+(``devices.py``). What a rank reports lives below, in ``toolkit/watch/``; what ``toolkit train``
+does before and around the launch, above, in ``toolkit/run.py``."""

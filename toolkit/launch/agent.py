@@ -3,7 +3,7 @@
 The agent (the machinery of torchrun) starts the ranks, watches them and restarts the whole group
 on a failure; we add: an event per failure/restart/hang/preemption in ``RUN_DIR/events.jsonl``,
 exponential backoff between restarts, a heartbeat watchdog that judges each rank's silence against
-its phase's budget (``launch/budgets.py``), dumps every rank's Python stack under a header naming
+its phase's budget (``watch/budgets.py``), dumps every rank's Python stack under a header naming
 its phase and kills a hung job so that it restarts, and preemption (all ranks exiting with ``PREEMPTED_EXIT``)
 ending the job instead of restarting it; a rank that refuses the run (``REFUSED_EXIT``: what a
 config error makes it, ``train/worker.py``) ends it too: a restart would meet the same refusal.
@@ -18,12 +18,10 @@ from pathlib import Path
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from toolkit.launch.events import emit
-from toolkit.launch.heartbeat import clear_heartbeats, read_heartbeats
+from toolkit.watch.events import emit
+from toolkit.watch.heartbeat import clear_heartbeats, read_heartbeats
+from toolkit.watch.protocol import PREEMPTED_EXIT, REFUSED_EXIT, STACKS_DIR
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" - the job saved and stopped on request
-REFUSED_EXIT = 78  # EX_CONFIG: a rank refused the run (a config error, e.g. every checkpoint damaged): never retried
-STACKS_DIR = "stacks"
 # Frames that mean "waiting for the other ranks", not "stuck on its own".
 _COLLECTIVE_FRAMES = ("distributed_c10d.py", "deepspeed/comm/", "torch/distributed/")
 
@@ -193,7 +191,7 @@ class ToolkitAgent(LocalElasticAgent):
 
     def _dump_stacks(self, worker_group: WorkerGroup, hang: dict[int, dict]) -> dict[int, str]:
         """Ask every rank for its Python stacks (faulthandler on SIGUSR2, registered first thing by
-        each rank: ``launch.monitor.register_stack_dump``), each dump headed by the rank's phase."""
+        each rank: ``watch.monitor.register_stack_dump``), each dump headed by the rank's phase."""
         paths = {w.global_rank: self.run_dir / STACKS_DIR / f"rank_{w.global_rank:05d}.txt"
                  for w in worker_group.workers}
         (self.run_dir / STACKS_DIR).mkdir(parents=True, exist_ok=True)

@@ -43,12 +43,10 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     adopts (``adopt_launcher_env``): a forkserver keeps the environment it started with."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from toolkit.launch.agent import ToolkitAgent
-    from toolkit.launch.roster import KEEP_ALIVE_MISSES, Roster, join_timeout_s, keep_alive_s, whole_seconds
+    from toolkit.launch.roster import Roster, join_timeout_s
 
     # torch's opt-out of sharing the rendezvous store with the ranks: with it shared, the store
     # outlives a restart and a plain script's new ranks can read the dead ranks' gloo addresses
@@ -58,20 +56,7 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
     _quiet_refusals()
     single_node = spec.nnodes == 1 and spec.rdzv_endpoint is None
     join_s = join_timeout_s(spec.nnodes, spec.join_timeout_s)
-    rdzv = RendezvousParameters(
-        backend="c10d",
-        # Like torchrun --standalone: a private store on a free loopback port.
-        endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
-        run_id=spec.run_id or (uuid.uuid4().hex if single_node else "toolkit"),
-        min_nodes=spec.min_nnodes or spec.nnodes, max_nodes=spec.nnodes,
-        local_addr="127.0.0.1" if single_node else None,
-        # After a node is lost, wait this long for it before continuing with the nodes present.
-        last_call_timeout=ELASTIC_WAIT_S,
-        # How long a node waits for the others (torch's default, 600 s, is sized for thousands of nodes).
-        join_timeout=whole_seconds(join_s),
-        # A lost node is dropped from the rendezvous after this many missed beats of this interval.
-        keep_alive_interval=keep_alive_s(spec.nnodes), keep_alive_max_attempt=KEEP_ALIVE_MISSES,
-        **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
+    rdzv = _rendezvous(spec, single_node, join_s)
     if not single_node and spec.node_rank > 0:
         _wait_for_rendezvous_host(spec.rdzv_endpoint, join_s)
     _set_worker_env(spec, env)
@@ -88,6 +73,33 @@ def launch_workers(spec: LaunchSpec, entrypoint, args: list[str], env: dict[str,
                          start_method=_start_method(entrypoint, spec.preload), run_dir=spec.run_dir,
                          max_restarts=spec.max_restarts, backoff_s=spec.backoff_s, hang_timeout_s=spec.hang_timeout_s,
                          load_timeout_s=spec.load_timeout_s, roster=roster)
+    _run_agent(agent, worker_spec, entrypoint)
+
+
+def _rendezvous(spec: LaunchSpec, single_node: bool, join_s: float):
+    """torch's rendezvous parameters for this node of the job."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from toolkit.launch.roster import KEEP_ALIVE_MISSES, keep_alive_s, whole_seconds
+    return RendezvousParameters(
+        backend="c10d",
+        # Like torchrun --standalone: a private store on a free loopback port.
+        endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
+        run_id=spec.run_id or (uuid.uuid4().hex if single_node else "toolkit"),
+        min_nodes=spec.min_nnodes or spec.nnodes, max_nodes=spec.nnodes,
+        local_addr="127.0.0.1" if single_node else None,
+        # After a node is lost, wait this long for it before continuing with the nodes present.
+        last_call_timeout=ELASTIC_WAIT_S,
+        # How long a node waits for the others (torch's default, 600 s, is sized for thousands of nodes).
+        join_timeout=whole_seconds(join_s),
+        # A lost node is dropped from the rendezvous after this many missed beats of this interval.
+        keep_alive_interval=keep_alive_s(spec.nnodes), keep_alive_max_attempt=KEEP_ALIVE_MISSES,
+        **({} if single_node else _multinode_rdzv_conf(spec.node_rank)))
+
+
+def _run_agent(agent, worker_spec, entrypoint) -> None:
+    """Run the agent to the job's end; a failed job raises ChildFailedError, marked preempted/refused."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     shutdown_rdzv = True
     try:
         result = agent.run()
@@ -111,7 +123,7 @@ class _NoRefusalTraceback(logging.Filter):
     the run (``REFUSED_EXIT``) said why in a ``refused`` event, which the launcher prints once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from toolkit.launch.agent import REFUSED_EXIT
+        from toolkit.watch.protocol import REFUSED_EXIT
         return not (str(record.msg).startswith("failed (exitcode") and record.args
                     and record.args[0] == REFUSED_EXIT)
 

@@ -9,7 +9,8 @@ their checkpoints and the converter.
                      megatron-core are ``adapters/megatron/lora.py``'s)
   ``checkpoint.py``  LoRA checkpoints of either backend as one stream, written at any layout of either
   ``convert.py``     ``toolkit convert`` of adapters: to HF-PEFT, merged onto the base, ``--verify``
-  ``files.py``       adapters on disk read without torch: detection and ``toolkit inspect``
+  ``files.py``       ``toolkit inspect`` of adapters on disk, without torch (their formats and detection:
+                     ``formats/peft.py``, ``lora_zero.py``, ``lora_megatron.py``, lines of the format table)
 
 Backend-specific LoRA stays beside its backend: ``adapters/megatron/lora.py`` (adapted linears,
 gathers, sharded checkpoints), ``adapters/ds_lora.py`` (an adapter checkpoint resumed at another

@@ -186,14 +186,21 @@ def _packed_rows(hf_config: dict, spec: dict) -> dict[str, list[int] | int]:
 def open_lora_checkpoint(path: Path) -> LoraSource:
     """The LoRA checkpoint at ``path`` (a run directory: its newest complete one)."""
     from toolkit.formats.detect import resolve_run_dir
-    from toolkit.lora.files import lora_checkpoint_meta
+    from toolkit.formats.lora_checkpoint import lora_checkpoint_meta
     return read_lora_checkpoint(*lora_checkpoint_meta(resolve_run_dir(Path(path))))
+
+
+def read_located(found, base: str | None = None) -> LoraSource:
+    """The table's ``lora_checkpoint`` of a toolkit LoRA checkpoint (``found``: where
+    ``formats.detect.locate`` found it)."""
+    from toolkit.storage.meta import read_meta
+    return read_lora_checkpoint(found.path, read_meta(found.path))
 
 
 def compare_lora_sources(a: LoraSource, b: LoraSource):
     """``--verify`` of a LoRA conversion to a backend: the same trained tensors, each weight (and
     Adam moment, where both have them) bit for bit, and the same step."""
-    from toolkit.convert.verify import Report
+    from toolkit.formats.report import Report
     report = Report()
     report.mismatched += [f"{n} (only in one)" for n in sorted(set(a.infos) ^ set(b.infos))]
     report.mismatched += [] if a.step == b.step else [f"step {a.step} != {b.step}"]

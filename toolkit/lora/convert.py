@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from toolkit.formats.errors import ConvertError
+from toolkit.formats.peft import PEFT_CONFIG, PEFT_WEIGHTS
 from toolkit.lora.adapter import Adapter, assign_trained, check_mergeable
 from toolkit.lora.checkpoint import meta_peft_model
-from toolkit.lora.files import PEFT_CONFIG, PEFT_WEIGHTS
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, merged_weight, peft_config
 from toolkit.lora.spec import LoraSpec
 
@@ -219,25 +219,41 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
             "optimizer_state": False, "reader": "torch", "seconds": 0.0}
 
 
-def open_adapter(src: Path, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:
-    """(the adapter, a description) of a LoRA source: an HF-PEFT directory, a DCP of a peft model
-    (``lora/dcp.py``; ``hf_config``: its base's config.json, else the one beside it) or a toolkit LoRA
-    checkpoint (run directory or checkpoint), its base checked against meta.json's fingerprint."""
-    from toolkit.formats.detect import resolve_run_dir
-    from toolkit.lora.files import find_peft_dcp, is_peft_dir, lora_checkpoint_meta
-    if find_peft_dcp(src) is not None:
-        from toolkit.lora.dcp import adapter_from_dcp, dcp_hf_config
-        adapter = adapter_from_dcp(src, base, dcp_hf_config(src, hf_config))
-        return adapter, {"format": adapter.base_source.format, "step": adapter.base_source.step}
-    if is_peft_dir(src):
-        return adapter_from_peft_dir(src, base), {"format": "peft"}
-    ckpt, meta = lora_checkpoint_meta(resolve_run_dir(src))
+def open_adapter(src, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:
+    """(the adapter, a description) of a LoRA source, a path or where ``formats.detect.locate`` found
+    one: an HF-PEFT directory, a DCP of a peft model (``lora/dcp.py``; ``hf_config``: its base's
+    config.json, else the one beside it) or a toolkit LoRA checkpoint (run directory or checkpoint),
+    its base checked against meta.json's fingerprint. The format table says which (``lora_adapter``)."""
+    from toolkit.formats.detect import Located, locate
+    from toolkit.formats.table import by_name
+    found = src if isinstance(src, Located) else locate(src, hf_config)
+    fmt = by_name(found.format)
+    if not fmt.adapters:
+        raise ConvertError(f"{found.path}: {found.format}, not LoRA adapters (an HF-PEFT directory, a DCP of a "
+                           "peft model or a toolkit LoRA checkpoint)")
+    return fmt.open_adapter(found, base, hf_config)
+
+
+def adapter_of_checkpoint(found, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:
+    """The table's ``lora_adapter`` of a toolkit LoRA checkpoint of either backend."""
+    from toolkit.storage.meta import read_meta
+    ckpt, meta = found.path, read_meta(found.path)
     adapter = adapter_from_checkpoint(ckpt, meta)
     if base is not None:
         adapter.base = base
     if adapter.base is not None:
         _check_fingerprint(ckpt, meta, adapter.base)
     return adapter, {"format": f"{meta['format']} (LoRA)", "step": meta.get("step")}
+
+
+def adapter_of_peft_dir(found, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:
+    """The table's ``lora_adapter`` of an HF-PEFT directory."""
+    return adapter_from_peft_dir(found.path, base), {"format": "peft"}
+
+
+def peft_located_as_checkpoint(found, base: str | None):
+    """The table's ``lora_checkpoint`` of an HF-PEFT directory (``peft_dir_as_checkpoint``)."""
+    return peft_dir_as_checkpoint(found.path, base)
 
 
 def _check_fingerprint(ckpt: Path, meta: dict, base: str) -> None:
@@ -252,18 +268,30 @@ def _check_fingerprint(ckpt: Path, meta: dict, base: str) -> None:
 # --- verify ------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def verify_adapter(src: Path, dst: Path, base: str | None):
-    """DST against SRC through peft: an HF-PEFT DST's tensors equal SRC's adapter; a merged DST's
-    tensors equal peft's ``merge_and_unload()`` of SRC on its base, bit for bit; and DST's logits on a
-    fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``); a tensor DST holds
-    beyond those is a mismatch. Without a pretrained base (a random-init run) only the adapter
-    tensors are compared."""
-    from toolkit.convert.verify import Report
-    from toolkit.lora.files import is_peft_dir
+def verify_lora(found, dst: Path, base: str | None, to: str | None):
+    """``--verify`` of a LoRA source's conversion (``found``: where ``formats.detect.locate`` found it):
+    another backend's LoRA checkpoint holds the same adapters and moments, an adapter directory or a
+    merged model what peft makes of the source (``verify_adapter``)."""
+    from toolkit.formats.table import backend_targets, by_name
+    from toolkit.lora.checkpoint import compare_lora_sources, open_lora_checkpoint
+    if to in backend_targets():
+        return compare_lora_sources(by_name(found.format).open_lora_checkpoint(found, base), open_lora_checkpoint(dst))
+    return verify_adapter(found, dst, base)
+
+
+@torch.no_grad()
+def verify_adapter(src, dst: Path, base: str | None):
+    """DST against SRC (a path, or where ``formats.detect.locate`` found it) through peft: an HF-PEFT DST's tensors
+    equal SRC's adapter; a merged DST's tensors equal peft's ``merge_and_unload()`` of SRC on its base, bit
+    for bit; and DST's logits on a fixed batch equal peft's unmerged forward of SRC (``ADAPTER_LOGIT_RTOL``);
+    a tensor DST holds beyond those is a mismatch. Without a pretrained base (a random-init run) only the
+    adapter tensors are compared."""
+    from toolkit.formats.peft import find_peft_dir
+    from toolkit.formats.report import Report
     adapter, _ = open_adapter(src, base)
     report = Report()
     want = adapter.trained()
-    if is_peft_dir(dst):
+    if find_peft_dir(dst) is not None:
         try:  # a tensor the adapter_config.json does not make, or one missing, is refused by name
             got = adapter_from_peft_dir(dst, adapter.base, adapter.hf_config).trained()
         except ConvertError as exc:
@@ -276,7 +304,7 @@ def verify_adapter(src: Path, dst: Path, base: str | None):
     reference = _peft_model(adapter)
     ids = torch.randint(0, adapter.hf_config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
     expected = reference(input_ids=ids).logits
-    if is_peft_dir(dst):
+    if find_peft_dir(dst) is not None:
         from peft import PeftModel
         target = PeftModel.from_pretrained(_base_model(adapter.base), str(dst)).eval()
     else:

@@ -21,7 +21,7 @@ import torch
 from toolkit.formats.canonical import TensorInfo
 from toolkit.formats.dcp import DCPSource
 from toolkit.formats.errors import ConvertError
-from toolkit.lora.files import PEFT_CONFIG
+from toolkit.formats.peft import PEFT_CONFIG
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX
 
 LORA_KEY = re.compile(rf"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.{ADAPTER}\b|\.modules_to_save\.")
@@ -109,6 +109,22 @@ def adapter_from_dcp(path: Path, base: str | None, hf_config: dict):
     adapter = Adapter(model, hf_config, base or config.base_model_name_or_path)
     adapter.base_source = source
     return adapter
+
+
+def adapter_of_dcp(found, base: str | None, hf_config: str | None = None):
+    """The table's ``lora_adapter`` of a DCP of a peft model: (its ``Adapter``, {format, step})."""
+    adapter = adapter_from_dcp(found.path, base, dcp_hf_config(found.path, hf_config))
+    return adapter, {"format": adapter.base_source.format, "step": adapter.base_source.step}
+
+
+def refuse_as_checkpoint(found, base: str | None):
+    """The table's ``lora_checkpoint`` of a DCP of a peft model: none (its run is not the toolkit's)."""
+    raise ConvertError(f"{found.path}: a DCP of a peft LoRA model converts --to peft or --to hf (merged); for a "
+                       "toolkit LoRA run convert it --to peft first, then that adapter directory --to zero|megatron")
+
+
+def inspect_located(found, hf_config: str | None = None) -> dict:
+    return inspect_peft_dcp(found.path, dcp_hf_config(found.path, hf_config))
 
 
 def inspect_peft_dcp(path: Path, hf_config: dict) -> dict:

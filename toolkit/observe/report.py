@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from toolkit.config import ConfigError
-from toolkit.launch.events import read_events
 from toolkit.observe.metrics import METRICS_FILE
+from toolkit.watch.events import read_events
 
 # Events drawn on the time axis, with their colour; others are only counted in the summary.
 MARKED = {"failure": "tab:red", "hang": "tab:red", "divergence": "tab:red", "preempted": "tab:orange",

@@ -12,9 +12,11 @@ estimate``, ``--dry-run`` and the converter build their plans the same way.
   plan.layouts    ``Layout`` per world size (``plan.layout(world)``)
   plan.ds_configs the resolved DeepSpeed JSON per world size (``plan.ds_config(world)``)
   plan.lora       ``LoraSpec`` (``lora/spec.py``): LoRA resolved against the model's modules; None: off
+  plan.objective  the training objective (``toolkit/objectives/``), resolved from the config once per process
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
 from toolkit.lora.spec import LoraSpec, resolve_lora
+from toolkit.objectives import Objective, resolve
 from toolkit.plan.layout import Layout, check_layout
 from toolkit.plan.model import ModelSpec, load_hf_config, model_code_dir, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
@@ -46,6 +49,11 @@ class Plan(BaseModel):
             raise ConfigError(f"this job has {world} ranks, but its plan was made for {sorted(self.layouts)}; "
                               "launch it with the node counts it was planned for (--nnodes)")
         return self.layouts[world]
+
+    @cached_property
+    def objective(self) -> Objective:
+        """What the engines' backward starts from and the trainer counts (``toolkit/objectives/``)."""
+        return resolve(self.config)
 
     def trainable_parameters(self) -> tuple[int, int]:
         """(trained, all) parameters: a LoRA run trains its adapters (and modules to save, whose

@@ -20,17 +20,17 @@ from toolkit.data import PackedData, batch_counts, eval_micro_batches, rank_micr
 from toolkit.data.batches import batch_indices, tokens_by_source
 from toolkit.engine import Engine, StepStats
 from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
-from toolkit.launch.agent import PREEMPTED_EXIT
-from toolkit.launch.events import emit, read_events
-from toolkit.launch.faults import FaultInjector
-from toolkit.launch.heartbeat import Heartbeat
-from toolkit.launch.monitor import RankMonitor
+from toolkit.objectives import Prepared
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.observe.profile import StepProfiler, write_summary
 from toolkit.plan import Plan
 from toolkit.syncs import strict_sync_counter
-from toolkit.train.reference import ReferenceScores, check_resumed, prepare_reference
 from toolkit.train.schedule import lr_at
+from toolkit.watch.events import emit, read_events
+from toolkit.watch.faults import FaultInjector
+from toolkit.watch.heartbeat import Heartbeat
+from toolkit.watch.monitor import RankMonitor
+from toolkit.watch.protocol import PREEMPTED_EXIT
 
 
 class Trainer:
@@ -62,17 +62,17 @@ class Trainer:
         self._restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._recovering = self._restart_count > 0
         self._resumed_at = None
-        self.dpo = cfg.train.objective == "dpo"
-        self.reference: ReferenceScores | None = None
-        """DPO: the starting model's per-document scores (``train/reference.py``), made before any load."""
+        self.objective = plan.objective
+        self.reference: Prepared | None = None
+        """What the objective's hook made before any load (a reference model's scores), attached to each batch."""
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
         self._log_parameters()
-        if self.dpo:  # before a checkpoint loads: the engine still holds the starting model
-            self.reference = prepare_reference(self.cfg, self.engine, self.data, log=self.metrics.note,
-                                               beat=self._phase("load"))
+        # before a checkpoint loads: the engine still holds the starting model
+        self.reference = self.objective.prepare(self.cfg, self.engine, self.data, log=self.metrics.note,
+                                                phase=self._phase)
         if self.cfg.resume == "auto" or self._recovering:  # a restart continues this run, --resume never too
             self._phase("load")
             self.resume()
@@ -85,7 +85,7 @@ class Trainer:
                 micro_batches, counts = upcoming.result()
                 if self.step + 1 < self.cfg.train.steps:  # load the next global batch while this one computes
                     upcoming = prefetch.submit(self._batch, self.step + 1)
-                stats = self._train_step(micro_batches, counts["pairs" if self.dpo else "loss_tokens"], tic)
+                stats = self._train_step(micro_batches, counts[self.objective.count], tic)
                 self._log_step(stats, counts, time.perf_counter() - tic, time.perf_counter() - start)
                 self._after_step()
         if self.cfg.train.export_hf:
@@ -202,7 +202,7 @@ class Trainer:
         micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
         if self.reference:
             per_rank = len(indices) // self.engine.dp_size
-            micro = self.reference.attach("train", micro, indices[self.engine.dp_rank * per_rank:][:per_rank])
+            micro = self.reference.attach("train", micro, indices[self.engine.dp_rank * per_rank:][:per_rank], indices)
         return micro, {**batch_counts(ds, indices), "by_source": tokens_by_source(self.data, indices)}
 
     def _log_step(self, stats: StepStats, counts: dict, step_s: float, elapsed_s: float) -> None:
@@ -218,8 +218,8 @@ class Trainer:
             record["documents_per_row"] = counts["documents"] / t.global_batch_size
         if counts.get("by_source") is not None:  # a blend (data.weights): document tokens per source
             record["tokens_by_source"] = counts["by_source"]
-        if self.dpo:  # the loss is the mean over these pairs; TRL's reward metrics come in stats.extra
-            record["pairs"] = counts["pairs"]
+        if self.objective.logged_count:  # the loss is the mean over these (pairs); the objective's metrics: extra
+            record[self.objective.logged_count] = counts[self.objective.count]
         if stats.loss_scale is not None:  # fp16: dynamic loss scaling
             self.skipped_steps += stats.skipped
             record.update(loss_scale=stats.loss_scale, skipped=stats.skipped, skipped_steps=self.skipped_steps)
@@ -236,16 +236,17 @@ class Trainer:
         batches = eval_micro_batches(self.data.eval, dp_rank, dp_size, t.micro_batch_size, t.eval_batches)
         if self.reference:  # eval_micro_batches: the first rows, in order, split over the ranks
             n = len(batches) * t.micro_batch_size
-            batches = self.reference.attach("eval", batches, list(range(dp_rank * n, (dp_rank + 1) * n)))
+            batches = self.reference.attach("eval", batches, list(range(dp_rank * n, (dp_rank + 1) * n)),
+                                            list(range(dp_size * n)))
         tic = time.perf_counter()
         loss_sum, count = self.engine.eval_loss_sum(batches, beat=self._phase("eval"))
         loss = loss_sum / max(count, 1)
-        self.metrics.log({"step": self.step, "eval_loss": loss, "eval_pairs" if self.dpo else "eval_tokens": count,
+        self.metrics.log({"step": self.step, "eval_loss": loss, self.objective.eval_count: count,
                           "eval_s": round(time.perf_counter() - tic, 3), **getattr(self.engine, "eval_metrics", {})})
         return loss
 
     def _phase(self, phase: str, step: int | None = None) -> Callable[[], None]:
-        """Beat ``phase`` (``launch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
+        """Beat ``phase`` (``watch.heartbeat.PHASES``) now, at ``step`` (a resume: the checkpoint's;
         default the loop's); the callable returned is called after each unit of the phase's work (a
         micro-batch, a file, a tensor) and beats again, so long healthy work is never taken for a
         hang while a stuck one still is (an injected ``slow_<phase>`` fault delays each unit)."""
@@ -265,7 +266,7 @@ class Trainer:
         progress = self.checkpoints.resume()
         self._resumed_at = time.time()
         if progress is not None and self.reference:
-            check_resumed(progress.get("reference"), self.reference.key, self.reference.unsampled_key)
+            self.reference.check_resumed(progress.get("reference"))
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
             if self.data.stream is not None and self.step:  # continue the stream where the checkpoint was
@@ -276,5 +277,6 @@ class Trainer:
         t = self.cfg.train
         return {"step": self.step, "consumed_samples": self.step * t.global_batch_size,
                 "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed,
-                "skipped_steps": self.skipped_steps, **({"reference": self.reference.key} if self.reference else {}),
+                "skipped_steps": self.skipped_steps,
+                **({"reference": self.reference.key} if self.reference and self.reference.key else {}),
                 **({"data_stream": self.data.stream.position(self.step)} if self.data.stream is not None else {})}

@@ -15,11 +15,11 @@ from toolkit import device, heap
 from toolkit.config import ConfigError, RunConfig
 from toolkit.data import load_tokenizer, prepare_data
 from toolkit.engine import Engine
-from toolkit.launch.budgets import phase_budgets, plan_collective_timeout_s, rank_share
-from toolkit.launch.heartbeat import Heartbeat
-from toolkit.launch.monitor import register_stack_dump
 from toolkit.parallel import adopt_slurm_env, init_process_group, local_world_size, seed_everything
 from toolkit.plan import Plan, read_plan, write_plan
+from toolkit.watch.budgets import phase_budgets, plan_collective_timeout_s, rank_share
+from toolkit.watch.heartbeat import Heartbeat
+from toolkit.watch.monitor import register_stack_dump
 
 
 def run_worker(plan: Plan, record_plan: bool = False) -> None:
@@ -53,7 +53,7 @@ def run_worker(plan: Plan, record_plan: bool = False) -> None:
 
 def _own_run_dir(plan: Plan, rank: int):
     """A job that torchrun, srun or the deepspeed launcher started: rank 0 does what ``toolkit train``
-    does before launch (``launch/run.py``): holds the run directory's lock (until it exits), checks
+    does before launch (``run.py``): holds the run directory's lock (until it exits), checks
     and prepares the run directory (on a restart, ``TORCHELASTIC_RESTART_COUNT`` > 0, it continues its
     own run, --resume never included) and writes plan.json. Its refusal is every rank's (collective).
     Returns rank 0's lock."""
@@ -136,21 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 def refuse(run_dir: Path, exc: ConfigError) -> int:
     """Say why this rank refuses the run, in a ``refused`` event (the launcher prints it once, and
     exits 2), and exit ``REFUSED_EXIT``, which the agent never restarts."""
-    from toolkit.launch.agent import REFUSED_EXIT
-    from toolkit.launch.events import emit
+    from toolkit.watch.events import emit
+    from toolkit.watch.protocol import REFUSED_EXIT
     emit(run_dir, "refused", rank=int(os.environ.get("RANK", "0")), message=str(exc))
     return REFUSED_EXIT
-
-
-def forked_main(plan_path: str, launcher_env: dict[str, str]) -> None:
-    """A rank forked by the launcher's forkserver (``toolkit.launch.elastic``); ``main`` otherwise."""
-    from toolkit.launch.elastic import adopt_launcher_env
-    adopt_launcher_env(launcher_env)
-    for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
-        stream.reconfigure(line_buffering=True)
-    code = main([plan_path])
-    if code:
-        sys.exit(code)  # the process's exit code, which the agent reads (REFUSED_EXIT: no restart)
 
 
 def preload_modules(backend: str) -> tuple[str, ...]:

@@ -40,10 +40,10 @@ from toolkit.adapters.megatron.weights import (
 from toolkit.compat import megatron_core
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
-from toolkit.launch.budgets import plan_collective_timeout_s
 from toolkit.loss import IGNORE_INDEX
-from toolkit.objectives import DPO, REF_COLUMN, STATS, document_sums, metrics
+from toolkit.objectives import document_sums
 from toolkit.plan import Plan
+from toolkit.watch.budgets import plan_collective_timeout_s
 
 
 class MegatronEngine:
@@ -75,7 +75,7 @@ class MegatronEngine:
         if torch.cuda.is_available():  # the released blocks back to the driver: DDP's buffer is one block
             torch.cuda.empty_cache()
         self.lora = plan.lora
-        self.objective, self.eval_metrics = DPO.of(self.cfg), {}
+        self.objective, self.eval_metrics = plan.objective, {}
         if self.lora is not None:
             self._attach_lora(chunks, adapters)
         for c in chunks:
@@ -199,21 +199,16 @@ class MegatronEngine:
         return t if self.cp_group is None else context.rank_slice({"t": t}, self.cp_group)["t"]
 
     def _loss_func(self, mb, logits):
-        """The backward's start (loss sum / the global batch's tokens or pairs), this micro-batch's count,
-        and ``totals`` for the step's report: [loss sum, stats] (``toolkit/objectives.py``)."""
-        labels, vocab = self._rank_tokens(mb["labels"]), self.hf_config.vocab_size
-        if self.objective is None:
-            loss_sum, count = vocab_parallel_loss_sum(logits, labels, vocab, self.tp_rank)
-            stats = count.double().view(1)
-        else:
-            losses, _ = vocab_parallel_token_losses(logits, labels, vocab, self.tp_rank)
-            loss_sum, stats = self.objective.loss_sum(-losses, labels, mb["document_ids"], mb[REF_COLUMN])
+        """The backward's start (loss sum / the global batch's count: the objective's), this micro-batch's
+        count, and ``totals`` for the step's report: [loss sum, stats] (``toolkit/objectives/``)."""
+        scores = VocabParallelScores(logits, self.hf_config.vocab_size, self.tp_rank)
+        loss_sum, stats = self.objective(scores, mb | {"labels": self._rank_tokens(mb["labels"])})
         totals = torch.cat([loss_sum.detach().double().view(1), stats])
         return loss_sum / self._loss_tokens, stats[-1].int(), {"totals": totals}
 
     @property
     def _totals_size(self) -> int:
-        return 2 if self.objective is None else 1 + STATS
+        return 1 + self.objective.stats_size
 
     def _run_schedule(self, micro_batches, forward_only: bool, beat=None) -> torch.Tensor:
         """Loss sum and token count over this rank's micro-batches (nonzero on the last stage only);
@@ -260,7 +255,7 @@ class MegatronEngine:
         dist.all_reduce(totals)  # sums over DP; only one rank per DP replica contributes
         extra = self.router_stats.metrics(len(micro_batches) * self.dp_size) if self.router_stats else {}
         values = totals.tolist()  # one host read: the loss and the objective's metrics
-        extra.update(metrics(self.objective, values[1:]))
+        extra.update(self.objective.metrics(values[1:]))
         scale = float(self.optimizer.get_loss_scale()) if self.cfg.model.dtype == "fp16" else None
         return StepStats(loss=values[0] / loss_tokens, grad_norm=float(grad_norm) if ok else None,
                          compute_s=compute.seconds(), skipped=not ok, loss_scale=scale, extra=extra)
@@ -297,7 +292,7 @@ class MegatronEngine:
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches, beat=None):
-        """Also sets ``eval_metrics`` (DPO: TRL's reward metrics over the eval pairs)."""
+        """Also sets ``eval_metrics`` (the objective's, over the eval rows)."""
         for chunk in self.model:
             chunk.eval()
         totals = (self._run_schedule(micro_batches, forward_only=True, beat=beat) if micro_batches
@@ -306,7 +301,7 @@ class MegatronEngine:
             chunk.train()
         dist.all_reduce(totals)
         values = totals.tolist()  # one host read
-        self.eval_metrics = metrics(self.objective, values[1:], prefix="eval_")
+        self.eval_metrics = self.objective.metrics(values[1:], prefix="eval_")
         return values[0], int(values[-1])
 
     @torch.no_grad()
@@ -320,8 +315,8 @@ class MegatronEngine:
             mb = device.to_device(next(data_iterator))
 
             def loss_func(output):
-                losses, _ = vocab_parallel_token_losses(output, mb["labels"], vocab, self.tp_rank)
-                sums = document_sums(-losses, mb["document_ids"], width)
+                logps = VocabParallelScores(output, vocab, self.tp_rank).logps(mb["labels"])
+                sums = document_sums(logps, mb["document_ids"], width)
                 return output.sum() * 0, device.tensor(1, dtype=torch.int), {"sums": sums}
             return model(**self._model_inputs(mb)), loss_func
 
@@ -441,7 +436,7 @@ def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab: i
 
 def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp_rank: int):
     """``vocab_parallel_loss_sum`` per token: ``[batch, seq]`` cross-entropies (0 where no loss) and the
-    valid mask; the preference objectives take them as negated log-probabilities."""
+    valid mask (``VocabParallelScores.logps``: negated, the log-probabilities)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     width = logits.shape[-1]
     start = tp_rank * width
@@ -455,6 +450,19 @@ def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, voca
     return losses * valid, valid
 
 
+class VocabParallelScores:
+    """TP rank ``tp_rank``'s vocabulary-parallel logits ``[batch, seq, padded_vocab / tp]`` as the objectives
+    read them (``objectives.base.Scores``)."""
+
+    def __init__(self, logits: torch.Tensor, vocab: int, tp_rank: int):
+        self.logits, self.vocab, self.tp_rank = logits, vocab, tp_rank
+
+    def loss_sum(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_loss_sum(self.logits, labels, self.vocab, self.tp_rank)
+
+    def logps(self, labels: torch.Tensor) -> torch.Tensor:
+        losses, _ = vocab_parallel_token_losses(self.logits, labels, self.vocab, self.tp_rank)
+        return -losses
 
 
 def build_engine(plan: Plan, run_dir: Path, rank: int) -> MegatronEngine:

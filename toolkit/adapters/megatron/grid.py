@@ -28,7 +28,7 @@ class Place:
 def initialize(lay: Layout, timeout_s: float = 1800) -> Place:
     """megatron's process groups for ``lay`` (kept if this process made them already) and this
     rank's place in them; ``timeout_s``: their collectives' timeout, the job's process-group timeout
-    (``launch.budgets.plan_collective_timeout_s``; megatron's own default is 30 minutes)."""
+    (``watch.budgets.plan_collective_timeout_s``; megatron's own default is 30 minutes)."""
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,

@@ -1,11 +1,11 @@
 """Per-rank heartbeats (``RUN_DIR/heartbeat/rank_XXXXX.json``) read by the agent's hang watchdog.
 
 A beat says what the rank is doing (its phase, ``PHASES``) and how long it may stay silent in it
-(``budget_s``, from ``toolkit.launch.budgets``). Long work beats as it progresses (per eval batch, per
+(``budget_s``, from ``toolkit.watch.budgets``). Long work beats as it progresses (per eval batch, per
 checkpoint file, per exported tensor: ``Heartbeat.progress``), never from a timer thread, which
 would beat on through a real hang.
 
-Any training script can beat: ``toolkit.launch.heartbeat.beat(step)`` finds the run directory and
+Any training script can beat: ``toolkit.watch.heartbeat.beat(step)`` finds the run directory and
 rank from the environment ``toolkit supervise`` sets.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ PROGRESS_EVERY_S = 0.2  # progress beats closer than this are skipped (a file wr
 
 class Heartbeat:
     def __init__(self, run_dir: Path | str, rank: int, budgets: dict[str, float] | None = None):
-        """``budgets``: the longest silence allowed per phase (``launch.budgets.phase_budgets``);
+        """``budgets``: the longest silence allowed per phase (``watch.budgets.phase_budgets``);
         without one, the agent judges a beat by ``restart.hang_timeout_s``."""
         self.dir = Path(run_dir) / HEARTBEAT_DIR
         self.dir.mkdir(parents=True, exist_ok=True)

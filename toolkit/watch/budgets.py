@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.checkpoint.async_save import BYTES_PER_PARAM
 from toolkit.config import RestartConfig
+from toolkit.estimate.goodput import CHECKPOINT_BYTES_PER_PARAM
 
 WEIGHT_BYTES = 4  # fp32: hf_final's dtype, and the widest weights a load reads
-OPTIMIZER_BYTES = BYTES_PER_PARAM - WEIGHT_BYTES  # fp32 master + two Adam moments
+OPTIMIZER_BYTES = CHECKPOINT_BYTES_PER_PARAM - WEIGHT_BYTES  # fp32 master + two Adam moments
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # torch's gloo default is 30 min; ours was 10 min before budgets
 
 
@@ -61,7 +61,7 @@ def phase_budgets(restart: RestartConfig, trained_params: int, total_params: int
     if not restart.hang_timeout_s:
         return {}
     share = share or RankShare()
-    ckpt, whole_ckpt = share.of_checkpoint(trained_params), trained_params * BYTES_PER_PARAM
+    ckpt, whole_ckpt = share.of_checkpoint(trained_params), trained_params * CHECKPOINT_BYTES_PER_PARAM
     moved = {"load": total_params * WEIGHT_BYTES / share.mp + ckpt, "reshard": 2 * whole_ckpt, "save": ckpt,
              "export": total_params * WEIGHT_BYTES}
     budgets = {phase: restart.hang_timeout_s + nbytes / restart.io_bytes_per_s for phase, nbytes in moved.items()}

@@ -104,19 +104,19 @@ def _check_run_dir(plan: Plan):
 
 def _check_room(plan: Plan, run_dir: Path, state) -> str:
     """Refuse a run directory without room for one checkpoint (or the export); a line on the room."""
-    from toolkit.checkpoint.async_save import BYTES_PER_PARAM
+    from toolkit.estimate.goodput import CHECKPOINT_BYTES_PER_PARAM
     from toolkit.storage.rundir import RunDirError, step_dirs
     from toolkit.storage.space import free_bytes, human_bytes
     cfg = plan.config
     trained, _ = plan.trainable_parameters()
-    checkpoint = trained * BYTES_PER_PARAM if cfg.checkpoint.every else 0
+    checkpoint = trained * CHECKPOINT_BYTES_PER_PARAM if cfg.checkpoint.every else 0
     need = max(checkpoint, plan.model.total * 4 if cfg.train.export_hf else 0)  # hf_final: fp32 weights
     free = free_bytes(run_dir)
     if free is None:
         return f"free space of {run_dir} unknown"
     if free < need:
         raise RunDirError(f"run dir {run_dir} has {human_bytes(free)} free, and this run writes "
-                          f"{human_bytes(need)} at once (a checkpoint: {BYTES_PER_PARAM} bytes per trained parameter; "
+                          f"{human_bytes(need)} at once (a checkpoint: {CHECKPOINT_BYTES_PER_PARAM} bytes per trained parameter; "
                           "hf_final: 4 per parameter): free space there, or choose another --run-dir")
     line = f"{human_bytes(free)} free; a checkpoint takes about {human_bytes(checkpoint)}"
     held = cfg.checkpoint.keep_last + 1  # retention drops the oldest once the newest is committed
@@ -195,8 +195,8 @@ def _say(line: str) -> None:
 
 
 def _run_ranks(cfg: RunConfig, nodes: Nodes, plan_path: Path, env: dict[str, str]) -> int:
-    from toolkit.launch.budgets import load_budget
     from toolkit.launch.elastic import LaunchSpec
+    from toolkit.watch.budgets import load_budget
     r = cfg.restart
     entrypoint, lead, preload = _rank_entrypoint(cfg)
     spec = LaunchSpec(nproc=cfg.nproc, run_dir=Path(cfg.run_dir), nnodes=nodes.nnodes, min_nnodes=_min_nnodes(nodes),
@@ -229,11 +229,24 @@ def _rank_entrypoint(cfg: RunConfig):
     forked: ``toolkit.launch.devices``)."""
     from toolkit.launch.devices import rank_start_method
     from toolkit.launch.elastic import python_module
-    from toolkit.train.worker import forked_main, preload_modules
+    from toolkit.train.worker import preload_modules
     if rank_start_method() == "spawn":
         entrypoint, lead = python_module("toolkit.train.worker")
         return entrypoint, lead, ()
     return forked_main, [], preload_modules(cfg.backend)
+
+
+def forked_main(plan_path: str, launcher_env: dict[str, str]) -> None:
+    """A rank forked by the launcher's forkserver (``toolkit.launch.elastic``): the launcher's
+    environment, then the worker's ``main`` (``python -m toolkit.train.worker`` otherwise)."""
+    from toolkit.launch.elastic import adopt_launcher_env
+    from toolkit.train.worker import main
+    adopt_launcher_env(launcher_env)
+    for stream in (sys.stdout, sys.stderr):  # as `python -u` for spawned ranks: lines appear as printed
+        stream.reconfigure(line_buffering=True)
+    code = main([plan_path])
+    if code:
+        sys.exit(code)  # the process's exit code, which the agent reads (REFUSED_EXIT: no restart)
 
 
 def _run_supervised(spec, entrypoint, args: list[str], env: dict[str, str] | None = None) -> int:
@@ -242,9 +255,9 @@ def _run_supervised(spec, entrypoint, args: list[str], env: dict[str, str] | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-    from toolkit.launch.agent import PREEMPTED_EXIT
     from toolkit.launch.elastic import launch_workers
-    from toolkit.launch.events import emit
+    from toolkit.watch.events import emit
+    from toolkit.watch.protocol import PREEMPTED_EXIT
     since = time.time()
     try:
         launch_workers(spec, entrypoint, args, env)
@@ -268,7 +281,7 @@ def _run_supervised(spec, entrypoint, args: list[str], env: dict[str, str] | Non
 
 def _refusals(run_dir: Path, since: float) -> str:
     """What the ranks that refused said (``refused`` events of this launch), once each."""
-    from toolkit.launch.events import read_events
+    from toolkit.watch.events import read_events
     said = [e["message"] for e in read_events(run_dir) if e.get("kind") == "refused" and e.get("time", 0) >= since]
     return "\n".join(dict.fromkeys(said)) or f"a rank refused the run; see {run_dir}/events.jsonl"
 
@@ -276,9 +289,9 @@ def _refusals(run_dir: Path, since: float) -> str:
 def _stopped_by(spec, sig) -> int:
     """The launcher was signalled and passed ``sig`` on to its ranks: a preemption signal made them save
     (PREEMPTED_EXIT); any other (SIGQUIT) ended them where they were, so say which checkpoint is left."""
-    from toolkit.launch.agent import PREEMPTED_EXIT
-    from toolkit.launch.events import emit
-    from toolkit.launch.monitor import PREEMPT_SIGNALS
+    from toolkit.watch.events import emit
+    from toolkit.watch.monitor import PREEMPT_SIGNALS
+    from toolkit.watch.protocol import PREEMPTED_EXIT
     if sig in PREEMPT_SIGNALS:
         emit(spec.run_dir, "preempted", signal=sig.name, rank=None)
         print(f"toolkit: stopped by {sig.name}; ranks saved a checkpoint - run the same command to resume",

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.config import RestartConfig
-from toolkit.launch.agent import STACKS_DIR
-from toolkit.launch.events import emit
-from toolkit.launch.heartbeat import Heartbeat
+from toolkit.watch.events import emit
+from toolkit.watch.heartbeat import Heartbeat
+from toolkit.watch.protocol import STACKS_DIR
 
 # Signals a rank answers by saving at the next step boundary and exiting PREEMPTED_EXIT. The launcher
 # passes SIGTERM, SIGINT and SIGHUP on to its ranks; SIGQUIT it passes too, and that one ends them unsaved.
