@@ -110,11 +110,11 @@ def test_prepared_prefix_reads_back_with_megatron_and_trains_on_the_rows_of_its_
 
 
 def test_a_foreign_prefix_without_eos_gets_it_appended(corpus, tok):
-    """megatron's builder, no sidecar, no EOS (preprocess_data.py without --append-eod): the toolkit
-    appends EOS as it packs, so its rows equal the jsonl's."""
+    """megatron's builder, no sidecar, no EOS (preprocess_data.py without --append-eod), empty documents
+    between: the toolkit skips those and appends EOS as it packs, so its rows equal the jsonl's."""
     root, texts = corpus
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts if t]
-    builder_prefix(str(root / "foreign"), ids, len(tok))
+    builder_prefix(str(root / "foreign"), [d for doc in ids for d in (doc, [])], len(tok))  # empty ones: skipped
     from_source = prepare_data(cfg_for(root, root / "text.jsonl"), tok)
     assert same_rows(from_source.train, prepare_data(cfg_for(root, root / "foreign"), tok).train)
     with_eos = [d + [tok.eos_token_id] for d in ids]
@@ -224,7 +224,8 @@ def test_a_stream_resumes_at_the_exact_row_inside_a_chunk_at_its_edge_and_across
     epochs = {p["epoch"] for p in positions}
     straddles = [s for s in range(99) if positions[s]["chunk"] != positions[s + 1]["chunk"]]  # batch s crosses
     assert len(epochs) >= 3 and straddles, (epochs, straddles)
-    for step in (3, straddles[0], [s for s, p in enumerate(positions) if p["epoch"] == 1][1]):
+    later_chunk = [s for s, p in enumerate(positions) if p["chunk"] == 1 and p["offset"]][0]  # the source's state
+    for step in (3, straddles[0], later_chunk, [s for s, p in enumerate(positions) if p["epoch"] == 1][1]):
         resumed = StreamBatches(cfg, tok, chunk_docs=50)
         resumed.seek(positions[step], step)
         assert [rows(resumed.global_batch(s, 8)) for s in range(step, step + 6)] == batches[step:step + 6], step
