@@ -102,7 +102,7 @@ def train_args(run_dir: Path, sets: list[str], nproc: int, *extra: str) -> list[
 
 
 BUILD_OPS = """
-from toolkit.adapters.deepspeed import _install_op_caches
+from toolkit.adapters.deepspeed.engine import _install_op_caches
 _install_op_caches()
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops import op_builder
@@ -420,7 +420,7 @@ def at_scale() -> dict:
     from toolkit.config import load_config
     from toolkit.estimate.goodput import checkpoint_seconds, model, recovery_seconds
     from toolkit.estimate.steptime import Cluster, step_time
-    from toolkit.plan.layout import check_layout
+    from toolkit.plan.checks import check_layout
     from toolkit.plan.model import model_spec
     a = SCALE_ASSUMPTIONS
     jobs = {}

@@ -78,7 +78,7 @@ if [ -n "${CUDA_OPS:-}" ]; then
     elif [ -n "$nvcc_cuda" ]; then why="nvcc is CUDA $nvcc_cuda, torch's CUDA is $cuda (another major version)"; fi
     echo "install.sh: NOT prebuilding DeepSpeed's ${CUDA_OPS}: $why. At run time DeepSpeed tries a JIT build" \
          "(it needs nvcc of torch's CUDA version); where it cannot, the toolkit steps the parameters with" \
-         "torch.optim.AdamW(fused=True) and the same hyperparameters, and says so (toolkit/adapters/ds_optimizer.py)."
+         "torch.optim.AdamW(fused=True) and the same hyperparameters, and says so (toolkit/adapters/deepspeed/optimizer.py)."
   fi
 fi
 

@@ -89,6 +89,12 @@ def pytest_xdist_node_collection_finished(node, ids):
         container_image.start_background_build()
 
 
+def pytest_addoption(parser):
+    from tests.helpers.goldens import RECORD_OPTION
+    parser.addoption(RECORD_OPTION, action="store_true",
+                     help="write the loss goldens (tests/assets/loss_goldens) from this run instead of comparing")
+
+
 def pytest_configure(config):
     """The venv's bin first on PATH for every process the tests start, as for a user who activated
     it. DeepSpeed JIT-builds its CPU ops with whichever ``ninja`` PATH finds; the venv's (1.13, a

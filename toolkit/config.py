@@ -178,12 +178,12 @@ class ZeroConfig(_Section):
     """A DeepSpeed JSON (path, or a name in ds_configs/: zero0..zero3, zero3_offload); "auto"
     values in it are filled from this run config. Default: ds_configs/zero{stage}.json."""
     sp: int = Field(1, ge=1)
-    """DeepSpeed's Ulysses sequence parallelism (``adapters/ulysses.py``): each row's tokens split over
+    """DeepSpeed's Ulysses sequence parallelism (``adapters/deepspeed/ulysses.py``): each row's tokens split over
     ``sp`` consecutive ranks, attention heads exchanged by all-to-all, so a rank holds the activations of
     seq_len / sp tokens; world = dp x sp (ZeRO shards over the whole world). Needs the attention heads
     and seq_len divisible by sp (the plan names the valid sizes)."""
     tiled_mlp: bool = False
-    """Each decoder layer's MLP through DeepSpeed's ``TiledMLP`` (``adapters/tiles.py``): the sequence in
+    """Each decoder layer's MLP through DeepSpeed's ``TiledMLP`` (``adapters/deepspeed/tiles.py``): the sequence in
     ceil(seq / hidden) tiles, the MLP's [tokens, intermediate] activations existing one tile at a time
     and recomputed in the backward. Dense gate/up/down MLPs only (MoE models are refused)."""
     tiled_loss: bool = False

@@ -36,7 +36,7 @@ class StepStats:
 
 
 class Engine(Protocol):
-    """What the loop, the checkpointer and the health monitor call; ``adapters/deepspeed.py`` and
+    """What the loop, the checkpointer and the health monitor call; ``adapters/deepspeed/engine.py`` and
     ``adapters/megatron/engine.py`` implement it (``tests/unit/test_architecture.py`` checks the names
     and signatures match)."""
     dp_rank: int

@@ -226,7 +226,7 @@ class TiledLogitsLoss(torch.autograd.Function):
 
 class TileGrads:
     """The weight gradients of a computation run a tile at a time (``TiledLogitsLoss``, the tiled MLP
-    of ``adapters/tiles.py``), summed over the tiles in fp32. A bf16 running sum rounds at every tile:
+    of ``adapters/deepspeed/tiles.py``), summed over the tiles in fp32. A bf16 running sum rounds at every tile:
     at 64 loss tiles the lm_head's gradient was 1.2e-2 from fp32 against 2.4e-3 untiled.
 
     Each tile's gradients come from ``torch.autograd.grad`` (nothing accumulates into ``.grad``) and

@@ -1,4 +1,4 @@
-"""DeepSpeed's Adam kernels where they load, torch's AdamW where they do not (``adapters/ds_optimizer.py``).
+"""DeepSpeed's Adam kernels where they load, torch's AdamW where they do not (``adapters/deepspeed/optimizer.py``).
 
 A machine without the toolchain to build FusedAdam (a GPU box without nvcc, or with nvcc's CUDA
 not torch's) or DeepSpeedCPUAdam (offload) crashed in ``deepspeed.initialize``. Here the build is
@@ -92,7 +92,7 @@ def test_failed_build_falls_back_to_torch_adamw_with_the_same_math(offload, tmp_
 
 def _one_rank_fails(rank, world):
     """``with_available_adam`` where only rank 1's FusedAdam build fails."""
-    from toolkit.adapters.ds_optimizer import with_available_adam
+    from toolkit.adapters.deepspeed.optimizer import with_available_adam
     cls, raising = failing_build(BUILDER[False])
     if rank == 1:
         cls.load = raising

@@ -18,9 +18,12 @@ from toolkit.formats.canonical import WriteRequest
 from toolkit.formats.detect import locate, open_located, open_source
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.table import FORMATS, TARGETS, by_name, for_target
+from toolkit.layout import Layout
 
 FAMILY = "qwen2"  # tied embeddings, vocab 250: padded to 256 at tp=2 with divisor 64
-REQUEST = WriteRequest(dp=2, tp=2, pp=1, ep=1, zero_stage=3, vocab_divisor=64)
+LAYOUTS = {backend: Layout.of_sizes(backend, dp=2, tp=2 if backend == "megatron" else 1, zero_stage=3, vocab_divisor=64)
+           for backend in ("deepspeed", "megatron")}
+REQUEST = WriteRequest(layout=LAYOUTS["megatron"])
 WRITTEN = {
     "hf": {},
     "megatron": {"dp": 2, "tp": 2, "pp": 1, "vpp": None, "ep": 1, "format": "torch_dist"},
@@ -28,7 +31,7 @@ WRITTEN = {
     "dcp": {"dp": 1},  # one writer rank: DCP reshards at load
     "accelerate": {"dp": 1},
 }
-"""Layout records the toolkit's writers produce for ``REQUEST``."""
+"""Layout records the toolkit's writers produce for ``request`` (megatron's layout, or ZeRO's for zero-universal)."""
 READ_ONLY = {"zero": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3}, "megatron-legacy": {"tp": 2, "pp": 1},
              "dcp": {"dp": 2}, "torchtitan": {"dp": 1}}
 """Checkpoints written by DeepSpeed / Megatron-LM / PyTorch DCP themselves (the slow cases below, at DP 2 / TP 2;
@@ -108,7 +111,8 @@ def test_a_lora_checkpoint_is_located_once_per_convert_and_verify(tmp_path, monk
 def _write(fmt, hf_dir: Path, out: Path) -> dict:
     """``fmt``'s writer as the convert command calls it: a backend's format under ``engine/``."""
     out.mkdir()
-    return fmt.write(open_source(hf_dir), out / "engine" if fmt.backend else out, REQUEST)
+    request = WriteRequest(layout=LAYOUTS["deepspeed"]) if fmt.backend == "deepspeed" else REQUEST
+    return fmt.write(open_source(hf_dir), out / "engine" if fmt.backend else out, request)
 
 
 @pytest.mark.parametrize("name", sorted(WRITTEN))

@@ -82,7 +82,7 @@ def _indexed_reference(router_logits, real, top_k: int):
 
 @pytest.mark.parametrize("layers", [2, 4])
 def test_deepspeed_router_loss_syncs_nothing_and_equals_indexing(layers):
-    from toolkit.adapters.ds_moe import RouterLoss
+    from toolkit.adapters.deepspeed.moe import RouterLoss
     model, router_logits, real = _router_inputs(layers)
     router = RouterLoss(validate({"train": {"moe_aux_loss_coeff": 1.0}}), model)
     with count_syncs() as syncs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.ranks import run_ranks
-from toolkit.plan.layout import Layout
+from toolkit.layout import Layout
 
 LAYOUTS = {"tp2": dict(tp=2, dp=1), "pp2": dict(pp=2, dp=1), "dp2": dict(dp=2), "dp2_ep2": dict(dp=2, ep=2)}
 

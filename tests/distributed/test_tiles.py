@@ -31,7 +31,7 @@ CASES = {  # name: (zoo variant, ZeRO stage, activation checkpointing)
 
 def _rank(rank, world, bases):
     from toolkit import loss
-    from toolkit.adapters import tiles
+    from toolkit.adapters.deepspeed import tiles
     from toolkit.loss import IGNORE_INDEX
     calls = []
 

@@ -1,4 +1,4 @@
-"""The ZeRO-3 model build (``adapters/ds_zero3.py`` ``zero_init``): parameters in the run's dtype
+"""The ZeRO-3 model build (``adapters/deepspeed/zero3.py`` ``zero_init``): parameters in the run's dtype
 and RoPE buffers as HF builds them, on this (CPU) accelerator too. DeepSpeed's own ``zero.Init(dtype=
 torch.float32)`` gives bfloat16 here (its ``_set_dtype``), which put an fp32 ZeRO-3 run's forward on
 bf16 weights: a converted checkpoint resumed at stage 3 started 4.4e-5 (relative) off its loss."""
@@ -18,7 +18,7 @@ def _built(rank, world):
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from toolkit.adapters.ds_zero3 import zero_init
+    from toolkit.adapters.deepspeed.zero3 import zero_init
     from toolkit.families.tiny import tiny_config
     deepspeed.init_distributed(dist_backend="gloo")
     out = {"hf": dict(AutoModelForCausalLM.from_config(tiny_config("llama")).named_buffers())}

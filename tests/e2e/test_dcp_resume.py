@@ -7,7 +7,7 @@ toolkit's own global batches, learning rates and loss (tests/helpers/dcp.py ``fs
 saved with ``dcp.save`` at step 2 and run on to step 4; the toolkit resumes at ZeRO-2 and at ZeRO-3
 on 2 ranks (measured: both next losses within 3.3e-8 (ZeRO-2) and 4.9e-8 (ZeRO-3) of the FSDP2 run's).
 ZeRO-3 was 4.9e-5 off while its CPU engine built fp32 models with bf16 weights (zero.Init's dtype,
-fixed in adapters/deepspeed.py); with that bug back this test fails at ZeRO-3 by 4.9e-5."""
+fixed in adapters/deepspeed/engine.py); with that bug back this test fails at ZeRO-3 by 4.9e-5."""
 from __future__ import annotations
 
 import pytest

@@ -14,7 +14,7 @@ from toolkit.cli import main
 from toolkit.config import load_config
 from toolkit.estimate.memory import GiB, memory, suggestions
 from toolkit.estimate.steptime import Cluster, collective_seconds, step_time
-from toolkit.plan.layout import check_layout
+from toolkit.plan.checks import check_layout
 from toolkit.plan.model import model_spec
 
 LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -391,8 +391,8 @@ def test_tiled_mlp_activations_match_what_autograd_saves():
     saves for backward fall by what the activation model says the MLPs' intermediates take (TiledMLP
     keeps its input only). Measured: 41.7 -> 19.7 MiB saved, 40.0 -> 18.0 MiB estimated (the model's
     constant 1.7 MiB short either way)."""
+    from toolkit.adapters.deepspeed.tiles import tile_mlps
     from toolkit.adapters.hf import build_model
-    from toolkit.adapters.tiles import tile_mlps
     from toolkit.estimate.memory import _activations, mlp_tile_count
     from toolkit.plan import build_plan
     cfg = load_config(None, ["data.seq_len=256", "train.micro_batch_size=4"])

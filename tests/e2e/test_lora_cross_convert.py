@@ -105,6 +105,7 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
     import json
 
     from toolkit.families.tiny import tiny_config
+    from toolkit.layout import Layout
     from toolkit.lora.checkpoint import LoraSource, _trained_names, read_lora_checkpoint, write_megatron_lora
     from toolkit.plan import build_plan
     from toolkit.storage import meta as meta_io
@@ -117,7 +118,8 @@ def test_megatron_layout_of_packed_projections_and_saved_modules_round_trips(fam
                for n, shape in shapes.items()}
     meta = {"format": "toolkit-megatron", "lora": spec, "layout": {"tp": 2}}
     ckpt = tmp_path / "ckpt"
-    write_megatron_lora(LoraSource(ckpt, "test", hf_config, tensors, meta, step=3), ckpt / "engine", 2, 1, 1, 1, False, 128)
+    write_megatron_lora(LoraSource(ckpt, "test", hf_config, tensors, meta, step=3), ckpt / "engine",
+                        layout=Layout.of_sizes("megatron", dp=1, tp=2, vocab_divisor=128), weights_only=False)
     meta_io.write_descriptions(ckpt, "megatron", family, hf_config, meta["layout"], "fp32", {"step": 3}, lora=spec)
     back = read_lora_checkpoint(ckpt, meta)
     assert sorted(back.infos) == sorted(_trained_names(hf_config, spec)) == sorted(tensors)

@@ -37,6 +37,7 @@ from tests.helpers.lora import (
 )
 from tests.helpers.parity import batches
 from tests.helpers.ranks import run_ranks
+from tests.helpers.runs import TINY as TINY_RUN
 from toolkit.config import ConfigError, validate
 from toolkit.families.tiny import TINY, TINY_MOE, tiny_config, tiny_model
 
@@ -299,6 +300,17 @@ def test_losses_equal_zero2_lora(run, lora_runs):
     print(f"\nmegatron {run} LoRA vs ZeRO-2 LoRA: max relative loss gap {relative_gap(got, want):.2e}")
     assert len(got) == 6
     assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["tp2", "zero2"])
+def test_loss_golden(run, lora_runs, request):
+    """LoRA on megatron TP=2 and on ZeRO-2 DP=2 reproduces its recorded curve to the bit
+    (tests/helpers/goldens.py)."""
+    from tests.helpers.goldens import check_golden
+    from tests.helpers.lora import LORA_RUN
+    check_golden(request, f"lora_{'megatron_tp2' if run == 'tp2' else 'zero2_dp2'}", lora_runs(run),
+                 [*TINY_RUN, *LORA_RUN, *RUNS[run]], nproc=2)
 
 
 def tensor_gaps(got: dict, want: dict) -> dict[str, float]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.megatron import GRAD_NORM_RTOL, LOSS_RTOL, losses
-from tests.helpers.runs import refused, resumes, train, train_args
+from tests.helpers.runs import TINY, refused, resumes, train, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
@@ -69,6 +69,16 @@ def test_loss_trajectory_matches_deepspeed(layout, runs, deepspeed_reference):
     if layout != "dp2":  # the eval set is sliced per DP rank: compare at the same dp (1)
         assert evals == pytest.approx(ref_evals, rel=EVAL_RTOL)
     assert norms == pytest.approx(ref_norms, rel=GRAD_NORM_RTOL)
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp2", "dp2"])
+def test_loss_golden(layout, runs, request):
+    """Megatron at TP=2 x PP=2 (4 ranks) and at DP=2 (distributed optimizer) reproduce their recorded
+    curves, eval losses included, to the bit (tests/helpers/goldens.py)."""
+    from tests.helpers.goldens import check_golden
+    overrides, nproc = LAYOUTS[layout]
+    check_golden(request, f"megatron_{layout}", runs(f"mcore_{layout}", MEGATRON, *overrides, nproc=nproc),
+                 [*TINY, "checkpoint.every=3", "train.eval_every=3", MEGATRON, *overrides], nproc)
 
 
 def test_checkpoint_describes_itself_and_export_loads_in_hf(runs):

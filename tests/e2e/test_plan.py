@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers.runs import REPO, TINY, losses
 from toolkit.config import ConfigError, load_config
+from toolkit.layout import megatron_split_problems
 from toolkit.plan import Plan, build_plan, read_plan, write_plan
-from toolkit.plan.layout import megatron_split_problems
 
 
 def test_plan_round_trips_through_plan_json(tmp_path):

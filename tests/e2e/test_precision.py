@@ -90,7 +90,7 @@ def test_mfu_peaks_follow_tf32():
 # bf16 against fp32, same model, data and schedule (3 steps at global batch 16 in micro-batches of 4,
 # one rank): the loss after two updates. Measured on CPU: ZeRO-1/2 5.2e-5, ZeRO-3 6.6e-5, ZeRO-0
 # 5.9e-5 (1.8e-3 before: DeepSpeed's FP16_Optimizer stepped Adam once on zero gradients at start,
-# ``adapters/deepspeed.py::_undo_state_init_step``), megatron 5.4e-5 (4.0e-5 with its norms in
+# ``adapters/deepspeed/engine.py::_undo_state_init_step``), megatron 5.4e-5 (4.0e-5 with its norms in
 # fp32). The bound: 2.3x the largest measured, 12x below that ZeRO-0 defect.
 DRIFT = ("train.steps=3", "train.global_batch_size=16", "train.micro_batch_size=4", "train.lr=1e-3")
 BF16_DRIFT_BOUND = 1.5e-4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.runs import losses, refused, resumes, train, train_args
+from tests.helpers.runs import TINY, losses, refused, resumes, train, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,13 @@ def test_zero_stage_at_dp2_matches_single_process(stage, runs, reference):
     assert got[0] == pytest.approx(ref[0], rel=1e-6), "same weights and data must give the same initial loss"
     assert got == pytest.approx(ref, rel=1e-6)
     assert got[-1] < got[0]
+
+
+def test_loss_golden_zero2_dp2(runs, request):
+    """ZeRO-2 at DP=2 reproduces its recorded curve to the bit (tests/helpers/goldens.py)."""
+    from tests.helpers.goldens import check_golden
+    check_golden(request, "zero2_dp2", runs("zero2", "zero.stage=2"),
+                 [*TINY, "checkpoint.every=3", "zero.stage=2"], nproc=2)
 
 
 @pytest.mark.parametrize("nproc,micro", [(2, 1), (1, 8), (2, 4)])

@@ -78,6 +78,6 @@ def test_non_default_vocab_divisor_through_resume_and_convert(tmp_path, data_cac
 @pytest.mark.parametrize("to, divisor", [("hf", 64), ("zero", 64), ("megatron", 0)])
 def test_vocab_divisor_refused_where_it_means_nothing(to, divisor):
     from toolkit.convert import ConvertError
-    from toolkit.convert.run import _check_request
+    from toolkit.convert.run import _asked_layout, _check_request
     with pytest.raises(ConvertError, match=f"--vocab-divisor {divisor}: a positive integer, and for --to megatron"):
-        _check_request({}, to, (1, 1, 1, 1), 2, None, divisor)
+        _check_request({}, to, _asked_layout(to, 1, 1, 1, 1, 2, divisor), None, divisor)

@@ -29,7 +29,7 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, chec
 
 
 RANK_PRELOAD = ["torch", "transformers.modeling_utils", "datasets", "deepspeed", "megatron.core.models.gpt",
-                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_preload",
+                "megatron.core.optimizer", "toolkit.adapters.deepspeed", "toolkit.adapters.deepspeed.preload",
                 "toolkit.adapters.megatron", "toolkit.data", "toolkit.train.trainer", "toolkit.train.worker",
                 "tests.helpers.convert"]
 """What the forkserver of each test process imports once (``toolkit train`` without a GPU does the

@@ -42,13 +42,13 @@ def lm_head_errors(device: str = "cpu") -> dict[str, float]:
 
 
 def mlp_errors(device: str = "cpu") -> dict:
-    """A bf16 LlamaMLP over ``TILES`` tiles (``adapters/tiles.py``) and untiled: each weight gradient's
+    """A bf16 LlamaMLP over ``TILES`` tiles (``adapters/deepspeed/tiles.py``) and untiled: each weight gradient's
     error against the fp32 untiled one, and how many times the tiled MLP ran a tile (forward and
     recompute: 2 x TILES)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from toolkit.adapters import tiles
+    from toolkit.adapters.deepspeed import tiles
     g = torch.Generator().manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=256, hidden_act="silu")
     x, upstream = (torch.randn(2, 2048, 64, generator=g).to(device) for _ in range(2))

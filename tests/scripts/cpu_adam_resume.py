@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-from toolkit.adapters.ds_optimizer import replay_cpu_adam_step_counter
+from toolkit.adapters.deepspeed.optimizer import replay_cpu_adam_step_counter
 
 STEPS, SAVE_AT = 30, 13  # 0.9**14 and 0.95**14 round differently as a running product and as pow()
 

@@ -340,18 +340,6 @@ UPWARD: dict[str, str] = {
         "a resume at another layout converts the checkpoint with the convert command's own function",
 }
 """The imports allowed to run back up a floor (at most ``MAX_UPWARD``), each with its reason."""
-PENDING_UPWARD: dict[str, str] = {
-    "toolkit.families -> toolkit.plan.layout": "issue 42 item 1 (branch house): toolkit/layout.py",
-    "toolkit.formats.describe -> toolkit.plan.layout": "issue 42 item 1 (branch house): toolkit/layout.py",
-    "toolkit.formats.megatron -> toolkit.plan.layout": "issue 42 item 1 (branch house): toolkit/layout.py",
-    "toolkit.lora.checkpoint -> toolkit.plan.layout": "issue 42 item 1 (branch house): toolkit/layout.py",
-}
-"""Upward imports that work in flight removes (not counted against ``MAX_UPWARD``)."""
-PENDING_MUTUAL: dict[tuple[str, str], str] = {
-    ("families", "plan"): "families read the padded vocabulary from plan/layout.py until toolkit/layout.py lands",
-    ("lora", "plan"): "lora/checkpoint.py reads Layout from plan/layout.py until toolkit/layout.py lands",
-}
-"""Pairs of rooms that still import each other, with the work in flight that removes them (issue 42)."""
 
 
 def room(module: str) -> str:
@@ -396,17 +384,17 @@ def upward_imports(edges: dict[str, set[str]]) -> list[str]:
 def test_every_room_stands_on_a_floor():
     rooms = {room(m) for m in modules()} - {"toolkit"}
     assert sorted(r for r in rooms if not any(r in f for f in FLOORS)) == []
-    assert sorted(set().union(*FLOORS) - rooms - {"layout"}) == []  # layout: issue 42's ground floor
+    assert sorted(set().union(*FLOORS) - rooms) == []
 
 
 def test_no_two_rooms_import_each_other():
-    assert {pair: found for pair, found in mutual_rooms(graph()).items() if pair not in PENDING_MUTUAL} == {}
+    assert mutual_rooms(graph()) == {}
 
 
 def test_few_imports_run_back_up_a_floor():
     found = upward_imports(graph())
     assert len(UPWARD) <= MAX_UPWARD
-    assert [edge for edge in found if edge not in UPWARD and edge not in PENDING_UPWARD] == []
+    assert [edge for edge in found if edge not in UPWARD] == []
 
 
 def test_the_room_rules_find_a_planted_violation():

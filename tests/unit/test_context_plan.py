@@ -1,4 +1,4 @@
-"""megatron.cp in the plan (toolkit/plan/layout.py) and the estimate: the sizes checked before launch,
+"""megatron.cp in the plan (toolkit/plan/checks.py) and the estimate: the sizes checked before launch,
 each refusal naming the valid choices; the layout record and description; per-rank activation
 memory falling as 1 / cp. No process group."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from toolkit.config import ConfigError, load_config
 from toolkit.estimate.memory import memory
 from toolkit.estimate.steptime import Cluster, step_time
 from toolkit.families.tiny import tiny_config
+from toolkit.layout import kv_copies, valid_cp
 from toolkit.plan import build_plan
-from toolkit.plan.layout import kv_copies, valid_cp
 
 LLAMA = tiny_config("llama")  # 4 heads, 2 KV heads
 

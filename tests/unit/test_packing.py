@@ -188,7 +188,7 @@ def test_packed_batch_gives_the_gradients_of_the_same_documents_padded(family):
 def test_moe_routing_statistics_count_real_tokens_only():
     """The same documents padded one per row and packed: the router loss sees the same real tokens
     (tokens per expert equal, aux equal); counting padding would make them differ."""
-    from toolkit.adapters.ds_moe import RouterLoss
+    from toolkit.adapters.deepspeed.moe import RouterLoss
     model = hf_attention.use_document_attention(tiny_model("qwen2_moe"))
     docs = random_documents(10, seed=5, lengths=(4, 15))
     cfg = validate({})
@@ -207,7 +207,7 @@ def test_moe_routing_statistics_count_real_tokens_only():
 
 def test_a_moe_config_without_its_top_k_is_refused():
     """The load-balancing loss needs the router's top-k: an HF MoE config.json without it is named, not guessed."""
-    from toolkit.adapters.ds_moe import RouterLoss
+    from toolkit.adapters.deepspeed.moe import RouterLoss
     from toolkit.config import ConfigError
     model = tiny_model("mixtral")
     model.config.num_experts_per_tok = 0  # transformers 5 types the field an int: 0 stands for a config without it

@@ -19,9 +19,9 @@ def test_full_width_norm_is_hf_s_norm_of_the_unsplit_projection(heads, dtype):
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
-    config = SimpleNamespace(tensor_model_parallel_size=1, num_attention_heads=4, num_query_groups=2)
+    config = SimpleNamespace(num_attention_heads=4, num_query_groups=2)
     n_heads, d = (4 if heads == "q" else 2), 16
-    mine = FullWidthRMSNorm(config, hidden_size=d, eps=1e-6, heads=heads)
+    mine = FullWidthRMSNorm(config, hidden_size=d, eps=1e-6, heads=heads, tp=1)
     ref = Olmo2RMSNorm(n_heads * d, eps=1e-6)
     g = torch.Generator().manual_seed(0)
     weight = 1 + 0.1 * torch.randn(n_heads * d, generator=g)
@@ -39,9 +39,9 @@ def test_full_width_norm_is_hf_s_norm_of_the_unsplit_projection(heads, dtype):
 
 def test_full_width_norm_refuses_heads_that_do_not_split_over_tp():
     from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
-    config = SimpleNamespace(tensor_model_parallel_size=4, num_attention_heads=4, num_query_groups=2)
+    config = SimpleNamespace(num_attention_heads=4, num_query_groups=2)
     with pytest.raises(ValueError, match="2 heads cannot split over tp=4"):
-        FullWidthRMSNorm(config, hidden_size=16, heads="k")
+        FullWidthRMSNorm(config, hidden_size=16, heads="k", tp=4)
 
 
 def test_layer_spec_refuses_an_unknown_qk_norm():

@@ -1,4 +1,4 @@
-"""Sequence tiles (``zero.tiled_mlp``, ``zero.tiled_loss``; ``toolkit/adapters/tiles.py``,
+"""Sequence tiles (``zero.tiled_mlp``, ``zero.tiled_loss``; ``toolkit/adapters/deepspeed/tiles.py``,
 ``loss.tiled_token_loss_sum``): the loss and every fp32 gradient equal HF's own untiled forward and
 backward (its logits, ``F.cross_entropy`` summed) on tiny llama and qwen2 (attention biases), with
 tiles that do not divide the sequence; and the refusals."""
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.tiles import BF16_BOUND, TILES, lm_head_errors, mlp_errors
-from toolkit.adapters.tiles import HiddenStates, tile_mlps
+from toolkit.adapters.deepspeed.tiles import HiddenStates, tile_mlps
 from toolkit.config import validate
 from toolkit.families.tiny import tiny_model
 from toolkit.loss import IGNORE_INDEX, tiled_token_loss_sum

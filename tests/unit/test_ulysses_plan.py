@@ -46,7 +46,7 @@ def test_refusals_name_the_valid_choices(kwargs, message):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_mixture_of_experts_models_take_sp(family):
     """MoE is no longer refused: the load-balancing loss sums the routers' counts over the sequence
-    group (``adapters/ds_moe.py``; ``tests/distributed/test_ulysses.py`` checks it against HF)."""
+    group (``adapters/deepspeed/moe.py``; ``tests/distributed/test_ulysses.py`` checks it against HF)."""
     lay = plan(world=2, sp=2, family=family, zero={"stage": 3}).layout(2)
     assert (lay.dp, lay.sp, lay.zero_stage) == (1, 2, 3)
 
@@ -97,8 +97,8 @@ def test_zero3_keeps_the_reduce_path_the_engine_corrects(tmp_path):
 def test_checkpoints_of_as_many_zero_partitions_load_as_they_are():
     """ZeRO writes one partition per rank of dp x sp: sp=2 x dp=1 is sp=1 x dp=2 file for file; a
     different count or stage needs the converter (which is told dp x sp partitions)."""
-    from toolkit.adapters.ulysses import same_zero_files
-    from toolkit.plan.layout import zero_partitions
+    from toolkit.adapters.deepspeed.ulysses import same_zero_files
+    from toolkit.layout import zero_partitions
     sp2 = {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2, "sp": 2}
     assert same_zero_files(sp2, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2})
     assert not same_zero_files(sp2, {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 2})

@@ -16,12 +16,13 @@ Weights come from one of two sources, the same for every backend, layout and DP 
 The model skeleton is ``families/meta.py``'s (parameters on the meta device, buffers real) and its
 parameters materialized in the training dtype (ZeRO 0-2: the one full copy ZeRO 0-2 keep by
 design), or under DeepSpeed's ``zero.Init`` (ZeRO-3: each rank holds its partition from the start;
-see ``adapters/deepspeed.py``).
+see ``adapters/deepspeed/engine.py``).
 """
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -145,21 +146,22 @@ class _writes:
         return False
 
 
-def build_model(plan: Plan, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_model(plan: Plan, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                attention: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
     """The whole HF model in ``dtype`` on ``device`` (one copy: ZeRO 0-2 on the rank's device,
-    tests and references on the CPU)."""
+    tests and references on the CPU); ``attention``: as ``finish`` takes it."""
     cfg = plan.config
     if cfg.model.init == "pretrained" and not reads_by_slice(plan):
         model = AutoModelForCausalLM.from_pretrained(model_dir(cfg.model.name_or_path), dtype=dtype,
                                                      trust_remote_code=cfg.model.trust_remote_code)
-        return finish(model.to(device), plan)
+        return finish(model.to(device), plan, attention)
     model = empty_model(plan.model.hf_config())
     materialize(model, dtype, device)
     if cfg.model.init == "pretrained":
         fill_from_checkpoint(model, hf_checkpoint(plan), plan)
     else:
         seeded_into(model, SeededWeights(model.config, cfg.train.seed))
-    return finish(model, plan)
+    return finish(model, plan, attention)
 
 
 def reads_by_slice(plan: Plan) -> bool:
@@ -174,7 +176,11 @@ def model_dir(name_or_path: str) -> str:
     return str(path.parent if path.is_file() else path)
 
 
-def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+def finish(model: torch.nn.Module, plan: Plan,
+           attention: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """Checkpointing, no KV cache, and the attention: ``attention`` installs what a backend's split of
+    the sequence needs (DeepSpeed's Ulysses: ``adapters/deepspeed/engine.py`` passes it), else the
+    toolkit's document attention where rows carry documents or the model caps or windows it."""
     if plan.config.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if plan.config.backend == "deepspeed" and plan.config.zero.offload_activations:
@@ -183,9 +189,8 @@ def finish(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     model.config.use_cache = False
     # rows carry document_ids, or the model caps or windows its attention: the toolkit's attention
     # applies them whatever transformers would choose (5.17 gives gemma2 sdpa, which drops the softcap)
-    if plan.config.backend == "deepspeed" and plan.config.zero.sp > 1:  # the same inside DeepSpeed's Ulysses
-        from toolkit.adapters.ulysses import use_ulysses_attention
-        use_ulysses_attention(model)
+    if attention is not None:  # it applies the same inside its own exchange
+        attention(model)
     elif plan.config.data.packing_mode != "concat" or caps_or_windows(model.config):
         from toolkit.adapters.hf_attention import use_document_attention
         use_document_attention(model)

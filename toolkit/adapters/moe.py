@@ -17,7 +17,7 @@ layers' router logits into one such term; for one layer, or layers that route al
 Like any batch statistic, aux depends on the micro-batch size (it is a mean over a micro-batch), so
 two runs compare at the same micro-batch size; DP size and accumulation do not change it.
 
-The DeepSpeed path computes it from HF's ``router_logits`` (``adapters/ds_moe.py``, with ``zero.sp`` too);
+The DeepSpeed path computes it from HF's ``router_logits`` (``adapters/deepspeed/moe.py``, with ``zero.sp`` too);
 the megatron path from its router's logits (``adapters/megatron.py``, ``LoadBalancedRouter``). Pure torch:
 no backend import here.
 """

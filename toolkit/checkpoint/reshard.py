@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from toolkit.layout import Layout
 from toolkit.storage import meta
 from toolkit.storage.rundir import RunDirError
 
@@ -75,7 +76,7 @@ def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_d
     error = None
     if rank == 0 and not out.exists():  # the converter stages its output: `out` exists only complete
         note(f"converting {ckpt.name} from {saved_layout} to {layout} (toolkit convert) before loading")
-        error = _convert(ckpt, out, backend, layout, engine.lay.vocab_divisor if backend == "megatron" else None)
+        error = _convert(ckpt, out, backend, engine.lay)
     outcome = [error]  # rank 0's conversion error (or None), for every rank
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:  # this run's layout cannot take that checkpoint: the same on every attempt
@@ -90,20 +91,16 @@ def drop_conversion(engine_dir: Path, run_dir: Path, rank: int) -> None:
         shutil.rmtree(engine_dir.parent, ignore_errors=True)
 
 
-def _convert(ckpt: Path, out: Path, backend: str, layout: dict, vocab_divisor: int | None) -> str | None:
-    """``vocab_divisor``: this run's megatron.make_vocab_size_divisible_by (None on DeepSpeed), so the
-    converted checkpoint's embedding has the rows this run's model has."""
+def _convert(ckpt: Path, out: Path, backend: str, layout: Layout) -> str | None:
+    """The checkpoint at this run's ``layout`` (``Layout.for_checkpoint``: its sizes, and on megatron its
+    vocabulary divisor, so the converted embedding has the rows this run's model has)."""
     from toolkit.convert import convert
     from toolkit.formats.errors import ConvertError
-    from toolkit.plan.layout import zero_partitions
-    # a ZeRO checkpoint has one partition per rank of dp x sp (zero.sp); megatron's layouts record no sp
-    dp = zero_partitions(layout) if backend == "deepspeed" else layout["dp"]
     try:
-        convert(ckpt, out, to=TARGET_FORMAT[backend], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
-                dp=dp, zero_stage=layout.get("zero_stage") or 2, vocab_divisor=vocab_divisor)
+        convert(ckpt, out, to=TARGET_FORMAT[backend], layout=layout.for_checkpoint())
     except ConvertError as exc:
         return (f"checkpoint {ckpt} was written with another layout and cannot be converted to this run's "
-                f"{layout}: {exc}")
+                f"{layout.record()}: {exc}")
     return None
 
 

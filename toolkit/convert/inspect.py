@@ -36,7 +36,7 @@ def runs_on(config: dict) -> dict:
     table and a config it honours exactly, then the TP/PP/CP/EP sizes that split it evenly."""
     from toolkit.families import FamilyError, find_family, supported
     from toolkit.formats.canonical import hf_config_object
-    from toolkit.plan.layout import divisors, valid_tp
+    from toolkit.layout import divisors, valid_tp
     family = find_family(config.get("model_type"))
     if family is None:
         return {"deepspeed": "ZeRO 0-3", "megatron": f"no family for model_type={config.get('model_type')!r} "

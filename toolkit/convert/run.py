@@ -9,12 +9,13 @@ from toolkit.config import DTYPE_NAMES  # names only: the direct ZeRO -> HF rout
 from toolkit.formats.canonical import Source, WriteRequest
 from toolkit.formats.errors import ConvertError
 from toolkit.formats.table import TARGETS, backend_targets, by_name, for_target
+from toolkit.layout import DEFAULT_VOCAB_DIVISOR, Layout
 
 
 def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, dp: int | None = None,
             zero_stage: int = 2, dtype: str | None = None, weights_only: bool = False, hf_config: str | None = None,
             max_shard_bytes: int = 5 << 30, show_progress: bool = False, base: str | None = None,
-            vocab_divisor: int | None = None) -> dict:
+            vocab_divisor: int | None = None, *, layout: Layout | None = None) -> dict:
     """Convert SRC (a path, or where ``formats.detect.locate`` found one) into DST (which must not
     exist). ``to`` defaults to hf (to zero for an HF source); ``dp`` to the smallest size the layout
     allows (``ep`` for megatron, else 1). Returns a summary: formats, tensors, step, optimizer state,
@@ -23,7 +24,9 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     convert whole: ``--to peft``, ``--to hf`` (merged onto their base, or onto ``base``:
     ``lora/convert.py``), or ``--to zero|megatron`` as that backend's LoRA checkpoint.
     ``vocab_divisor``: the megatron output's ``make_vocab_size_divisible_by`` (default: the megatron
-    source's recorded one, else megatron's 128); a run resumes it only at its own divisor."""
+    source's recorded one, else megatron's 128); a run resumes it only at its own divisor. ``layout``
+    (keyword only; a resume's reshard passes its run's, ``Layout.for_checkpoint``) stands for
+    ``tp``/``pp``/``ep``/``dp``/``zero_stage``/``vocab_divisor``."""
     from toolkit.formats.detect import Located, locate, open_located
     from toolkit.formats.direct import open_direct
     from toolkit.formats.staging import staged
@@ -31,8 +34,9 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     found = src if isinstance(src, Located) else locate(src, hf_config)
     src = found.path if isinstance(src, Located) else src
     if by_name(found.format).adapters:
-        summary = _convert_adapters(found, Path(dst), to, (tp, pp, ep, _dp_or_default(dp, to, ep)), zero_stage,
-                                    weights_only, hf_config, max_shard_bytes, base, vocab_divisor)
+        asked = layout or _asked_layout(to, tp, pp, ep, dp, zero_stage, vocab_divisor)
+        summary = _convert_adapters(found, Path(dst), to, asked, layout is None and vocab_divisor is None,
+                                    weights_only, hf_config, max_shard_bytes, base)
         return {**summary, "src": str(src), "seconds": round(time.perf_counter() - tic, 3)}
     if base is not None:
         raise ConvertError(f"--base {base}: applies to LoRA sources only (an HF-PEFT directory or a toolkit LoRA "
@@ -41,8 +45,8 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
     if to in TARGETS and for_target(to).adapters:
         raise ConvertError(f"--to {to}: writes LoRA adapters, from a LoRA source only (a toolkit LoRA checkpoint, an "
                            f"HF-PEFT directory or a DCP of a peft model); {found.path} is {found.format}")
-    dp = _dp_or_default(dp, to, ep)
-    _check_request(found.hf_config, to, (tp, pp, ep, dp), zero_stage, dtype, vocab_divisor)
+    asked = layout or _asked_layout(to, tp, pp, ep, dp, zero_stage, vocab_divisor)
+    _check_request(found.hf_config, to, asked, dtype, None if layout else vocab_divisor)
     direct = open_direct(found) if to == "hf" and dtype is None else None  # None: the torch reader does it
     source = direct or open_located(found)
     try:
@@ -50,9 +54,10 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             if direct is not None:
                 direct.write_hf(stage, max_shard_bytes, progress)
             else:
-                request = WriteRequest(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, dtype=_torch_dtype(dtype),
-                                       weights_only=weights_only, max_shard_bytes=max_shard_bytes,
-                                       vocab_divisor=_vocab_divisor(source, vocab_divisor))
+                if layout is None and vocab_divisor is None:  # keep a megatron source's padding
+                    asked = _with_source_divisor(asked, source)
+                request = WriteRequest(layout=asked, dtype=_torch_dtype(dtype), weights_only=weights_only,
+                                       max_shard_bytes=max_shard_bytes)
                 _write(source, stage, for_target(to), request, progress)
     finally:
         source.close()
@@ -62,15 +67,15 @@ def convert(src, dst, to: str | None = None, tp: int = 1, pp: int = 1, ep: int =
             "reader": "torch-free" if direct is not None else "torch", "seconds": round(time.perf_counter() - tic, 3)}
 
 
-def _convert_adapters(found, dst: Path, to: str | None, parallel, zero_stage: int, weights_only: bool,
-                      hf_config: str | None, max_shard_bytes: int, base: str | None, vocab_divisor: int | None) -> dict:
+def _convert_adapters(found, dst: Path, to: str | None, layout: Layout, source_divisor: bool, weights_only: bool,
+                      hf_config: str | None, max_shard_bytes: int, base: str | None) -> dict:
     """LoRA adapters, whole: as another backend's LoRA checkpoint (``--to zero|megatron``), else as an
     adapter directory or merged onto its base (``lora/convert.py``), through the format's own
     functions (``table.Format.lora_checkpoint`` / ``lora_adapter``)."""
     fmt = by_name(found.format)
     if to in backend_targets():
-        return _convert_lora_checkpoint(fmt.open_lora_checkpoint(found, base), dst, to, parallel, zero_stage,
-                                        weights_only, vocab_divisor)
+        return _convert_lora_checkpoint(fmt.open_lora_checkpoint(found, base), dst, to, layout, source_divisor,
+                                        weights_only)
     from toolkit.lora.convert import convert_adapter
     adapter, described = fmt.open_adapter(found, base, hf_config)
     try:
@@ -81,29 +86,37 @@ def _convert_adapters(found, dst: Path, to: str | None, parallel, zero_stage: in
     return {**summary, "from": described["format"]}
 
 
-def _convert_lora_checkpoint(source, dst: Path, to: str, parallel, zero_stage: int, weights_only: bool,
-                             vocab_divisor: int | None) -> dict:
+def _convert_lora_checkpoint(source, dst: Path, to: str, layout: Layout, source_divisor: bool,
+                             weights_only: bool) -> dict:
     """A LoRA checkpoint's stream (a toolkit LoRA checkpoint of either backend, or an HF-PEFT
     directory as step 0) written as one of ``to``'s backend (``lora/checkpoint.py``)."""
     from toolkit.formats.staging import staged
     from toolkit.lora.checkpoint import write_lora
     meta = source.meta
-    _check_request(source.hf_config, to, parallel, zero_stage, None, vocab_divisor)
+    _check_request(source.hf_config, to, layout, None)
+    if source_divisor:  # no divisor asked for: keep a megatron source's padding
+        layout = _with_source_divisor(layout, source)
     with staged(dst) as stage:
-        layout = write_lora(source, stage, to, *parallel, zero_stage, weights_only, _vocab_divisor(source, vocab_divisor))
-        tp, pp, _, dp = parallel
-        describe_for_resume(source, stage, for_target(to).backend, layout, None, dp * tp * pp,
+        record = write_lora(source, stage, layout=layout, weights_only=weights_only)
+        describe_for_resume(source, stage, for_target(to).backend, record, None, layout.world,
                             {k: meta[k] for k in ("lora", "base_model") if k in meta})
     return {"src": str(source.path), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
             "reader": "torch"}
 
 
-def _vocab_divisor(source, requested: int | None) -> int:
-    """The megatron output's vocabulary divisor: the one asked for, else the one a megatron source
-    was written with (so a converted checkpoint keeps its run's padded vocabulary), else megatron's."""
-    from toolkit.plan.layout import DEFAULT_VOCAB_DIVISOR
-    return requested or getattr(source, "vocab_divisor", None) or DEFAULT_VOCAB_DIVISOR
+def _asked_layout(to: str | None, tp: int, pp: int, ep: int, dp: int | None, zero_stage: int,
+                  vocab_divisor: int | None) -> Layout:
+    """The output's layout from the converter's flags (checked by ``_check_request``); the divisor
+    megatron's default until a source says otherwise (``_with_source_divisor``)."""
+    return Layout.of_sizes("megatron" if to == "megatron" else "deepspeed", dp=_dp_or_default(dp, to, ep), tp=tp,
+                           pp=pp, ep=ep, zero_stage=zero_stage, vocab_divisor=vocab_divisor or DEFAULT_VOCAB_DIVISOR)
+
+
+def _with_source_divisor(layout: Layout, source) -> Layout:
+    """No divisor asked for: the one a megatron source was written with (so a converted checkpoint
+    keeps its run's padded vocabulary), else megatron's."""
+    return layout.model_copy(update={"vocab_divisor": getattr(source, "vocab_divisor", None) or DEFAULT_VOCAB_DIVISOR})
 
 
 def _torch_dtype(name: str | None):
@@ -119,9 +132,10 @@ def _dp_or_default(dp: int | None, to: str, ep: int) -> int:
     return dp if dp is not None else (ep if to == "megatron" else 1)
 
 
-def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int], stage: int,
-                   dtype: str | None, vocab_divisor: int | None = None) -> None:
-    tp, pp, ep, dp = parallel
+def _check_request(hf_config: dict, to: str, layout: Layout, dtype: str | None, vocab_divisor: int | None = None) -> None:
+    """The asked-for layout against the converter's rules, named by its flags (``vocab_divisor``: the
+    ``--vocab-divisor`` given, if any)."""
+    tp, pp, ep, dp, stage = layout.tp, layout.pp, layout.ep, layout.dp, layout.zero_stage
     if to not in TARGETS:
         raise ConvertError(f"--to {to!r}: choose one of {list(TARGETS)}")
     if dtype is not None and dtype not in DTYPE_NAMES:
@@ -143,10 +157,10 @@ def _check_request(hf_config: dict, to: str, parallel: tuple[int, int, int, int]
 
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:
-    """The run plan's megatron split rules (``toolkit.plan.layout``), named by the converter's flags."""
+    """The run plan's megatron split rules (``toolkit.layout``), named by the converter's flags."""
     from toolkit.convert.inspect import split_dims
     from toolkit.families import find_family
-    from toolkit.plan.layout import megatron_split_problems
+    from toolkit.layout import megatron_split_problems
     family = find_family(config.get("model_type"))
     missing = family.missing_fields(config) if family else []
     if missing:
@@ -175,7 +189,7 @@ def _write(source: Source, stage: Path, fmt, request: WriteRequest, progress) ->
         fmt.write(source, stage, request, progress)
         return
     layout = fmt.write(source, stage / "engine", request, progress)
-    describe_for_resume(source, stage, fmt.backend, layout, request.dtype, request.dp * request.tp * request.pp)
+    describe_for_resume(source, stage, fmt.backend, layout, request.dtype, request.layout.world)
 
 
 def describe_for_resume(source: Source, stage: Path, backend: str, layout: dict, dtype, world: int,

@@ -93,7 +93,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.config import ConfigError, RunConfig
-from toolkit.plan.layout import Layout, check_layout, divisors, kv_copies, stage_layers
+from toolkit.layout import Layout, divisors, kv_copies, stage_layers
+from toolkit.plan.checks import check_layout
 from toolkit.plan.model import ModelSpec
 
 GiB = 2**30

@@ -7,8 +7,8 @@ from dataclasses import asdict
 from toolkit.config import ConfigError, RunConfig, parse_yaml
 from toolkit.estimate.memory import USABLE, GiB, fits, memory, suggestions
 from toolkit.estimate.steptime import Cluster, StepTime, step_time
+from toolkit.layout import Layout
 from toolkit.plan import Plan
-from toolkit.plan.layout import Layout
 from toolkit.plan.model import ModelSpec
 
 # --- the whole estimate -----------------------------------------------------------------------------
@@ -45,9 +45,9 @@ def _scaling(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> 
     rows = []
     for nodes in (2**k for k in range(0, 11)):
         world = nodes * cluster.gpus_per_node
-        if world % (lay.tp * lay.pp * lay.sp):
+        if not lay.fits(world):
             continue
-        grown = lay.model_copy(update={"world": world, "dp": world // (lay.tp * lay.pp * lay.sp)})
+        grown = lay.at_world(world)
         if cfg.train.global_batch_size < cfg.train.micro_batch_size * grown.dp:
             break
         t = step_time(cfg, spec, grown, cluster.model_copy(update={"nodes": nodes}))

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from toolkit.config import RunConfig
 from toolkit.estimate.flops import PEAK_TFLOPS
 from toolkit.estimate.memory import DTYPE_BYTES, memory, micro_batches
-from toolkit.plan.layout import Layout, kv_copies, stage_layers
+from toolkit.layout import Layout, kv_copies, stage_layers
 from toolkit.plan.model import ModelSpec
 
 DEFAULT_GPU = "H100"

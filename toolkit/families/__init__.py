@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 import torch
 
 from toolkit.families.base import Family, FamilyError, MappingReader, Packed, Reader, attention_dims, rope_parameters
-from toolkit.plan.layout import padded_vocab_size  # its one home; re-exported for the family tools
+from toolkit.layout import padded_vocab_size  # its one home; re-exported for the family tools
 
 __all__ = ["Family", "FamilyError", "get_family", "supported", "hf_to_mcore", "mcore_to_hf", "shard",
            "unshard", "read_shard", "Reader", "MappingReader", "padded_vocab_size", "rope_parameters", "table",

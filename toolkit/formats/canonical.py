@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from toolkit.layout import Layout
+
 if TYPE_CHECKING:  # annotations only: the direct ZeRO -> HF route (direct.py) runs without torch
     import torch
 
@@ -93,19 +95,14 @@ class Source:
 
 @dataclass(frozen=True)
 class WriteRequest:
-    """What a writer is asked for (``Format.write``): the layout of the output, its dtype (None:
-    the source's), whether Adam's moments are left out, HF shard size, megatron's vocabulary divisor.
-    Each writer reads the fields that concern its format."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero_stage: int = 2
+    """What a writer is asked for (``Format.write``): the layout of the output (its sizes, ZeRO stage
+    and megatron's vocabulary divisor: the run that resumes it pads its vocabulary so), its dtype
+    (None: the source's), whether Adam's moments are left out, HF shard size. Each writer reads what
+    concerns its format."""
+    layout: Layout = field(default_factory=lambda: Layout.of_sizes("deepspeed", dp=1, zero_stage=2))
     dtype: torch.dtype | None = None
     weights_only: bool = False
     max_shard_bytes: int = 5 << 30
-    vocab_divisor: int | None = None
-    """megatron.make_vocab_size_divisible_by of the run that resumes a megatron output (required there)."""
 
 
 def stream(source: Source, weights_only: bool = False) -> Iterator[Record]:

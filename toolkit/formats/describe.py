@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from toolkit.formats.errors import ConvertError
+from toolkit.layout import Layout
 
 MEGATRON_DESCRIPTION = "toolkit_megatron.json"
 LEGACY_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -31,10 +32,8 @@ ACCELERATE_MODEL, ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"
 
 
 def layout_record(backend: str, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, zero_stage: int = 0) -> dict:
-    """The record of a layout given by its sizes, as the run plan's ``Layout.record()`` writes it
-    (the converter writes checkpoints a run at that layout resumes as its own)."""
-    from toolkit.plan.layout import Layout
-    return Layout(backend=backend, world=dp * tp * pp, dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage).record()
+    """The record of a layout a reader found by its sizes, as ``Layout.record()`` writes it."""
+    return Layout.of_sizes(backend, dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage).record()
 
 
 def megatron_description(family: str, vocab_size: int, padded_vocab: int, vocab_divisor: int, layout: dict,

@@ -29,7 +29,6 @@ import torch
 
 from toolkit.formats.canonical import Source, TensorInfo, WriteRequest, hf_config_object
 from toolkit.formats.describe import (
-    layout_record,
     megatron_description,
     read_megatron_description,
     write_megatron_description,
@@ -38,6 +37,7 @@ from toolkit.formats.errors import ConvertError
 from toolkit.formats.pages import SourceMaps, give_back
 from toolkit.formats.safeload import safe_load
 from toolkit.heap import trim_heap
+from toolkit.layout import Layout
 
 KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
@@ -69,7 +69,7 @@ def storage_key(mcore_name: str) -> tuple[str, tuple[int, ...]]:
     return f"decoder.layers.{rest}", (int(layer),)
 
 
-class _Layout:
+class _McoreNames:
     """The family table of one HF config: mcore name -> entry; HF name -> mcore name."""
 
     def __init__(self, hf_config: dict, padded_vocab: int):
@@ -152,7 +152,7 @@ class MegatronSource(Source):
         emb = self._md.state_dict_metadata.get("embedding.word_embeddings.weight")
         if emb is None:
             raise ConvertError(f"{path}: no embedding.word_embeddings.weight; not a GPT model checkpoint")
-        self.layout_ = _Layout(hf_config, int(emb.size[0]))
+        self.layout_ = _McoreNames(hf_config, int(emb.size[0]))
         self._check_keys()
         self.layout = {k: v for k, v in tk.get("layout", {}).items() if k != "format"}
         self.vocab_divisor = tk.get("make_vocab_size_divisible_by")  # absent: written before it was recorded
@@ -254,27 +254,25 @@ class _StreamingSavePlanner:
 
 
 def write(source: Source, engine_dir: Path, request: WriteRequest, progress=None) -> dict:
-    """The table's writer (``table.Format.write``): ``write_megatron`` at the request's layout and
-    vocabulary divisor; returns the layout record."""
-    if request.vocab_divisor is None:
-        raise ConvertError("a megatron output needs the vocabulary divisor of the run that resumes it "
-                           "(megatron.make_vocab_size_divisible_by)")
-    return write_megatron(source, engine_dir, request.tp, request.pp, request.dp, request.dtype, request.vocab_divisor,
-                          request.weights_only, progress, ep=request.ep)["layout"]
+    """The table's writer (``table.Format.write``): ``write_megatron`` at the request's layout (its
+    vocabulary divisor included); returns the layout record."""
+    return write_megatron(source, engine_dir, layout=request.layout, dtype=request.dtype,
+                          weights_only=request.weights_only, progress=progress)["layout"]
 
 
-def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, dtype: torch.dtype | None,
-                   vocab_divisor: int, weights_only: bool = False, progress=None, ep: int = 1) -> dict:
-    """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``tp`` with
-    ``megatron.make_vocab_size_divisible_by=vocab_divisor`` (the vocab padding depends on both; pp,
-    ep and dp only go into the description - the tensors are global)."""
+def write_megatron(source: Source, engine_dir: Path, *, layout: Layout, dtype: torch.dtype | None = None,
+                   weights_only: bool = False, progress=None) -> dict:
+    """``engine_dir`` as a megatron-core torch_dist checkpoint for a run at ``layout``: its tp and
+    vocabulary divisor pad the vocabulary (``Layout.padded``); pp, ep and dp only go into the
+    description - the tensors are global."""
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.plan.layout import padded_vocab_size
-    layout = _Layout(source.hf_config, padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp))
-    _check_names(source, layout)
+    if layout.backend != "megatron":  # its record() would describe a ZeRO checkpoint
+        raise ValueError(f"write_megatron needs a megatron layout, got {layout.describe()}")
+    names = _McoreNames(source.hf_config, layout.padded(source.hf_config["vocab_size"]))
+    _check_names(source, names)
     moments = source.has_optimizer and not weights_only
-    items, resolvers = _plan(source, layout, dtype, moments)
+    items, resolvers = _plan(source, names, dtype, moments)
 
     written: list[torch.Tensor] = []
     source_maps = SourceMaps(source.path)
@@ -304,8 +302,8 @@ def write_megatron(source: Source, engine_dir: Path, tp: int, pp: int, dp: int, 
         dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
     write_dist_metadata(engine_dir)
     torch.save(_common(source, moments), engine_dir / "common.pt")
-    describe = megatron_description(layout.family.model_type, source.hf_config["vocab_size"], layout.padded_vocab,
-                                    vocab_divisor, layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep))
+    describe = megatron_description(names.family.model_type, source.hf_config["vocab_size"], names.padded_vocab,
+                                    layout.vocab_divisor, layout.record())
     write_megatron_description(engine_dir, describe)
     return describe
 
@@ -317,7 +315,7 @@ def write_dist_metadata(engine_dir: Path) -> None:
          "common_backend_version": 1}))
 
 
-def _check_names(source: Source, layout: _Layout) -> None:
+def _check_names(source: Source, layout: _McoreNames) -> None:
     want, have = set(layout.hf_names()), set(source.names())
     if want != have:
         raise ConvertError(f"{source.path}: tensors do not match the {layout.family.model_type} family table "
@@ -330,7 +328,7 @@ ROW_BLOCK_BYTES = 16 << 20
 so the largest tensors never sit in memory whole."""
 
 
-def _plan(source: Source, layout: _Layout, dtype, moments: bool):
+def _plan(source: Source, layout: _McoreNames, dtype, moments: bool):
     """DCP write items (per layer of a stacked key, per row block of a top-level matrix, else per
     tensor) and how to compute each."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -359,7 +357,7 @@ def _plan(source: Source, layout: _Layout, dtype, moments: bool):
     return items, resolvers
 
 
-def _extra_states(layout: _Layout, stacked: tuple[int, int]) -> list[str]:
+def _extra_states(layout: _McoreNames, stacked: tuple[int, int]) -> list[str]:
     """The ``_extra_state`` entries megatron writes for the linears of the family table."""
     out = []
     for m in layout.entries:

@@ -10,7 +10,7 @@ import torch
 from toolkit.formats.canonical import Source, TensorInfo
 from toolkit.formats.describe import LEGACY_RE
 from toolkit.formats.errors import ConvertError
-from toolkit.formats.megatron import _Layout, storage_key
+from toolkit.formats.megatron import _McoreNames, storage_key
 from toolkit.formats.safeload import safe_load
 
 
@@ -40,7 +40,7 @@ class LegacySource(Source):
                                "layouts are not supported")
         self._per_stage = layers // self.pp
         emb = self._states[(0, 0)]["embedding.word_embeddings.weight"]
-        self.layout_ = _Layout(hf_config, emb.shape[0] * self.tp)
+        self.layout_ = _McoreNames(hf_config, emb.shape[0] * self.tp)
         self.layout = {"tp": self.tp, "pp": self.pp}
         for name in self.layout_.hf_names():
             self.infos[name] = TensorInfo(tuple(self._hf_shape(name)), torch.float32)

@@ -32,6 +32,7 @@ from toolkit.formats.errors import ConvertError
 from toolkit.formats.pages import FileMaps, SourceMaps, give_back
 from toolkit.formats.safeload import safe_load
 from toolkit.formats.zero_index import ZeroIndex, spans, sub_frags
+from toolkit.layout import Layout
 
 READ_BLOCK = 4 << 20
 """Elements (16 MB of fp32) copied out of a memory-mapped partition before its pages are given back."""
@@ -145,16 +146,16 @@ every group, weight decay included); empty ones keep the resuming run's own hype
 
 
 def write(source: Source, engine_dir: Path, request: WriteRequest, progress=None) -> dict:
-    """The table's writer (``table.Format.write``): ``write_zero`` at the request's DP and stage."""
-    return write_zero(source, engine_dir, request.zero_stage, request.dp, request.weights_only, progress)
+    """The table's writer (``table.Format.write``): ``write_zero`` at the request's layout."""
+    return write_zero(source, engine_dir, layout=request.layout, weights_only=request.weights_only, progress=progress)
 
 
-def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_only: bool = False,
+def write_zero(source: Source, engine_dir: Path, *, layout: Layout, weights_only: bool = False,
                progress=None, module_state: dict | None = None) -> dict:
-    """``engine_dir/{latest,latest_universal}`` and ``global_stepN/`` in the universal layout;
-    without moments (weights only, or an HF source) Adam starts fresh: zero moments, step 0.
-    ``module_state``: tensors for the model states' ``module`` (a LoRA load checks its names there).
-    Returns the layout record it wrote."""
+    """``engine_dir/{latest,latest_universal}`` and ``global_stepN/`` in the universal layout, for
+    ``layout``'s ZeRO stage and partitions (dp x sp); without moments (weights only, or an HF source)
+    Adam starts fresh: zero moments, step 0. ``module_state``: tensors for the model states' ``module``
+    (a LoRA load checks its names there). Returns the layout record it wrote."""
     from importlib.metadata import version
     ds_version = version("deepspeed")  # recorded as DeepSpeed records it (its import is not needed to write)
     moments = source.has_optimizer and not weights_only
@@ -174,19 +175,20 @@ def write_zero(source: Source, engine_dir: Path, stage: int, dp: int, weights_on
         torch.save(opt_step, d / "step.pt")
         if progress:
             progress(module, _dtype(source, shape, pieces).itemsize * math.prod(shape) * (3 if moments else 1))
-    layout = layout_record("deepspeed", dp=dp, zero_stage=stage)
+    dp = layout.zero_partitions
+    record = layout_record("deepspeed", dp=dp, zero_stage=layout.zero_stage)
     shapes = {m: list(shape) for m, (shape, _) in modules.items()}
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": ds_version,
                 "optimizer_state_dict": {"state": {0: {"step": opt_step}}, "param_groups": [{}]},
                 "toolkit": {"names": list(modules), "shapes": shapes, "step": step, "has_optimizer": moments,
-                            "layout": layout, "hparams": source.optimizer_hparams}},
+                            "layout": record, "hparams": source.optimizer_hparams}},
                zero / "optimizer_state.pt")
     model_states = {**_model_states(shapes, step, dp, ds_version), "module": dict(module_state or {})}
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(model_states, tag / name)  # the stage 1/2 and the stage 3 name: any stage loads it
     for latest in ("latest", "latest_universal"):
         (engine_dir / latest).write_text(tag.name)
-    return layout
+    return record
 
 
 def _module_params(source: Source) -> dict[str, tuple[tuple[int, ...], list]]:

@@ -13,6 +13,6 @@ their checkpoints and the converter.
                      ``formats/peft.py``, ``lora_zero.py``, ``lora_megatron.py``, lines of the format table)
 
 Backend-specific LoRA stays beside its backend: ``adapters/megatron/lora.py`` (adapted linears,
-gathers, sharded checkpoints), ``adapters/ds_lora.py`` (an adapter checkpoint resumed at another
+gathers, sharded checkpoints), ``adapters/deepspeed/lora.py`` (an adapter checkpoint resumed at another
 DP size or ZeRO stage).
 """

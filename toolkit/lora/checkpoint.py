@@ -23,6 +23,7 @@ import torch
 
 from toolkit.formats.canonical import STATES, Source, TensorInfo, hf_config_object
 from toolkit.formats.errors import ConvertError
+from toolkit.layout import Layout
 from toolkit.lora.geometry import QKV, megatron_sites
 from toolkit.lora.peft import ADAPTER, PEFT_PREFIX, lora_layers, peft_config, peft_skeleton
 from toolkit.lora.spec import LoraSpec
@@ -215,26 +216,25 @@ def compare_lora_sources(a: LoraSource, b: LoraSource):
 
 # --- writing --------------------------------------------------------------------------------------------
 
-def write_lora(source: LoraSource, stage: Path, to: str, tp: int, pp: int, ep: int, dp: int, zero_stage: int,
-               weights_only: bool, vocab_divisor: int) -> dict:
-    """``stage/engine`` as a toolkit LoRA checkpoint of ``to``'s backend saves it; returns the layout
-    for its description (``run.describe_for_resume`` adds meta.json's ``lora`` and ``base_model``)."""
-    if to == "zero":
+def write_lora(source: LoraSource, stage: Path, *, layout: Layout, weights_only: bool) -> dict:
+    """``stage/engine`` as a toolkit LoRA checkpoint of ``layout``'s backend saves it; returns the layout
+    record for its description (``run.describe_for_resume`` adds meta.json's ``lora`` and ``base_model``)."""
+    if layout.backend == "deepspeed":
         from toolkit.formats.zero import write_zero
-        return write_zero(source, stage / "engine", zero_stage, dp, weights_only, module_state=source.trained())
-    return write_megatron_lora(source, stage / "engine", tp, pp, dp, ep, weights_only, vocab_divisor)
+        return write_zero(source, stage / "engine", layout=layout, weights_only=weights_only,
+                          module_state=source.trained())
+    return write_megatron_lora(source, stage / "engine", layout=layout, weights_only=weights_only)
 
 
-def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, dp: int, ep: int,
-                        weights_only: bool, vocab_divisor: int) -> dict:
-    """``engine_dir`` as a megatron LoRA run saves it (global tensors, any TP loads them), the
-    distributed optimizer's fp32 main weights and moments beside them; returns its layout record."""
+def write_megatron_lora(source: LoraSource, engine_dir: Path, *, layout: Layout, weights_only: bool) -> dict:
+    """``engine_dir`` as a megatron LoRA run at ``layout`` saves it (global tensors, any TP loads them;
+    the vocabulary padded as ``layout`` pads it), the distributed optimizer's fp32 main weights and
+    moments beside them; returns its layout record."""
     import torch.distributed.checkpoint as dcp
 
-    from toolkit.formats.describe import layout_record, megatron_description, write_megatron_description
+    from toolkit.formats.describe import megatron_description, write_megatron_description
     from toolkit.formats.megatron import OPT_PREFIX, _common, write_dist_metadata
-    from toolkit.plan.layout import padded_vocab_size
-    padded = padded_vocab_size(source.hf_config["vocab_size"], vocab_divisor, tp)
+    padded = layout.padded(source.hf_config["vocab_size"])
     moments = source.has_optimizer and not weights_only
     rows = _packed_rows(source.hf_config, source.meta["lora"])
     state = {}
@@ -250,10 +250,10 @@ def write_megatron_lora(source: LoraSource, engine_dir: Path, tp: int, pp: int, 
         dcp.save(state, storage_writer=writer, no_dist=True)
     write_dist_metadata(engine_dir)
     torch.save(_common(source, moments), engine_dir / "common.pt")
-    layout = layout_record("megatron", dp=dp, tp=tp, pp=pp, ep=ep)
+    record = layout.record()
     write_megatron_description(engine_dir, megatron_description(source.model_type, source.hf_config["vocab_size"],
-                                                                padded, vocab_divisor, layout, lora=True))
-    return layout
+                                                                padded, layout.vocab_divisor, record, lora=True))
+    return record
 
 
 def _as_stored(source: LoraSource, name: str, rows: dict[str, list[int]], padded: int) -> dict[str, dict]:

@@ -23,9 +23,10 @@ from pydantic import BaseModel, ConfigDict
 
 from toolkit import __version__
 from toolkit.config import ConfigError, RunConfig
+from toolkit.layout import Layout
 from toolkit.lora.spec import LoraSpec, resolve_lora
 from toolkit.objectives import Objective, resolve
-from toolkit.plan.layout import Layout, check_layout
+from toolkit.plan.checks import check_layout
 from toolkit.plan.model import ModelSpec, load_hf_config, model_code_dir, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 

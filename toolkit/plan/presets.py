@@ -133,7 +133,7 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
     if cfg.zero.sp > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's batch check: world / sp ranks of data
         wanted[("sequence_parallel_size",)] = cfg.zero.sp
     if cfg.zero.sp > 1 and cfg.zero.stage == 3:  # the one ZeRO-3 reduce path the engine corrects for sp
-        zero.setdefault("reduce_scatter", AUTO)  # (adapters/ulysses.py: average_zero3_grads_over_dp)
+        zero.setdefault("reduce_scatter", AUTO)  # (adapters/deepspeed/ulysses.py: average_zero3_grads_over_dp)
         wanted[("zero_optimization", "reduce_scatter")] = True
     for keys, value in wanted.items():
         _fill(ds, keys, value, source)

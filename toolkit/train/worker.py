@@ -149,7 +149,8 @@ def preload_modules(backend: str) -> tuple[str, ...]:
               "toolkit.train.worker")
     if backend == "megatron":
         return (*common, "megatron.core.models.gpt", "megatron.core.optimizer", "toolkit.adapters.megatron")
-    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.ds_preload")  # JIT ops, lazy imports: once
+    # JIT ops, lazy imports: once
+    return (*common, "deepspeed", "toolkit.adapters.deepspeed", "toolkit.adapters.deepspeed.preload")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.adapters.attention import TokenLayout
-from toolkit.plan.layout import kv_copies
+from toolkit.layout import kv_copies
 
 
 @dataclass(eq=False)

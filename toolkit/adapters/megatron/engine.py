@@ -82,7 +82,7 @@ class MegatronEngine:
             device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
         for c in chunks:
-            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay.padded_vocab, self.lay.tp, self.tp_rank)
+            load_hf_into_chunk(c, self.family, self.hf_config, hf_state, self.lay, self.tp_rank)
         del hf_state
         self.optimizer = self._build_optimizer()
         self._configure_schedule()
@@ -108,8 +108,7 @@ class MegatronEngine:
         if adapters is None:
             from toolkit.lora.peft import draw_adapters
             adapters = draw_adapters(self.hf_config, self.lora, self.cfg.train.seed)
-        lora.attach(chunks, self.family, self.hf_config, self.lora, adapters, self.lay.padded_vocab, self.lay.tp,
-                    self.tp_rank)
+        lora.attach(chunks, self.family, self.hf_config, self.lora, adapters, self.lay, self.tp_rank)
 
     def _wrap_ddp(self, chunks) -> list:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -170,7 +170,7 @@ def owned_params(engine) -> dict[str, torch.Tensor]:
     """This rank's megatron tensors by global name, where it is in the replica an export takes."""
     out = {}
     for chunk in engine.model:
-        offset, first_expert = layer_offset(chunk.module), expert_offset(chunk.module)
+        offset, first_expert = layer_offset(chunk.module), expert_offset(chunk.module, engine.lay.ep)
         for name, t in local_params(chunk.module).items():
             name = global_name(name, offset, first_expert)
             if (engine.owns_experts if is_expert(name) else engine.owns_dense) and name not in out:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from toolkit.plan.layout import Layout
+from toolkit.layout import Layout
 
 
 @dataclass(frozen=True)

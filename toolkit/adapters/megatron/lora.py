@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.adapters.megatron import grid
+from toolkit.layout import Layout
 from toolkit.lora.geometry import (
     QKV,
     ROW_LINEAR,
@@ -95,7 +96,7 @@ class LoraSite(torch.nn.Module):
         """megatron's attributes: TP-split matrices (grad norm counts them on every rank), and the
         replicated ones whose gradient is a per-rank partial sum under sequence parallelism."""
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-        tp = getattr(base, "tp_size", None) or base.config.tensor_model_parallel_size
+        tp = self.geometry.tp  # the run's layout's (``attach``)
         for adapter in self.adapters.values():
             split, whole = ((adapter.A,), list(adapter.B)) if self.site.kind == ROW_LINEAR else \
                 (list(adapter.B), (adapter.A,))
@@ -178,12 +179,13 @@ def _add_delta(module, args, kwargs, output):
 
 # --- attaching to the model chunks ----------------------------------------------------------------------
 
-def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.Tensor], padded_vocab: int,
-           tp: int, tp_rank: int) -> None:
+def attach(chunks, family, hf_config, spec: LoraSpec, adapters: dict[str, torch.Tensor], lay: Layout,
+           tp_rank: int) -> None:
     """Freeze every parameter of ``chunks`` but those of ``modules_to_save`` (the embedding, the LM
-    head) and give each adapted linear its adapters: this rank's slices of ``adapters`` (HF-PEFT
-    names, HF shapes, e.g. ``draw_adapters``'s), in the base's dtype and device."""
-    dims = family.dims(hf_config, padded_vocab)
+    head) and give each adapted linear its adapters: this rank's slices (at ``lay``'s tp, its padded
+    vocabulary) of ``adapters`` (HF-PEFT names, HF shapes, e.g. ``draw_adapters``'s), in the base's
+    dtype and device."""
+    dims, tp = family.dims(hf_config, lay.padded_vocab), lay.tp
     saved = megatron_saved(family, hf_config, spec)
     for chunk in chunks:
         for name, p in chunk.named_parameters():

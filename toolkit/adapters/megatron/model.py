@@ -17,7 +17,7 @@ from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
 from toolkit.engine import DTYPES
 from toolkit.families.base import LayerSpec
-from toolkit.plan import Layout
+from toolkit.layout import Layout
 
 
 def transformer_config(cfg: RunConfig, lay: Layout, hf_config, family):
@@ -114,8 +114,9 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
     for v in range(vpp or 1):
         vp = v if vpp else None
         pre, post = grid.stage_ends(vp)
-        chunks.append(GPTModel(tconfig, layer_spec(tconfig, vp, attention, family.layer_spec), vocab_size=lay.padded_vocab,
-                               vp_stage=vp, pre_process=pre, post_process=post, **kwargs))
+        spec = layer_spec(tconfig, vp, attention, family.layer_spec, tp=lay.tp)
+        chunks.append(GPTModel(tconfig, spec, vocab_size=lay.padded_vocab, vp_stage=vp, pre_process=pre,
+                               post_process=post, **kwargs))
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
         # the toolkit's ToolkitNorm and post-norms) on the default device: all of it to the rank's
         _on_rank_device(chunks[-1])
@@ -165,10 +166,10 @@ def _scale_embedding(embedding, scale: float) -> None:
 
 
 def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None,
-               structure: LayerSpec = LayerSpec()):
+               structure: LayerSpec = LayerSpec(), *, tp: int):
     """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
     ``attention``: the toolkit's core attention, else megatron's DotProductAttention) with the
-    family's ``structure`` (``_apply_structure``); with sequence parallelism or zero-centered norm
+    family's ``structure`` (``_apply_structure``; ``tp``: the layout's); with sequence parallelism or zero-centered norm
     weights, a block spec whose norms are ``ToolkitNorm`` (megatron's own torch-norm wrapper refuses
     both)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -180,7 +181,7 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
             module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
-    _apply_structure(spec, structure, tconfig)
+    _apply_structure(spec, structure, tconfig, tp)
     if not (tconfig.sequence_parallel or tconfig.layernorm_zero_centered_gamma):
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -193,7 +194,7 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
                                       layer_norm=ToolkitNorm)
 
 
-def _apply_structure(spec, structure: LayerSpec, tconfig) -> None:
+def _apply_structure(spec, structure: LayerSpec, tconfig, tp: int) -> None:
     """A family's ``LayerSpec`` on megatron's local layer spec: no pre-norms (``IdentityOp``), a
     norm after each output projection (``post_normed_linear_class``), q/k norms over all heads'
     width (``FullWidthRMSNorm``; per-head ones are megatron's ``qk_layernorm``)."""
@@ -208,8 +209,8 @@ def _apply_structure(spec, structure: LayerSpec, tconfig) -> None:
         attention.linear_proj = post_normed_linear_class()
         layer.mlp.submodules.linear_fc2 = post_normed_linear_class()
     if structure.qk_norm == "full":
-        attention.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "q"})
-        attention.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "k"})
+        attention.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "q", "tp": tp})
+        attention.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": "k", "tp": tp})
 
 
 class ToolkitNorm:
@@ -315,8 +316,8 @@ def load_balanced_router_class():
             all-reduce), kept on the device: masks, not boolean indexing, which would wait for the
             device to size its output."""
             rows, sp = routing_map.shape[0], self.config.sequence_parallel
-            group, shares = grid.sequence_group(sp), (self.config.tensor_model_parallel_size if sp else 1) * \
-                self.config.context_parallel_size
+            group = grid.sequence_group(sp)
+            shares = dist.get_world_size(group) if group is not None else 1  # the ranks the counts sum over
             if real is not None:
                 routing_map = routing_map & real.unsqueeze(-1)
             counts = routing_map.sum(dim=0)

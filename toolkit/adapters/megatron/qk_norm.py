@@ -43,11 +43,11 @@ class _SumOverTP(torch.autograd.Function):
 class FullWidthRMSNorm(torch.nn.Module):
     """RMSNorm of ``[s, b, heads_local, d]`` over all ``heads * d`` channels (across TP ranks), as HF's
     ``Olmo2RMSNorm`` of ``[b, s, heads * d]``: fp32, times the weight in fp32, cast back. Built by
-    megatron's ``SelfAttention`` with ``hidden_size = d``; ``heads`` ("q" or "k") from the spec."""
+    megatron's ``SelfAttention`` with ``hidden_size = d``; ``heads`` ("q" or "k") and ``tp`` (the run's
+    layout's) from the spec."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, heads: str = "q", **_unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, heads: str = "q", *, tp: int, **_unused):
         super().__init__()
-        tp = config.tensor_model_parallel_size
         total = getattr(config, HEADS[heads])
         if total % tp:
             raise ValueError(f"a full-width {heads} norm over {total} heads cannot split over tp={tp}; "

@@ -7,6 +7,7 @@ import torch
 
 from toolkit.adapters.megatron import grid
 from toolkit.families.base import Reader
+from toolkit.layout import Layout
 from toolkit.plan import Plan
 
 
@@ -99,11 +100,11 @@ def global_name(name: str, offset: int, expert_offset: int = 0) -> str:
     return f"decoder.layers.{int(i) + offset}.{rest}"
 
 
-def expert_offset(chunk) -> int:
-    """Global number of this rank's first routed expert (expert parallel ranks hold blocks)."""
+def expert_offset(chunk, ep: int) -> int:
+    """Global number of this rank's first routed expert (the ``ep`` expert-parallel ranks hold blocks)."""
     if not getattr(chunk.config, "num_moe_experts", None):
         return 0
-    per_rank = chunk.config.num_moe_experts // chunk.config.expert_model_parallel_size
+    per_rank = chunk.config.num_moe_experts // ep
     return grid.ep_rank() * per_rank
 
 
@@ -144,13 +145,15 @@ def _with_storage(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
-def load_hf_into_chunk(chunk, family, hf_config, hf_state, padded_vocab: int, tp: int, tp_rank: int) -> None:
-    """Copy this rank's slices of the HF tensors into ``chunk``; every parameter exactly once,
-    reading only those slices (``hf_state``: a state dict, or a ``SafetensorsReader``)."""
+def load_hf_into_chunk(chunk, family, hf_config, hf_state, lay: Layout, tp_rank: int) -> None:
+    """Copy this rank's slices (at ``lay``'s tp, ep and padded vocabulary) of the HF tensors into
+    ``chunk``; every parameter exactly once, reading only those slices (``hf_state``: a state dict, or
+    a ``SafetensorsReader``)."""
+    padded_vocab, tp = lay.padded_vocab, lay.tp
     from toolkit.families import MappingReader, Reader, read_shard, table
     offset, tied = layer_offset(chunk), family.tied(hf_config)
     local = local_params(chunk)
-    source = {n: global_name(n, offset, expert_offset(chunk)) for n in local}
+    source = {n: global_name(n, offset, expert_offset(chunk, lay.ep)) for n in local}
     if tied:  # a last pipeline stage holds its own copy of the tied embedding as output_layer
         source = {n: "embedding.word_embeddings.weight" if g == "output_layer.weight" else g for n, g in source.items()}
     known = table(family, hf_config)

@@ -1,96 +1,11 @@
-"""The parallel layout: one validated type for ZeRO and Megatron runs, and the one place its rules
-are checked (a launch, the estimate, ``--dry-run`` and the converter all call these).
-
-No torch import here: the converter's torch-free route checks ``--tp/--pp/--ep`` with it too.
+"""Choosing and checking a run's layout: every rule of ``cfg`` on ``world`` ranks, with the numbers and
+the valid choices in each message (a launch, the estimate and ``--dry-run`` call ``check_layout``);
+the layout type itself and the rules it shares with the converter live in ``toolkit/layout.py``.
 """
 from __future__ import annotations
 
-import math
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict
-
-from toolkit.config import ConfigError, MegatronConfig, RunConfig
-
-DEFAULT_VOCAB_DIVISOR = MegatronConfig.model_fields["make_vocab_size_divisible_by"].default
-"""megatron's own default (128): the converter's when neither the source nor ``--vocab-divisor`` names one."""
-
-
-class Layout(BaseModel):
-    """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` x ``cp`` x ``sp`` = ``world`` (``cp``:
-    megatron only, ``sp``: DeepSpeed only); megatron carves the ``ep`` expert-parallel ranks out of each
-    DP group (with its CP ranks)."""
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    backend: Literal["deepspeed", "megatron"]
-    world: int
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    cp: int = 1
-    """megatron.cp: ranks that split each sequence (the same samples, 1 / cp of every row each)."""
-    sp: int = 1
-    """DeepSpeed's Ulysses sequence-parallel size (``zero.sp``): consecutive ranks share each row."""
-    sequence_parallel: bool = False
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    offload_activations: bool = False
-    """zero.offload_activations: the checkpointed layers' inputs kept in host memory."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """megatron.recompute; on DeepSpeed ``full`` is HF's activation checkpointing."""
-    micro_batches: int = 1
-    """Micro-batches per rank per optimizer step (gradient accumulation)."""
-    padded_vocab: int = 0
-    """Megatron's embedding rows (vocab padded to a multiple of make_vocab_size_divisible_by x tp)."""
-    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR
-    """megatron.make_vocab_size_divisible_by: what a checkpoint written for this run (the reshard on
-    resume converts one) pads the vocabulary with."""
-
-    def describe(self) -> str:
-        if self.backend == "deepspeed":
-            off = "+offload_opt" if self.offload_optimizer else ""
-            off += "+offload_params" if self.offload_params else ""
-            off += "+offload_activations" if self.offload_activations else ""
-            return f"ZeRO-{self.zero_stage}{off} dp={self.dp}" + (f" sp={self.sp}" if self.sp > 1 else "") + \
-                f" ckpt={self.recompute}"
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
-            (f" cp={self.cp}" if self.cp > 1 else "") + f" recompute={self.recompute}"
-
-    def record(self) -> dict:
-        """What a checkpoint's meta.json records of the layout that wrote it (and resume compares)."""
-        # cp / sp only where > 1: records of runs without them stay as they were (an equal record resumes
-        # "as saved")
-        if self.backend == "deepspeed":  # ZeRO's files: one per rank of dp x sp (``zero_partitions``)
-            return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage} | \
-                ({"sp": self.sp} if self.sp > 1 else {})
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist",
-                **({"cp": self.cp} if self.cp > 1 else {})}
-
-
-def zero_partitions(record: dict) -> int:
-    """How many ranks' files a DeepSpeed checkpoint of this layout record holds: ZeRO partitions over
-    the whole world, dp x sp (the Ulysses ranks of a row hold a partition each, like DP ranks)."""
-    return record["dp"] * record.get("sp", 1)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def valid_tp(heads: int, kv_heads: int) -> list[int]:
-    """TP sizes that split both the query heads and the KV heads (megatron's num_query_groups)."""
-    return [t for t in divisors(kv_heads) if heads % t == 0]
-
-
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: the next multiple of ``divisible_by * tp`` (the one home of this rule)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab / multiple) * multiple)
+from toolkit.config import ConfigError, RunConfig
+from toolkit.layout import Layout, divisors, megatron_split_problems, valid_cp, valid_sp
 
 
 def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
@@ -108,15 +23,9 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
     return lay.model_copy(update={"micro_batches": _micro_batches(cfg, lay.dp)})
 
 
-def valid_sp(heads: int, kv_heads: int) -> list[int]:
-    """Ulysses sizes for these head counts: each rank gets heads / sp query heads and kv_heads / sp KV
-    heads, or (sp a multiple of kv_heads) one KV head, which DeepSpeed's all-to-all replicates."""
-    return [s for s in divisors(heads) if kv_heads % s == 0 or s % kv_heads == 0]
-
-
 def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
     """``zero.sp``: DeepSpeed only, dividing the world, the heads and the sequence. MoE models are fine:
-    their load-balancing loss sums the routers' counts over the sequence group (``adapters/ds_moe.py``)."""
+    their load-balancing loss sums the routers' counts over the sequence group (``adapters/deepspeed/moe.py``)."""
     sp = cfg.zero.sp
     if cfg.backend != "deepspeed":
         raise ConfigError(f"zero.sp={sp} is DeepSpeed's Ulysses sequence parallelism and backend={cfg.backend}; "
@@ -180,39 +89,7 @@ def _megatron_layout(cfg: RunConfig, spec, world: int) -> Layout:
     return Layout(backend="megatron", world=world, dp=dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp,
                   sequence_parallel=m.sequence_parallel, first_stage_layers=m.first_stage_layers,
                   last_stage_layers=m.last_stage_layers, recompute=m.recompute,
-                  padded_vocab=padded_vocab_size(spec.vocab, m.make_vocab_size_divisible_by, m.tp),
-                  vocab_divisor=m.make_vocab_size_divisible_by)
-
-
-RUN_FIELDS = {"tp": "megatron.tp", "pp": "megatron.pp", "vpp": "megatron.vpp", "ep": "megatron.ep"}
-
-
-def megatron_split_problems(heads: int, kv_heads: int, layers: int, experts: int, tp: int, pp: int, ep: int,
-                            uneven: bool = False, vpp: int | None = None, world: int | None = None,
-                            model: str = "this model", names: dict = RUN_FIELDS) -> list[str]:
-    """How a model splits over tp / pp / ep, each problem with the valid choices (a run's megatron.*
-    fields and the converter's ``--tp/--pp/--ep``, named by ``names``, are checked alike)."""
-    problems = []
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if value % tp:
-            valid = valid_tp(heads, kv_heads)
-            problems.append(f"{name}={value} is not divisible by {names['tp']}={tp}; choose tp in {valid}")
-            break
-    chunks = pp * (vpp or 1)
-    if not uneven and layers % chunks:
-        valid = [p for p in divisors(layers) if layers % (p * (vpp or 1)) == 0 and (world is None or world % (p * tp) == 0)]
-        problems.append(f"num_hidden_layers={layers} is not divisible by {names['pp']}={pp} x {names['vpp']}={vpp or 1} "
-                        f"(= {chunks} model chunks); choose pp in {valid}"
-                        + (" or a vpp that divides layers / pp" if vpp else
-                           ", or split unevenly with megatron.first_stage_layers / last_stage_layers"))
-    if vpp and pp < 2:
-        problems.append(f"{names['vpp']}={vpp} needs {names['pp']} >= 2 (got pp={pp}); unset vpp or raise pp")
-    if ep > 1 and not experts:
-        problems.append(f"{names['ep']}={ep} needs a mixture-of-experts model; {model} has no experts "
-                        f"(unset {names['ep']})")
-    if experts and experts % ep:
-        problems.append(f"{experts} experts do not divide over {names['ep']}={ep}; choose ep in {divisors(experts)}")
-    return problems
+                  vocab_divisor=m.make_vocab_size_divisible_by).with_vocab(spec.vocab)
 
 
 def _check_interleaving(cfg: RunConfig, dp: int) -> None:
@@ -235,20 +112,6 @@ def _check_experts(m, spec, world: int) -> None:
     if m.tp > 1 and not m.sequence_parallel:
         raise ConfigError(f"megatron.tp={m.tp} with a mixture-of-experts model needs megatron.sequence_parallel=true "
                           "(megatron-core's MoE layer requires it under tensor parallelism)")
-
-
-def valid_cp(heads: int, tp: int, seq_len: int, sequence_parallel: bool = False) -> list[int]:
-    """Context-parallel sizes for ``heads`` query heads at ``tp``: the all-to-all splits each TP
-    rank's heads over cp (its KV heads too, replicated where fewer), and every row into 2 x cp
-    chunks (of whole TP slices under sequence parallelism)."""
-    rows = 2 * (tp if sequence_parallel else 1)
-    return [c for c in divisors(heads // tp) if seq_len % (rows * c) == 0] if heads % tp == 0 else []
-
-
-def kv_copies(kv_heads_per_tp: int, cp: int) -> int:
-    """How many times the context-parallel all-to-all repeats each KV head of a TP rank: enough
-    that they divide over cp (``lcm(kv, cp) / kv``); 1 where they already do."""
-    return cp // math.gcd(kv_heads_per_tp, cp)
 
 
 def _check_context_parallel(m, spec, seq_len: int) -> None:
@@ -296,15 +159,3 @@ def _check_uneven_split(m, layers: int) -> None:
                           "evenly with at least one layer each")
 
 
-def stage_layers(layers: int, lay: Layout) -> list[list[int]]:
-    """Global layer indices on each pipeline stage (even split, or the uneven first/last counts)."""
-    first, last, pp = lay.first_stage_layers, lay.last_stage_layers, lay.pp
-    if pp == 1:
-        return [list(range(layers))]
-    counts = [None] * pp
-    counts[0], counts[-1] = first, last
-    rest = layers - sum(c for c in counts if c is not None)
-    free = sum(c is None for c in counts)
-    counts = [c if c is not None else rest // free for c in counts]
-    starts = [sum(counts[:i]) for i in range(pp)]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO adapter: the Engine protocol over ``deepspeed.initialize`` with the DeepSpeed JSON
 the plan resolved (``toolkit/plan/presets.py``); data parallel over the whole world, or dp x sp with
-Ulysses sequence parallelism (``zero.sp``: ``adapters/ulysses.py``)."""
+Ulysses sequence parallelism (``zero.sp``: ``adapters/deepspeed/ulysses.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,18 +13,19 @@ import torch.distributed as dist
 
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
-from toolkit.adapters.ds_lora import saved_layout, to_universal
-from toolkit.adapters.ds_moe import RouterLoss, experts_as_leaf_modules
-from toolkit.adapters.ds_optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
-from toolkit.adapters.ds_zero3 import fill_partitions, hf_zero3_load, zero_init
-from toolkit.adapters.hf import model_dir, param_groups
-from toolkit.adapters.tiles import HiddenStates, tile_mlps
-from toolkit.adapters.ulysses import (
+from toolkit.adapters.deepspeed.lora import saved_layout, to_universal
+from toolkit.adapters.deepspeed.moe import RouterLoss, experts_as_leaf_modules
+from toolkit.adapters.deepspeed.optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
+from toolkit.adapters.deepspeed.tiles import HiddenStates, tile_mlps
+from toolkit.adapters.deepspeed.ulysses import (
     SequenceSplit,
     average_zero3_grads_over_dp,
     forget_sequence_groups,
     same_zero_files,
+    use_ulysses_attention,
 )
+from toolkit.adapters.deepspeed.zero3 import fill_partitions, hf_zero3_load, zero_init
+from toolkit.adapters.hf import model_dir, param_groups
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import LogitScores, tiled_token_loss_sum
@@ -72,7 +73,7 @@ class DeepSpeedEngine:
         self.setup_records = [self.optimizer_choice.record()]  # for metrics.jsonl (the trainer logs them)
         self.lora = plan.lora
         self.objective, self.eval_metrics = plan.objective, {}
-        self.seq = SequenceSplit(self.lay.sp, model.config) if self.lay.sp > 1 else None
+        self.seq = SequenceSplit(self.lay, model.config) if self.lay.sp > 1 else None
         if self.seq is None:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
@@ -448,7 +449,7 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     from toolkit.adapters import hf
     dtype = DTYPES[plan.config.model.dtype]
     if plan.layout(dist.get_world_size()).zero_stage < 3:
-        return hf.build_model(plan, dtype, device.rank_device())
+        return hf.build_model(plan, dtype, device.rank_device(), _sequence_attention(plan))
     import deepspeed
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -456,7 +457,7 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
-        return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan)
+        return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan, _sequence_attention(plan))
     with zero_init(ds_config, dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype,  # partitions: filled below
                                                  trust_remote_code=plan.config.model.trust_remote_code)
@@ -465,4 +466,10 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
         fill_partitions(model, hf.hf_checkpoint(plan), plan)
     else:
         hf.seeded_into(model, hf.SeededWeights(model.config, plan.config.train.seed), gather=_written_by_rank0)
-    return hf.finish(model, plan)
+    return hf.finish(model, plan, _sequence_attention(plan))
+
+
+def _sequence_attention(plan: Plan):
+    """What ``hf.finish`` installs for this run's sequence split: Ulysses' attention under ``zero.sp``
+    (the toolkit's document attention inside DeepSpeed's exchange), else None (hf's own choice)."""
+    return use_ulysses_attention if plan.config.zero.sp > 1 else None

@@ -8,7 +8,7 @@ tokens per expert and its real-token count over the sequence group (one all-redu
 all layers at once, on the device), and computes the loss on its own rows with those whole counts:
 ``moe.load_balancing_loss`` of a share, and the shares over the group add up to the layer's loss
 and its gradient (``P_e`` is linear in the rows' probabilities; the counts are detached). DeepSpeed
-sums gradients over the world and divides by dp, as for the token loss (``adapters/ulysses.py``).
+sums gradients over the world and divides by dp, as for the token loss (``adapters/deepspeed/ulysses.py``).
 The statistics keep this rank's own counts and its share of aux, so ``RouterStats.metrics``' sum
 over the world counts each token once and reports the whole aux.
 """

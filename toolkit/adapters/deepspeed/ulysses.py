@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.attention import TokenLayout
 from toolkit.adapters.hf_attention import LAYOUT_KWARG, document_attention
+from toolkit.layout import Layout, zero_partitions
 
 ULYSSES_ATTENTION = "toolkit_ulysses"
 """The attention implementation name of a sequence-parallel model (``use_ulysses_attention``)."""
@@ -98,14 +99,17 @@ def forget_sequence_groups() -> None:
 
 
 class SequenceSplit:
-    """This rank's place in the dp x sp world and its slice of each micro-batch; ``hf_config``: the
-    model's (head counts and sizes for DeepSpeed's wrapper)."""
+    """This rank's place in the dp x sp world (``lay.place``) and its slice of each micro-batch;
+    ``hf_config``: the model's (head counts and sizes for DeepSpeed's wrapper)."""
 
-    def __init__(self, sp: int, hf_config):
+    def __init__(self, lay: Layout, hf_config):
+        sp, place = lay.sp, lay.place(dist.get_rank())
         self.mpu = sequence_groups(sp)
-        rank, world = dist.get_rank(), dist.get_world_size()
         self.sp, self.sp_rank = sp, self.mpu.get_sequence_parallel_rank()
-        self.dp_rank, self.dp_size = rank // sp, world // sp
+        if self.sp_rank != place.sp:  # the groups DeepSpeed holds must be the layout's
+            raise RuntimeError(f"DeepSpeed's sequence-parallel rank {self.sp_rank} is not the layout's {place.sp} "
+                               f"({lay.describe()})")
+        self.dp_rank, self.dp_size = place.dp, lay.dp
         self.dp_group = _replica_group(sp)
         self.config = hf_config.get_text_config()
         self._wrappers: dict[int, object] = {}
@@ -182,7 +186,6 @@ def same_zero_files(saved: dict, ours: dict) -> bool:
     """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
     writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
     into dp x sp."""
-    from toolkit.plan.layout import zero_partitions
     rest = ("tp", "pp", "zero_stage")
     return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
         all(saved.get(k) == ours.get(k) for k in rest)

@@ -23,7 +23,7 @@ OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
 
 def load_ops() -> dict[str, str]:
     """Load ``OPS`` into DeepSpeed's op cache: op -> "loaded", or why not."""
-    from toolkit.adapters.deepspeed import _install_op_caches
+    from toolkit.adapters.deepspeed.engine import _install_op_caches
     _install_op_caches()  # the same build folder and CPU-flag cache the ranks use
     from deepspeed.accelerator import get_accelerator
     outcome = {}
