@@ -52,6 +52,10 @@ class ModelConfig(_Section):
     """On NVIDIA GPUs, fp32 matmuls run on tensor cores in TF32 (as PyTorch Lightning and HF Trainer
     offer); false keeps strict IEEE fp32. MFU uses the matching peak."""
     activation_checkpointing: bool = False
+    quantize: Literal["none", "nf4", "fp4"] = "none"
+    """A 4-bit base under LoRA adapters (QLoRA, DeepSpeed, bitsandbytes: ``toolkit/lora/quant.py``, docs/lora.md)."""
+    quantize_double: bool = True
+    """With model.quantize: quantize the quantization constants too (bitsandbytes' double quantization)."""
     trust_remote_code: bool = False
     """Let transformers import and run the Python files of a model (or tokenizer) directory whose
     config.json names custom classes (``auto_map``). Off: such a directory is refused before anything

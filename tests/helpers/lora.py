@@ -42,14 +42,16 @@ def seeded_adapter(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=g) * 0.05
 
 
-def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear"):
+def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear", quantization_config=None):
     """HF + peft (peft's own all-linear by default), one process: logits per micro-batch and the
-    gradients of sum(token losses) / valid tokens of the global batch."""
+    gradients of sum(token losses) / valid tokens of the global batch. ``quantization_config``: a
+    ``BitsAndBytesConfig``, the base quantized by transformers (QLoRA; ``hf_4bit``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM",
-                                      modules_to_save=list(modules_to_save) or None))
+    base = hf_4bit(base_dir, quantization_config) if quantization_config else \
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM",
+                                            modules_to_save=list(modules_to_save) or None))
     with torch.no_grad():
         for name, value in adapter_values(model).items():
             model.get_parameter(name).copy_(value)
@@ -63,12 +65,26 @@ def reference(base_dir, micro_batches, modules_to_save=(), targets="all-linear")
     return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def seeded_lora_engine(world: int, base_dir, stage: int, modules_to_save=()):
+def hf_4bit(base_dir, quantization_config):
+    """``base_dir`` quantized by transformers on the CPU (``BitsAndBytesConfig``), bitsandbytes' CPU
+    AVX512-BF16 repack off (in eval under no_grad it rewrites weights in place: docs/lora.md)."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quantization_config,
+                                                 dtype=quantization_config.bnb_4bit_compute_dtype, device_map="cpu")
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def seeded_lora_engine(world: int, base_dir, stage: int, modules_to_save=(), **model):
     """A ``DeepSpeedEngine`` of LoRA (``RANK``, ``ALPHA``) on ``base_dir`` at ZeRO ``stage``, its
-    adapters set to ``adapter_values`` (the reference's draws); returns the plan and the engine."""
+    adapters set to ``adapter_values`` (the reference's draws); returns the plan and the engine.
+    ``model``: more ``model.*`` settings (``quantize="nf4"``)."""
     from toolkit.adapters.deepspeed import DeepSpeedEngine, build_model
     from toolkit.plan import build_plan
-    cfg = validate({"model": {"name_or_path": base_dir, "init": "pretrained"}, "zero": {"stage": stage},
+    cfg = validate({"model": {"name_or_path": base_dir, "init": "pretrained", **model}, "zero": {"stage": stage},
                     "lora": {"rank": RANK, "alpha": ALPHA, "modules_to_save": list(modules_to_save)},
                     "train": {"global_batch_size": 4, "micro_batch_size": 1}})
     plan = build_plan(cfg, [world])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from toolkit.formats.canonical import Source, TensorInfo
 from toolkit.heap import trim_heap
+from toolkit.lora.quant import dense, dense_shape
 
 
 class ModuleSource(Source):
@@ -31,7 +32,7 @@ class ModuleSource(Source):
         config = module.config
         super().__init__(path=Path("."), format="engine", hf_config=fp32_config(config))
         self.params = self._hf_params(module)
-        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.params.items()}
+        shapes = {n: dense_shape(p) for n, p in self.params.items()}  # a 4-bit weight: its [out, in]
         self.unpacked = unpacked_layout(find_family(model_type), config, shapes)
         self.infos = {n: TensorInfo(piece.shape, torch.float32) for n, piece in self.unpacked.items()}
         self.gather = gather
@@ -61,7 +62,7 @@ class ModuleSource(Source):
         """The parameter whole, in fp32 on the CPU, on rank 0; None on the others."""
         param = self.params[param_name]
         with self.gather(param) if self.gather else contextlib.nullcontext():
-            return param.detach().to("cpu", torch.float32).clone() if dist.get_rank() == 0 else None
+            return dense(param).to("cpu", torch.float32).clone() if dist.get_rank() == 0 else None
 
 
 class MergedLoraSource(ModuleSource):
@@ -130,21 +131,27 @@ def write_merged(module: torch.nn.Module, trained: dict | None, path: Path, toke
         reader.close()
 
 
-def write_adapter(module: torch.nn.Module, path: Path, trained: dict | None, base_name: str | None = None) -> None:
+def write_adapter(module: torch.nn.Module, path: Path, trained: dict | None, base_name: str | None = None,
+                  quantization=None) -> None:
     """Collective: the trained adapter of a peft-wrapped ``module`` as an HF-PEFT directory
     (``adapter_config.json``, ``adapter_model.safetensors`` in fp32, peft's own key names), which
     ``peft.PeftModel.from_pretrained(base, path)`` loads; rank 0 writes ``trained`` (``trained_fp32``),
-    replaced whole."""
+    replaced whole. ``quantization``: the run config of a 4-bit base, whose ``BitsAndBytesConfig`` is
+    written beside the adapter (``bnb_config.json``: how to quantize the base the adapter trained on)."""
     if dist.get_rank() == 0:
-        _write_peft_dir(module, trained, Path(path), base_name)
+        _write_peft_dir(module, trained, Path(path), base_name, quantization)
     dist.barrier()
 
 
-def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None) -> None:
+def _write_peft_dir(module, trained: dict[str, torch.Tensor], path: Path, base_name: str | None,
+                    quantization=None) -> None:
     """The HF-PEFT directory staged beside ``path``, then put in its place whole."""
     from toolkit.lora.convert import save_peft
+    from toolkit.lora.quant import BNB_CONFIG_FILE, bnb_config, quantized
     with _replaced_whole(path) as stage:
         save_peft(module, trained, stage, base_name)
+        if quantization is not None and quantized(quantization):
+            (stage / BNB_CONFIG_FILE).write_text(bnb_config(quantization).to_json_string())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(stage / "adapter_model.safetensors", 0o666 & ~umask)  # safetensors writes 0600 (a temporary file)

@@ -155,9 +155,12 @@ def lora_record(plan: Plan) -> dict:
     """meta.json's LoRA fields ({} for full fine-tuning): the adapters' spec and the base they need."""
     if plan.lora is None:
         return {}
+    from toolkit.lora.quant import record
     m = plan.config.model
-    return {"lora": plan.lora.model_dump(mode="json"),
-            "base_model": meta_files.base_model_record(m.name_or_path, m.init, plan.config.train.seed)}
+    base = meta_files.base_model_record(m.name_or_path, m.init, plan.config.train.seed)
+    if record(plan.config) is not None:  # a 4-bit base (model.quantize): how it was quantized
+        base["quantization"] = record(plan.config)
+    return {"lora": plan.lora.model_dump(mode="json"), "base_model": base}
 
 
 def _step(ckpt: Path) -> int:

@@ -53,11 +53,21 @@ def check_same_lora(ckpt: Path, saved_meta: dict, lora: dict | None, base: dict 
         raise RunDirError(f"checkpoint {ckpt} holds LoRA adapters trained on another base model: checkpoint's base "
                            f"{ours.get('path')} ({ours.get('fingerprint')}), this run's {theirs.get('path')} "
                            f"({theirs.get('fingerprint')}); set model.name_or_path to the checkpoint's base, or {fix}")
+    if theirs.get("quantization") != ours.get("quantization"):  # the adapters would meet another function
+        raise RunDirError(f"checkpoint {ckpt} holds LoRA adapters trained on a base quantized as "
+                          f"{_quantization(ours)}; this run's base is {_quantization(theirs)}; set model.quantize and "
+                          f"model.quantize_double as the checkpoint's, or {fix}")
     shape = ("rank", "targets", "modules_to_save")
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {lora.get(k)!r}" for k in shape if saved.get(k) != lora.get(k)]
     if diff:
         raise RunDirError(f"checkpoint {ckpt} holds other LoRA adapters ({'; '.join(diff)}); set lora.* as the "
                            f"checkpoint's, or {fix}")
+
+
+def _quantization(base: dict) -> str:
+    q = base.get("quantization")
+    return "unquantized (model.quantize=none)" if q is None else \
+        f"{q['quant_type']} (model.quantize={q['quant_type']}, model.quantize_double={str(q['double_quant']).lower()})"
 
 
 def engine_state_dir(ckpt: Path, saved_layout: dict, engine, backend: str, run_dir: Path, rank: int,

@@ -15,6 +15,9 @@ buffers         stage 1-3: reduce_bucket_size x w; stage 3:  -
 
 LoRA (``plan.lora``): the frozen base keeps its weights (Φ) and adds the τ trained parameters
 (adapters, modules to save); gradients and optimizer rows count τ only, not Φ: the base has none.
+QLoRA (``model.quantize``): Q of the base's weights are held in 4 bits, (Φ − Q)·w + Q·0.5 (/D at
+stage 3) + Q·c, c the quantization constants per weight (0.0159 B with double quantization, 0.0625 B
+without; every rank holds them whole, as the packed storage's quant state).
 
 ZeRO-Offload moves the optimizer (and, at stage 2-3, the fp32 gradient partition) to host memory;
 ``zero.offload_params`` moves the stage-3 weight partition there too.
@@ -151,7 +154,7 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     d, stage = lay.dp * lay.sp, lay.zero_stage  # ZeRO partitions over the whole dp x sp world
     tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
-    weights = phi * w / (d if stage == 3 else 1)
+    weights = _held_weights(cfg, spec, phi, w, d if stage == 3 else 1)
     # Measured (tests/e2e/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
     # rank's partition as backward goes, so after any backward only the partition is left.
     grads = tau * w / (d if stage >= 1 else 1)
@@ -173,12 +176,23 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
                             mlp_tiles=tiles) + loss for r in ("none", "full")}
     offloaded = offloaded_inputs(cfg, spec, lay, w)
     acts["full"] -= offloaded
-    share = phi * w / (d if stage == 3 else 1)
+    share = _held_weights(cfg, spec, phi, w, d if stage == 3 else 1)
     on_host = host + (0.0 if lay.offload_params and stage == 3 else share)  # offloaded weights: in host already
     largest = largest_tensor(spec)
     return Memory(weights, grads, optim, buffers, acts[lay.recompute if lay.recompute in acts else "none"],
                   acts["none"], acts["full"], host + (offloaded if lay.recompute == "full" else 0.0), phi, logits_loss=loss,
                   host_load=on_host + 4 * largest, host_export=on_host + (w + 4) * largest, largest_tensor=largest)
+
+
+def _held_weights(cfg: RunConfig, spec: ModelSpec, phi: int, w: int, shards: int) -> float:
+    """Bytes of ``phi`` weights in dtype bytes ``w`` over ``shards`` partitions; a 4-bit base's
+    ``spec.quantized`` packed (and partitioned) at half a byte, their constants whole on every rank."""
+    if cfg.model.quantize == "none":
+        return phi * w / shards
+    from toolkit.lora.quant import stored_bytes_per_weight
+    packed, constants = stored_bytes_per_weight(cfg)
+    q = spec.quantized
+    return ((phi - q) * w + q * packed) / shards + q * constants
 
 
 def offloaded_inputs(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int) -> float:

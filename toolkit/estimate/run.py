@@ -25,6 +25,7 @@ def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
     return {
         "model": {"model_type": spec.model_type, "params": spec.total, "layers": spec.layers,
                   "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied, "trainable_params": trainable},
+        "quantize": _quantize(cfg, spec, lay, bucket, lora, mem),
         "layout": lay.model_dump(), "layout_text": lay.describe(), "cluster": cluster.model_dump(),
         "memory": {**asdict(mem), "model_state": mem.model_state, "total": mem.total},
         "device_gib": device_gib, "fits": fits(mem, device_gib),
@@ -33,6 +34,15 @@ def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
         "step": _step_dict(step_time(cfg, spec, lay, cluster)),
         "scaling": _scaling(cfg, spec, lay, cluster),
     }
+
+
+def _quantize(cfg: RunConfig, spec: ModelSpec, lay, bucket, lora, mem) -> dict | None:
+    """A 4-bit base: how many weights it quantizes, and the weights' bytes without it (the saving)."""
+    if cfg.model.quantize == "none":
+        return None
+    dense = cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantize": "none"})})
+    return {"type": cfg.model.quantize, "quantized_params": spec.quantized,
+            "weights_unquantized": memory(dense, spec, lay, bucket, lora).weights, "weights": mem.weights}
 
 
 def _step_dict(t: StepTime) -> dict:
@@ -68,6 +78,10 @@ def print_estimate(result: dict) -> None:
     if model["trainable_params"] != model["params"]:  # LoRA: the base frozen, adapters trained
         console.print(f"trainable: {model['trainable_params']:,} parameters (LoRA adapters; the base is frozen: "
                       "no gradients or optimizer state for it)")
+    if result.get("quantize"):
+        q = result["quantize"]
+        console.print(f"weights {q['weights_unquantized'] / GiB:,.3f} GiB -> {q['weights'] / GiB:,.3f} GiB per rank with "
+                      f"{q['type']}: {q['quantized_params']:,} of {model['params']:,} parameters quantized")
     c = result["cluster"]
     console.print(f"layout: {result['layout_text']} on {c['nodes']} node(s) x {c['gpus_per_node']} = "
                   f"{result['layout']['world']} ranks")

@@ -33,6 +33,8 @@ class Adapter:
     base_source: object = None
     """The base's weights as a ``Source`` where the adapter's checkpoint holds them (a peft model's
     DCP: ``lora/dcp.py``); else ``base`` (an HF directory) is read for a merge."""
+    quantization: dict | None = None
+    """meta.json's record of a 4-bit base the adapters trained on (``model.quantize``), else None."""
 
     def trained(self) -> dict[str, torch.Tensor]:
         """The trained tensors by peft parameter name (``base_model.model.<hf>.lora_A.default.weight``)."""

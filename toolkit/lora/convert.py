@@ -39,7 +39,8 @@ def adapter_from_checkpoint(ckpt: Path, meta: dict) -> Adapter:
     model = meta_peft_model(source.hf_config, peft_config(LoraSpec(**meta["lora"])))
     assign_trained(model, source.trained(), f"{ckpt}")
     base = meta.get("base_model", {})
-    return Adapter(model, source.hf_config, base.get("path") if base.get("init") == "pretrained" else None)
+    return Adapter(model, source.hf_config, base.get("path") if base.get("init") == "pretrained" else None,
+                   quantization=base.get("quantization"))
 
 
 def adapter_from_peft_dir(path: Path, base: str | None, hf_config: dict | None = None) -> Adapter:
@@ -204,6 +205,12 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
     if to == "hf" and adapter.base is None and adapter.base_source is None:
         raise ConvertError(f"{src}: the LoRA base was a random init (seed); --to hf needs a pretrained base: use the "
                            "run's hf_final/, or --to peft")
+    if to == "hf" and adapter.quantization:  # merged onto the full-precision files: not what trained
+        q = adapter.quantization
+        raise ConvertError(f"{src}: the adapters trained on a {q['quant_type']}-quantized base (model.quantize="
+                           f"{q['quant_type']}); merged onto its full-precision weights they give another function. "
+                           "Use the run's hf_final/ (the base dequantized + the merged adapters: what trained), or "
+                           "--to peft and load the adapter on the base quantized by transformers (docs/lora.md)")
     trained = adapter.trained()
     with staged(Path(dst)) as stage:
         if to == "peft":

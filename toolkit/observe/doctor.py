@@ -6,7 +6,7 @@ import platform
 from pathlib import Path
 
 REQUIRED = ("torch", "deepspeed", "transformers", "datasets", "safetensors", "pydantic")
-OPTIONAL = ("megatron-core", "accelerate", "tokenizers", "transformer-engine", "tensorboard")
+OPTIONAL = ("megatron-core", "accelerate", "tokenizers", "transformer-engine", "tensorboard", "bitsandbytes")
 
 
 def pinned_versions(text: str | None = None) -> dict[str, str]:

@@ -76,6 +76,10 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     written = read_config_json(cfg.model.name_or_path) if hf_config is None else None
     if hf_config is None:
         hf_config = load_hf_config(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    if cfg.model.quantize != "none":  # a 4-bit base: its refusals first (megatron has no such path)
+        from toolkit.device import rank_device
+        from toolkit.lora.quant import check_quantize
+        check_quantize(cfg, hf_config, rank_device().type)
     if cfg.backend == "megatron":
         _check_family(cfg, hf_config, written)
     spec = model_spec(hf_config, model_code_dir(cfg.model.name_or_path, hf_config))

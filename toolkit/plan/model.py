@@ -38,6 +38,8 @@ class ModelSpec(BaseModel):
     """Mixture of experts: each layer's routed experts' parameters (part of per_layer_matrices)."""
     other: int
     """Final norm, learned positions."""
+    quantized: int = 0
+    """Weights of the linear layers a 4-bit base holds in 4 bits (``model.quantize``: ``quant.quantized_modules``)."""
     experts: int = 0
     """Routed experts per MoE layer (0: a dense model)..."""
     experts_per_token: int = 0
@@ -79,7 +81,7 @@ def model_spec(hf_config, code_dir: str | None = None) -> ModelSpec:
                      layers=hf_config.num_hidden_layers,
                      hidden=hf_config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
                      glu="silu" in act or "swiglu" in act, vocab=hf_config.vocab_size, **counts,
-                     experts=_routed_experts(hf_config) if moe else 0,
+                     quantized=_quantized_weights(model), experts=_routed_experts(hf_config) if moe else 0,
                      experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if moe else 0,
                      code_dir=code_dir)
 
@@ -101,6 +103,11 @@ def _parameter_counts(model, layers: int) -> dict:
         experts[i] += p.numel() if ".experts." in name else 0  # transformers' routed experts
     return {"embedding": emb.numel(), "output": 0 if tied else out.numel(), "tied": tied, "per_layer": per_layer,
             "per_layer_matrices": matrices, "per_layer_experts": experts, "other": other}
+
+
+def _quantized_weights(model) -> int:
+    from toolkit.lora.quant import quantized_modules
+    return sum(model.get_submodule(name).weight.numel() for name in quantized_modules(model))
 
 
 def _routed_experts(hf_config) -> int:

@@ -8,6 +8,7 @@
   tiles.py      sequence tiles of the MLP and the loss (``zero.tiled_mlp``, ``zero.tiled_loss``)
   moe.py        the load-balancing loss from HF's router logits (with ``zero.sp`` too), ZeRO-3 leaves
   lora.py       a LoRA run's adapter-only checkpoint resumed at another DP size or stage
+  quant.py      QLoRA's 4-bit base (``model.quantize``) built piece by piece, partitioned so at ZeRO-3
   preload.py    what the launcher's forkserver loads once for every rank (JIT-built ops, lazy imports)
 
 What is not DeepSpeed's stays in ``adapters/``: the HF model and its weights (``hf.py``), the

@@ -287,10 +287,12 @@ class DeepSpeedEngine:
                            generation_config, beat=beat)
             return
         trained = trained_fp32(module, gather)
-        base = model_dir(self.cfg.model.name_or_path) if self.cfg.model.init == "pretrained" else None
+        pretrained = self.cfg.model.init == "pretrained"
+        # a 4-bit base is merged as it trained (dequantized from the module), not re-read from its files
+        base = model_dir(self.cfg.model.name_or_path) if pretrained and self.cfg.model.quantize == "none" else None
         write_merged(module, trained, path, tokenizer, generation_config, gather, base, beat=beat)
         write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
-                      if base else None)
+                      if pretrained else None, quantization=self.cfg)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -304,9 +306,10 @@ class DeepSpeedEngine:
         below ZeRO-3); None at stage 3, where each rank holds only its own shard."""
         if self.cfg.zero.stage == 3:
             return None
+        from toolkit.lora.quant import checksum_view
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(self.engine.module.parameters()):
-            total += (i + 1) * p.detach().double().sum().cpu()
+            total += (i + 1) * checksum_view(p).double().sum().cpu()  # 4-bit storage: as integers (NaN patterns)
         return total.item()
 
     def rng_state(self) -> dict:
@@ -448,6 +451,9 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     through transformers (under ``zero.Init`` at ZeRO-3, as HF Trainer does)."""
     from toolkit.adapters import hf
     dtype = DTYPES[plan.config.model.dtype]
+    if plan.config.model.quantize != "none":  # a 4-bit base, piece by piece (partitioned so at ZeRO-3)
+        from toolkit.adapters.deepspeed.quant import build_quantized
+        return build_quantized(plan, ds_config, dtype, device.rank_device(), _sequence_attention(plan))
     if plan.layout(dist.get_world_size()).zero_stage < 3:
         return hf.build_model(plan, dtype, device.rank_device(), _sequence_attention(plan))
     import deepspeed
