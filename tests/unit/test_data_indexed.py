@@ -231,3 +231,12 @@ def test_a_stream_resumes_at_the_exact_row_inside_a_chunk_at_its_edge_and_across
         assert [rows(resumed.global_batch(s, 8)) for s in range(step, step + 6)] == batches[step:step + 6], step
     with pytest.raises(DataError, match="data.eval_fraction=0"):
         prepare_data(cfg_for(root, small, streaming=True), tok)
+
+
+def test_a_streamed_resume_of_a_checkpoint_saved_without_streaming_is_refused():
+    """trainer.json without ``data_stream``: a refusal naming the key and the ways out, not a KeyError."""
+    from toolkit.config import ConfigError
+    from toolkit.train.trainer import stream_position
+    assert stream_position({"step": 4, "data_stream": {"row": 7}}) == {"row": 7}
+    with pytest.raises(ConfigError, match="step 4 was saved by a run that did not stream.*data.streaming=false"):
+        stream_position({"step": 4})

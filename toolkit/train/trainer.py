@@ -16,6 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from toolkit.checkpoint.checkpointer import Checkpointer
+from toolkit.config import ConfigError
 from toolkit.data import PackedData, batch_counts, eval_micro_batches, rank_micro_batches
 from toolkit.data.batches import batch_indices, tokens_by_source
 from toolkit.engine import Engine, StepStats
@@ -31,6 +32,16 @@ from toolkit.watch.faults import FaultInjector
 from toolkit.watch.heartbeat import Heartbeat
 from toolkit.watch.monitor import RankMonitor
 from toolkit.watch.protocol import PREEMPTED_EXIT
+
+
+def stream_position(progress: dict) -> dict:
+    """The stream position a checkpoint's trainer.json recorded; a refusal (before any step) when the
+    checkpoint was saved without ``data.streaming``, whose position a stream cannot continue from."""
+    if "data_stream" not in progress:
+        raise ConfigError(f"data.streaming=true, but the checkpoint of step {progress['step']} was saved by a run "
+                          "that did not stream: it records no position in the stream to continue from. Resume "
+                          "with data.streaming=false, or start over with --resume never")
+    return progress["data_stream"]
 
 
 class Trainer:
@@ -270,7 +281,7 @@ class Trainer:
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
             if self.data.stream is not None and self.step:  # continue the stream where the checkpoint was
-                self.data.stream.seek(progress["data_stream"], self.step)
+                self.data.stream.seek(stream_position(progress), self.step)
 
     def _progress(self) -> dict:
         """trainer.json: where the loop is (the schema: toolkit/storage/meta.py)."""
