@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="PNG plots (loss, LR, grad norm, tokens/s, restarts) and a markdown summary of a run")
     r.add_argument("run_dir", help="a run directory written by toolkit train")
     r.add_argument("--out", help="where to write (default: RUN_DIR/report)")
-    r.set_defaults(func=cmd_report)
+    r.set_defaults(func=lambda args: __import__("toolkit.observe.report", fromlist=["x"]).cmd_report(args))
     _add_convert_parsers(sub)
     return p
 
@@ -125,11 +125,17 @@ def _add_convert_parsers(sub) -> None:
                                   "adapter_config.json's base_model_name_or_path, or the checkpoint's meta.json)")
     c.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     c.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_convert(args))
-    i = sub.add_parser("inspect", help="format, family, layout, step, size and completeness of a checkpoint")
+    i = sub.add_parser("inspect", help="a checkpoint's format, layout, step, completeness; a data PREFIX's documents")
     i.add_argument("path", help=SOURCES_HELP)
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--hf-config", help="config.json (or its dir) when none lies beside PATH")
     i.set_defaults(func=lambda args: __import__("toolkit.convert.commands", fromlist=["x"]).cmd_inspect(args))
+    pr = sub.add_parser("prepare", help="tokenize data.path into a Megatron indexed dataset PREFIX.bin/.idx, streamed")
+    pr.add_argument("config", nargs="?", help="YAML run config: data.path, data.template, data.num_proc, the tokenizer")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json (+ PREFIX_loss.*)")
+    pr.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX")
+    pr.set_defaults(func=lambda args: __import__("toolkit.data.prepare", fromlist=["x"]).cmd_prepare(args))
 
 
 def _config_from_args(args) -> RunConfig:
@@ -155,13 +161,6 @@ def cmd_estimate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
     return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)
-
-
-def cmd_report(args) -> int:
-    from toolkit.observe.report import write_report
-    out = write_report(args.run_dir, args.out)
-    print(f"toolkit: report written to {out}/report.md ({', '.join(sorted(p.name for p in out.glob('*.png')))})")
-    return 0
 
 
 def cmd_supervise(args) -> int:

@@ -66,7 +66,12 @@ class DataConfig(_Section):
     path: str = str(DEMO_DIR / "corpus.txt")
     """Local text/json/jsonl/csv/parquet file(s) (comma-separated or glob), a ``save_to_disk``
     directory, or a hub dataset name when online."""
-    format: Literal["auto", "text", "json", "csv", "parquet", "disk", "hub"] = "auto"
+    format: Literal["auto", "text", "json", "csv", "parquet", "disk", "hub", "megatron"] = "auto"
+    """``megatron``: ``path`` names Megatron indexed datasets (PREFIX.bin + PREFIX.idx; ``auto`` detects them)."""
+    weights: list[float] | None = None
+    """One per comma-separated ``path`` part: a blend of sources, normalized (``toolkit/data/blend.py``)."""
+    streaming: bool = False
+    """Read, tokenize and pack ``path`` as the run trains, never whole (``toolkit/data/stream.py``)."""
     split: str = "train"
     text_column: str = "text"
     template: Literal["none", "instruction", "chat", "preference"] = "none"

@@ -70,9 +70,10 @@ def _verify(args, found):
 
 def cmd_inspect(args) -> int:
     from toolkit.convert import inspect
+    from toolkit.data.prepare import describe_prefix
     try:  # libraries imported on the way (DeepSpeed's logger) print to stdout: keep it for the answer
         with contextlib.redirect_stdout(sys.stderr), _named(args.path):
-            info = inspect(args.path, args.hf_config)
+            info = describe_prefix(args.path) or inspect(args.path, args.hf_config)  # a data PREFIX, or a checkpoint
     except ConvertError as exc:
         print(f"toolkit inspect: error: {exc}", file=sys.stderr)
         return 2

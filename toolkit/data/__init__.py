@@ -58,24 +58,20 @@ the others follow after a barrier only saves their duplicated work.
 """
 from __future__ import annotations
 
-from toolkit.data.base import (
-           CHAT_HEADERS,
-           EOS_TOKEN,
-           INSTRUCTION_TEMPLATE,
-           DataError,
-           PackedData,
-)
-from toolkit.data.batches import (
-           batch_counts,
-           count_loss_tokens,
-           eval_micro_batches,
-           global_batch_indices,
-           rank_micro_batches,
-)
-from toolkit.data.pack import pack_tokens, prepare_data
-from toolkit.data.sources import load_source
-from toolkit.data.tokenizer import load_tokenizer
+import importlib
 
-__all__ = ["batch_counts", "CHAT_HEADERS", "EOS_TOKEN", "INSTRUCTION_TEMPLATE", "DataError", "PackedData",
-           "count_loss_tokens", "eval_micro_batches", "global_batch_indices", "rank_micro_batches", "pack_tokens",
-           "prepare_data", "load_source", "load_tokenizer"]
+_LAZY_NAMES = {"CHAT_HEADERS": "base", "EOS_TOKEN": "base", "INSTRUCTION_TEMPLATE": "base", "DataError": "base",
+            "PackedData": "base", "batch_counts": "batches", "count_loss_tokens": "batches",
+            "eval_micro_batches": "batches", "global_batch_indices": "batches", "rank_micro_batches": "batches",
+            "prepare_data": "load", "pack_tokens": "pack", "load_source": "sources", "load_tokenizer": "tokenizer"}
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str):
+    """The names above, imported on first use: a process that only tokenizes (``toolkit prepare``'s
+    workers) never loads torch, which ``batches`` needs."""
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f"toolkit.data.{_LAZY_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'toolkit.data' has no attribute {name!r}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import datasets
 
@@ -61,6 +61,12 @@ class PackedData:
     template ``preference``, pairs longer than ``data.seq_len`` in all (dropped)."""
     num_pairs: int | None = None
     """Template ``preference``: pairs in the source (before dropping); else None."""
+    blend: Any = None
+    """A blend of sources (``data.weights``): ``train``/``eval`` hold every source's rows one after the
+    other, and the blend says which rows each global batch takes (``toolkit/data/blend.py``)."""
+    stream: Any = None
+    """``data.streaming``: the ``stream.StreamBatches`` that makes each global batch (``train`` then holds
+    only its first chunk's rows, read to check the source)."""
     num_identical_pairs: int = 0
     """Template ``preference``: pairs whose chosen and rejected answers tokenize the same, dropped (their
     DPO margin is 0 whatever the weights: no gradient, only a diluted batch mean)."""

@@ -12,7 +12,24 @@ import torch
 from toolkit.device import host_batch
 
 if TYPE_CHECKING:
-    pass
+    from toolkit.data.base import PackedData
+
+
+def batch_indices(data: "PackedData", global_batch_size: int, seed: int, step: int) -> list[int]:
+    """Rows of ``data.train`` in global batch ``step``: ``global_batch_indices`` for one source, the blend's
+    rule for several (``data.weights``). A function of (data, seed, step) alone, whatever the layout."""
+    if data.blend is not None:
+        return data.blend.global_batch(step, global_batch_size)
+    return global_batch_indices(len(data.train), global_batch_size, seed, step)
+
+
+def tokens_by_source(data: "PackedData", indices: list[int]) -> dict[str, int] | None:
+    """A blend's document tokens (not padding) per source in these rows; None for one source."""
+    if data.blend is None:
+        return None
+    source = data.blend.source_of(indices)
+    return {name: batch_counts(data.train, [i for i, s in zip(indices, source) if s == d])["tokens"]
+            for d, name in enumerate(data.blend.names)}
 
 
 def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> list[int]:

@@ -181,13 +181,20 @@ def _pack_fn(seq_len: int, mode: str, overflow: str, pairs: bool = False) -> Cal
         column = batch.column("ids").combine_chunks()
         ids = column.flatten().to_numpy(zero_copy_only=False)
         loss = batch.column("loss").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        if mode == "concat":
-            return pack_tokens(ids, loss, seq_len)
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-        if pairs:
-            return pack_pairs(ids, loss, lengths, seq_len, mode)
-        return pack_documents(ids, loss, lengths, seq_len, mode, overflow)
+        return _pack_batch(ids, loss, lengths, seq_len, mode, overflow, pairs)
     return pack
+
+
+def _pack_batch(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, seq_len: int, mode: str, overflow: str,
+                pairs: bool = False) -> dict[str, np.ndarray]:
+    """The rows of one pack batch of documents (``lengths`` [D], their tokens back to back in ``ids``/``loss``),
+    whatever they were read from (Arrow here, a Megatron prefix in ``indexed_rows``)."""
+    if mode == "concat":
+        return pack_tokens(ids, loss, seq_len)
+    if pairs:
+        return pack_pairs(ids, loss, lengths, seq_len, mode)
+    return pack_documents(ids, loss, lengths, seq_len, mode, overflow)
 
 
 def _packed_features(seq_len: int, mode: str, pairs: bool = False) -> datasets.Features:
@@ -203,11 +210,12 @@ def _packed_features(seq_len: int, mode: str, pairs: bool = False) -> datasets.F
 
 # --- prepare -------------------------------------------------------------------------------------
 
-def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> PackedData:
+def prepare_source(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> PackedData:
     """Load ``data.path``, check it, tokenize, pack and split off eval; cached in ``data.cache_dir``.
 
     Raises DataError before any training for a missing source or column, an empty source, non-text
-    values, or fewer packed train samples than ``train.global_batch_size``."""
+    values, or fewer packed train samples than ``train.global_batch_size``. Sources ``datasets`` reads
+    (files, save_to_disk, hub); ``load.prepare_data`` dispatches Megatron prefixes and blends."""
     source = load_source(cfg)
     check_rows(source, cfg)
     source = source.select_columns(list(required_columns(cfg).values()))

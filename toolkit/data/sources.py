@@ -187,6 +187,28 @@ def _load_hub(name: str, split: str, cache: str) -> datasets.Dataset:
         raise DataError(f"{offline}; loading it failed: {type(exc).__name__}: {exc}{fix}") from exc
 
 
+def stream_rows(cfg: RunConfig):
+    """``data.path`` as a ``datasets.IterableDataset`` of the template's columns (nothing loaded whole)."""
+    d = cfg.data
+    fmt, target = _resolve_source(d.path, d.format)
+    if fmt == "disk":
+        loaded = datasets.load_from_disk(str(Path(target[0]).expanduser()))
+        loaded = loaded[d.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        rows = loaded.to_iterable_dataset()
+    elif fmt == "hub":
+        rows = datasets.load_dataset(target[0], split=d.split, streaming=True)
+    else:
+        rows = datasets.load_dataset(fmt, data_files=target, split="train", streaming=True)
+    first = next(iter(rows), None)
+    if first is None:
+        raise DataError(f"data.path={d.path!r} has no rows; it needs at least one document")
+    for field, column in required_columns(cfg).items():
+        if column not in first:
+            raise DataError(f"{field}={column!r} is not a column of data.path={d.path!r}; columns present: "
+                            f"{sorted(first)}. Set {field} to one of them (data.template={d.template!r})")
+    return rows.select_columns(list(required_columns(cfg).values()))
+
+
 # --- checks --------------------------------------------------------------------------------------
 
 def required_columns(cfg: RunConfig) -> dict[str, str]:

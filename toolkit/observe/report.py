@@ -70,6 +70,13 @@ def read_run(run_dir: Path) -> Run:
     return run
 
 
+def cmd_report(args) -> int:
+    """``toolkit report RUN_DIR [--out DIR]``."""
+    out = write_report(args.run_dir, args.out)
+    print(f"toolkit: report written to {out}/report.md ({', '.join(sorted(p.name for p in out.glob('*.png')))})")
+    return 0
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write the PNGs and report.md; returns the report directory."""
     import matplotlib

@@ -1,7 +1,7 @@
 """The one training loop, over any Engine: data order, LR schedule, eval, metrics; checkpoints,
 health checks and fault hooks are calls at named points.
 
-Global batch k always holds the same samples (``data.global_batch_indices``), the step is the only
+Global batch k always holds the same samples (``data.batches.batch_indices``), the step is the only
 data position, and every rank's RNG state is checkpointed, so a resume continues bit for bit.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Callable
 import torch.distributed as dist
 
 from toolkit.checkpoint.checkpointer import Checkpointer
-from toolkit.data import PackedData, batch_counts, eval_micro_batches, global_batch_indices, rank_micro_batches
+from toolkit.config import ConfigError
+from toolkit.data import PackedData, batch_counts, eval_micro_batches, rank_micro_batches
+from toolkit.data.batches import batch_indices, tokens_by_source
 from toolkit.engine import Engine, StepStats
 from toolkit.estimate.flops import flops_per_token, mfu, peak_flops
 from toolkit.objectives import Prepared
@@ -30,6 +32,16 @@ from toolkit.watch.faults import FaultInjector
 from toolkit.watch.heartbeat import Heartbeat
 from toolkit.watch.monitor import RankMonitor
 from toolkit.watch.protocol import PREEMPTED_EXIT
+
+
+def stream_position(progress: dict) -> dict:
+    """The stream position a checkpoint's trainer.json recorded; a refusal (before any step) when the
+    checkpoint was saved without ``data.streaming``, whose position a stream cannot continue from."""
+    if "data_stream" not in progress:
+        raise ConfigError(f"data.streaming=true, but the checkpoint of step {progress['step']} was saved by a run "
+                          "that did not stream: it records no position in the stream to continue from. Resume "
+                          "with data.streaming=false, or start over with --resume never")
+    return progress["data_stream"]
 
 
 class Trainer:
@@ -194,12 +206,15 @@ class Trainer:
 
     def _batch(self, step: int):
         ds, t = self.data.train, self.cfg.train
-        indices = global_batch_indices(len(ds), t.global_batch_size, t.seed, step)
+        if self.data.stream is not None:  # data.streaming: the batch's own rows, made as the run trains
+            ds = self.data.stream.global_batch(step, t.global_batch_size)
+        indices = list(range(len(ds))) if self.data.stream is not None else \
+            batch_indices(self.data, t.global_batch_size, t.seed, step)
         micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
         if self.reference:
             per_rank = len(indices) // self.engine.dp_size
             micro = self.reference.attach("train", micro, indices[self.engine.dp_rank * per_rank:][:per_rank], indices)
-        return micro, batch_counts(ds, indices)
+        return micro, {**batch_counts(ds, indices), "by_source": tokens_by_source(self.data, indices)}
 
     def _log_step(self, stats: StepStats, counts: dict, step_s: float, elapsed_s: float) -> None:
         """``tokens``: row tokens (global batch x seq_len, padding included); ``packing_efficiency``:
@@ -212,6 +227,8 @@ class Trainer:
                   "packing_efficiency": counts["tokens"] / tokens, "step_s": step_s, "elapsed_s": elapsed_s}
         if counts["documents"] is not None:  # rows packed by documents count them
             record["documents_per_row"] = counts["documents"] / t.global_batch_size
+        if counts.get("by_source") is not None:  # a blend (data.weights): document tokens per source
+            record["tokens_by_source"] = counts["by_source"]
         if self.objective.logged_count:  # the loss is the mean over these (pairs); the objective's metrics: extra
             record[self.objective.logged_count] = counts[self.objective.count]
         if stats.loss_scale is not None:  # fp16: dynamic loss scaling
@@ -263,6 +280,8 @@ class Trainer:
             self.reference.check_resumed(progress.get("reference"))
         if progress is not None:
             self.step, self.skipped_steps = progress["step"], progress.get("skipped_steps", 0)
+            if self.data.stream is not None and self.step:  # continue the stream where the checkpoint was
+                self.data.stream.seek(stream_position(progress), self.step)
 
     def _progress(self) -> dict:
         """trainer.json: where the loop is (the schema: toolkit/storage/meta.py)."""
@@ -270,4 +289,5 @@ class Trainer:
         return {"step": self.step, "consumed_samples": self.step * t.global_batch_size,
                 "consumed_tokens": self.step * t.global_batch_size * self.cfg.data.seq_len, "seed": t.seed,
                 "skipped_steps": self.skipped_steps,
-                **({"reference": self.reference.key} if self.reference and self.reference.key else {})}
+                **({"reference": self.reference.key} if self.reference and self.reference.key else {}),
+                **({"data_stream": self.data.stream.position(self.step)} if self.data.stream is not None else {})}
