@@ -47,7 +47,15 @@ LIMIT = 64 * 1024 * 1024
 # What the toolkit needs on the GPU machine (benchmarks/gpu_check.py: NEEDED). PyYAML is skipped when
 # PREINSTALLED has it. nvidia-ml-py: DeepSpeed's setup.py adds it to its requirements only when
 # built against a CUDA torch (not so here); with it, DeepSpeed reads free GPU memory from NVML.
-ROOTS = ("deepspeed", "megatron-core", "datasets", "pydantic", "einops", "rich", "PyYAML", "nvidia-ml-py")
+ROOTS = ("deepspeed", "megatron-core", "datasets", "pydantic", "einops", "rich", "PyYAML", "nvidia-ml-py",
+         "bitsandbytes")
+
+# Carried with only the native libraries the GPU machine loads: bitsandbytes 0.50.2 ships one per
+# CUDA, ROCm and XPU version (41 MiB); with torch 2.11.0+cu130 it loads libbitsandbytes_cuda130.so
+# (cextension.py: the name from torch.version.cuda), on the CPU libbitsandbytes_cpu.so. ``fetch``
+# repacks the wheel without the others (RECORD rewritten, 3.5 MiB); ``check`` refuses one that has them.
+SLIM = {"bitsandbytes": re.compile(r"bitsandbytes/libbitsandbytes_(cpu|cuda130)\.so")}
+NATIVE = re.compile(r".+\.so(\.[0-9]+)*")
 
 # Already on the GPU machine, so never carried. Source: shared/FIELD_NOTES.md, "The GPU machine":
 # torch 2.11.0+cu130, transformers 5.17, accelerate, peft, safetensors, tokenizers, pyarrow, pytest,
@@ -319,6 +327,33 @@ def resolve(stage: Path, pins: dict[str, str], image: dict[str, str] | None = No
     sys.exit("error: the requirements did not settle in 20 rounds; run check to see which conflict")
 
 
+def slim(folder: Path) -> None:
+    """Repack each ``SLIM`` wheel in ``folder`` without the native libraries its pattern does not keep."""
+    for name, keep in SLIM.items():
+        for w in bundle(folder).get(name, []):
+            dropped = extra_libraries(w.path, keep)
+            if not dropped:
+                continue
+            repacked = w.path.with_suffix(".slim")
+            with zipfile.ZipFile(w.path) as src, zipfile.ZipFile(repacked, "w", zipfile.ZIP_DEFLATED) as dst:
+                for info in src.infolist():
+                    if info.filename in dropped:
+                        continue
+                    data = src.read(info)
+                    if re.fullmatch(r"[^/]+\.dist-info/RECORD", info.filename):
+                        rows = data.decode().splitlines(keepends=True)
+                        data = "".join(r for r in rows if r.split(",", 1)[0] not in dropped).encode()
+                    dst.writestr(info, data)
+            repacked.replace(w.path)
+            print(f"[fetch] {w.path.name}: dropped {len(dropped)} native libraries, kept {keep.pattern}")
+
+
+def extra_libraries(path: Path, keep) -> set[str]:
+    """The native libraries in the wheel at ``path`` that ``keep`` does not match."""
+    with zipfile.ZipFile(path) as z:
+        return {n for n in z.namelist() if NATIVE.fullmatch(n) and not keep.fullmatch(n)}
+
+
 def fetch(args) -> int:
     """Download and build the bundle in a staging folder, then replace .whl/'s wheels with it."""
     pins = read_pins()
@@ -330,6 +365,7 @@ def fetch(args) -> int:
         stage = Path(tmp)
         build_deepspeed(pins["deepspeed"], stage)
         resolve(stage, pins, image_versions())
+        slim(stage)
         args.dir.mkdir(exist_ok=True)
         for old in args.dir.glob("*.whl"):
             old.unlink()
@@ -402,6 +438,10 @@ def bundle_problems(wheels: dict[str, list[Wheel]], folder: Path) -> list[str]:
     problems += [f"{n} {wheels[n][0].version} is outside {spec}, what the GPU machine's packages accept"
                  for n, spec in OVERRIDES.items()
                  if n in wheels and not admits(_spec(spec), wheels[n][0].version)]
+    problems += [f"{w.path.name} carries native libraries the GPU machine never loads ({len(extra)}: "
+                 f"{sorted(extra)[:2]}...); rerun fetch (it repacks the wheel: SLIM)"
+                 for n, keep in SLIM.items() for w in wheels.get(n, [])
+                 for extra in [extra_libraries(w.path, keep)] if extra]
     if "deepspeed" in wheels:
         problems += [p for p in [deepspeed_problem(folder)] if p]
     return problems

@@ -42,6 +42,8 @@ def _convert(args) -> int:
     print(f"converted {summary['from']} -> {summary['to']}: {summary['tensors']} tensors, step {summary['step']}, "
           f"optimizer state {'kept' if summary['optimizer_state'] else 'not written'}, {summary['reader']} reader, "
           f"{summary['seconds']} s -> {args.dst}")
+    for note in summary.get("notes", ()):
+        print(note)
     if args.verify:
         try:
             report = _verify(args, src)

@@ -79,7 +79,8 @@ def _convert_adapters(found, dst: Path, to: str | None, layout: Layout, source_d
     from toolkit.lora.convert import convert_adapter
     adapter, described = fmt.open_adapter(found, base, hf_config)
     try:
-        summary = convert_adapter(adapter, found.path, dst, to or "hf", max_shard_bytes, described.get("step"))
+        summary = convert_adapter(adapter, found.path, dst, to or "hf", max_shard_bytes, described.get("step"),
+                                  base_given=base is not None)
     finally:
         if adapter.base_source is not None:
             adapter.base_source.close()
@@ -96,13 +97,29 @@ def _convert_lora_checkpoint(source, dst: Path, to: str, layout: Layout, source_
     _check_request(source.hf_config, to, layout, None)
     if source_divisor:  # no divisor asked for: keep a megatron source's padding
         layout = _with_source_divisor(layout, source)
+    described = {k: meta[k] for k in ("lora", "base_model") if k in meta}
+    notes = []
+    if to == "megatron" and "quantization" in described.get("base_model", {}):
+        described["base_model"], notes = _unquantized_base(described["base_model"])
     with staged(dst) as stage:
         record = write_lora(source, stage, layout=layout, weights_only=weights_only)
-        describe_for_resume(source, stage, for_target(to).backend, record, None, layout.world,
-                            {k: meta[k] for k in ("lora", "base_model") if k in meta})
+        describe_for_resume(source, stage, for_target(to).backend, record, None, layout.world, described)
     return {"src": str(source.path), "dst": str(dst), "from": source.format, "to": to, "family": source.model_type,
             "tensors": len(source.infos), "step": source.step, "optimizer_state": source.has_optimizer and not weights_only,
-            "reader": "torch"}
+            "reader": "torch", "notes": notes}
+
+
+def _unquantized_base(base: dict) -> tuple[dict, list[str]]:
+    """A QLoRA checkpoint's base record for a megatron one (megatron-core has no 4-bit path): the base is
+    unquantized there, so the record says so (a megatron resume is then not refused) and keeps what the
+    adapters trained on as ``trained_on_quantization``; and the line saying the difference."""
+    q = base["quantization"]
+    kept = {k: v for k, v in base.items() if k != "quantization"}
+    note = (f"note: the adapters trained on a {q['quant_type']}-quantized base (model.quantize={q['quant_type']}); "
+            "written as LoRA adapters for the unquantized base (megatron-core has no 4-bit path): on it they add "
+            "to the full-precision weights, not to the dequantized ones they trained with, so the function differs "
+            "from the trained one (toolkit convert CKPT OUT --to hf --base BASE prints by how much)")
+    return {**kept, "trained_on_quantization": q}, [note]
 
 
 def _asked_layout(to: str | None, tp: int, pp: int, ep: int, dp: int | None, zero_stage: int,

@@ -14,6 +14,7 @@ merges those.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -194,9 +195,12 @@ def _delta_shape(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_ou
 
 # --- convert -----------------------------------------------------------------------------------
 
-def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_bytes: int, step=None) -> dict:
+def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_bytes: int, step=None,
+                    base_given: bool = False) -> dict:
     """``adapter`` written staged as an HF-PEFT directory (``--to peft``) or merged onto its base
-    (``--to hf``, fp32)."""
+    (``--to hf``, fp32). Adapters trained on a 4-bit base merge only onto a base named by ``--base``
+    (``base_given``), and the summary's ``notes`` say how far the merged logits move from the trained
+    function's (``quantized_merge_movement``)."""
     from toolkit.formats.hf import HFSource, write_hf
     from toolkit.formats.staging import staged
     if to not in ("hf", "peft"):
@@ -205,13 +209,16 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
     if to == "hf" and adapter.base is None and adapter.base_source is None:
         raise ConvertError(f"{src}: the LoRA base was a random init (seed); --to hf needs a pretrained base: use the "
                            "run's hf_final/, or --to peft")
-    if to == "hf" and adapter.quantization:  # merged onto the full-precision files: not what trained
-        q = adapter.quantization
+    q = adapter.quantization
+    if to == "hf" and q and not base_given:  # merged onto the full-precision files: not what trained
         raise ConvertError(f"{src}: the adapters trained on a {q['quant_type']}-quantized base (model.quantize="
                            f"{q['quant_type']}); merged onto its full-precision weights they give another function. "
-                           "Use the run's hf_final/ (the base dequantized + the merged adapters: what trained), or "
-                           "--to peft and load the adapter on the base quantized by transformers (docs/lora.md)")
+                           "Pass --base PATH (an HF base to merge onto: the printed logit movement says how far it "
+                           "is from what trained), or use the run's hf_final/ (the base dequantized + the merged "
+                           "adapters), or --to peft and load the adapter on the base quantized by transformers "
+                           "(docs/lora.md)")
     trained = adapter.trained()
+    notes = []
     with staged(Path(dst)) as stage:
         if to == "peft":
             save_peft(adapter.model, trained, stage, adapter.base)
@@ -219,11 +226,71 @@ def convert_adapter(adapter: Adapter, src: Path, dst: Path, to: str, max_shard_b
             base = adapter.base_source or HFSource(Path(adapter.base))
             try:
                 write_hf(merged_source(base, adapter.model, trained), stage, max_shard_bytes=max_shard_bytes)
+                if q:
+                    notes.append(quantized_merge_movement(stage, base, adapter.model, trained, q).line())
             finally:
                 base.close()
     return {"src": str(src), "dst": str(dst), "from": "LoRA adapter", "to": to,
             "family": adapter.hf_config.get("model_type"), "tensors": len(trained), "step": step,
-            "optimizer_state": False, "reader": "torch", "seconds": 0.0}
+            "optimizer_state": False, "reader": "torch", "seconds": 0.0, "notes": notes}
+
+
+PROBE_SHAPE = (4, 32)
+"""The probe batch of a QLoRA merge's logit movement: rows x tokens, ``probe_ids``."""
+
+
+def probe_ids(vocab_size: int) -> torch.Tensor:
+    """The fixed probe batch: token ids drawn uniformly with seed 0."""
+    return torch.randint(0, vocab_size, PROBE_SHAPE, generator=torch.Generator().manual_seed(0))
+
+
+@dataclass
+class Movement:
+    """How far the logits of a merge onto a full-precision base (``merged``) are from the trained
+    function's (the base quantized as the run did, dequantized, + the merged adapters: ``hf_final/``)."""
+    max_rel: float
+    """max |merged - trained| / max |trained|."""
+    mean_rel: float
+    """mean |merged - trained| / mean |trained|."""
+    quant_type: str
+    layers: int
+
+    def line(self) -> str:
+        return (f"logit movement vs the trained function ({self.quant_type} base dequantized + adapters, as hf_final/ "
+                f"holds it; {self.layers} quantized layers) on a fixed probe batch ({PROBE_SHAPE[0]}x{PROBE_SHAPE[1]} "
+                f"tokens, seed 0): max |diff|/max |logit| {self.max_rel:.3e}, mean |diff|/mean |logit| "
+                f"{self.mean_rel:.3e}")
+
+
+def quantized_merge_movement(merged_dir: Path, base, model: torch.nn.Module, trained: dict[str, torch.Tensor],
+                             quantization: dict) -> Movement:
+    """The written merge (``merged_dir``) against the trained function on ``probe_ids``. One model in
+    memory: the merge's logits first, then each quantized layer's weight swapped for the round trip
+    of the base's (``quant.round_trip``) + its adapter, every other tensor rounded to the run's dtype (as
+    the run held it), then the trained function's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.engine import DTYPES
+    from toolkit.lora.quant import quantized_modules, round_trip
+    net = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    ids = probe_ids(net.config.vocab_size)
+    pairs, _ = merge_table(model, trained)
+    layers = quantized_modules(net)
+    with torch.no_grad():
+        merged = net(input_ids=ids).logits
+        for layer in layers:
+            name = f"{layer}.weight"
+            whole = round_trip(base.read(name), quantization)
+            weight = merged_weight(whole, *pairs[name]) if name in pairs else whole.float()
+            net.get_submodule(layer).weight.copy_(weight)
+        swapped = {f"{layer}.weight" for layer in layers}
+        for name, param in net.named_parameters():
+            if name not in swapped:
+                param.copy_(param.to(DTYPES[quantization["storage_dtype"]]).float())
+        want = net(input_ids=ids).logits
+    gap = (merged - want).abs()
+    return Movement(float(gap.max() / want.abs().max()), float(gap.mean() / want.abs().mean()),
+                    quantization["quant_type"], len(layers))
 
 
 def open_adapter(src, base: str | None, hf_config: str | None = None) -> tuple[Adapter, dict]:

@@ -8,7 +8,7 @@ last parameter) and the model's ``_keep_in_fp32_modules``. Embeddings, the LM he
 double quantization optional) and the storage dtype (= the model dtype, which DeepSpeed can partition
 and never value-casts: ``adapters/deepspeed/quant.py``) are bitsandbytes' and transformers' defaults.
 
-Nothing here imports bitsandbytes but ``dense`` (the launcher checks a config without it);
+Nothing here imports bitsandbytes but ``dense`` and ``round_trip`` (the launcher checks a config without it);
 ``adapters/deepspeed/quant.py`` builds and trains the model. The readers of a 4-bit parameter at the end
 serve the exports (``adapters/export.py``) and the replica checksum.
 """
@@ -135,6 +135,20 @@ def dense(param) -> torch.Tensor:
         return param.detach()
     import bitsandbytes.functional as F
     return F.dequantize_4bit(param.data, param.quant_state)
+
+
+def round_trip(weight: torch.Tensor, quantization: dict) -> torch.Tensor:
+    """A full-precision weight as a run with meta.json's ``quantization`` record multiplied with it:
+    cast to the storage dtype, quantized by bitsandbytes as the run's build does
+    (``adapters/deepspeed/quant.py``), dequantized. CPU quantization is deterministic (issue #43)."""
+    import bitsandbytes as bnb
+
+    from toolkit.engine import DTYPES
+    dtype = DTYPES[quantization["storage_dtype"]]
+    packed = bnb.nn.Params4bit(weight.to(dtype), requires_grad=False, blocksize=quantization["blocksize"],
+                               compress_statistics=quantization["double_quant"],
+                               quant_type=quantization["quant_type"], quant_storage=dtype).to("cpu")
+    return dense(packed)
 
 
 def checksum_view(param) -> torch.Tensor:
