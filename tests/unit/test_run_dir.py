@@ -142,22 +142,6 @@ def test_every_damaged_checkpoint_is_refused_naming_them_and_none_is_deleted(tmp
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
 
 
-def test_a_restart_in_the_job_sets_damaged_checkpoints_aside_and_starts_over(tmp_path):
-    """Inside a running job the launcher verified what it resumed: damage is this job's, and the
-    restart goes on from step 0 with the damaged bytes kept under set_aside/."""
-    mgr = CheckpointManager(tmp_path, keep_last=5)
-    for step in (2, 4):
-        _flip(_checkpoint(mgr, step, "run-a"))
-    said = []
-    assert resume_checkpoint(tmp_path, "run-a", log=said.append, restart=True) is None
-    assert not list((tmp_path / "checkpoints").glob("step_*"))
-    kept = sorted(p.name for p in tmp_path.glob("set_aside/*/step_*"))
-    assert kept == ["step_00000002", "step_00000004"] and "starting again from step 0" in said[-1]
-    _flip(_checkpoint(mgr, 2, "run-b"))  # another run's checkpoints are never moved by a restart
-    with pytest.raises(RunDirError, match="only checkpoints of other runs"):
-        resume_checkpoint(tmp_path, "run-a", log=said.append, restart=True)
-
-
 def test_a_new_save_over_a_damaged_checkpoint_moves_it_aside(tmp_path):
     said = []
     mgr = CheckpointManager(tmp_path, keep_last=5, run_id="run-a", log=said.append)

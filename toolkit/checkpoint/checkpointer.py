@@ -194,8 +194,7 @@ class Checkpointer:
             first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
             verified = (os.environ.get(VERIFIED_ENV) or None) if first_attempt else None  # the launcher hashed it
             try:
-                found = resume_checkpoint(self.run_dir, self.run_id, log=self._skipped, verified=verified,
-                                          restart=not first_attempt)
+                found = resume_checkpoint(self.run_dir, self.run_id, log=self._skipped, verified=verified)
                 newest[0] = str(found) if found else None
             except RunDirError as exc:
                 newest[1] = str(exc)

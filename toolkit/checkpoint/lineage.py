@@ -6,8 +6,7 @@ refused before any rank starts, with nothing written.
 - ``--resume auto`` continues the run directory's lineage (``RUN_DIR/run.json``; ``storage/rundir.py``):
   the newest checkpoint of that run that verifies. Checkpoints of another run are skipped and named;
   when every checkpoint of the run is damaged the launch is refused (never restarted from step 0 over
-  them, never deleted). A restart inside a running job (the launcher verified what it resumed, so the
-  damage happened during this job) moves them aside instead and starts again from step 0.
+  them, never deleted).
 - ``--resume never`` starts a new lineage: the old run's checkpoints are moved aside (to
   ``RUN_DIR/set_aside/<UTC time>/checkpoints``, its metrics.jsonl and events.jsonl beside them), so
   no later resume can pick one of them up and the run's curves are its own.
@@ -110,25 +109,16 @@ def run_id_for(run_dir: Path) -> str:
     return run_id
 
 
-def resume_checkpoint(run_dir: Path, run_id: str | None, log=print, verified: Path | None = None,
-                      restart: bool = False) -> Path | None:
+def resume_checkpoint(run_dir: Path, run_id: str | None, log=print, verified: Path | None = None) -> Path | None:
     """The newest checkpoint of ``run_id``'s lineage that verifies, or None when the run has none.
     Raises ``RunDirError`` when checkpoints are there and none may be resumed: a restart from step 0
-    would write over them. ``verified``: a checkpoint the launcher verified (``VERIFIED_ENV``).
-    ``restart``: a restart inside a running job, which sets this run's damaged checkpoints aside
-    (``RUN_DIR/set_aside/``) and returns None rather than refusing."""
+    would write over them. ``verified``: a checkpoint the launcher verified (``VERIFIED_ENV``)."""
     found = newest_of_lineage(run_dir, run_id, log=log, verified=verified)
     candidates = step_dirs(run_dir)
     if found is not None or not candidates:
         return found
     reasons = [f"{c.name} ({other_lineage(c, run_id) or '; '.join(verify_complete(c)[:2])})" for c in candidates]
     ours = [c for c in candidates if other_lineage(c, run_id) is None]
-    if restart and len(ours) == len(candidates):
-        stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
-        for ckpt, reason in zip(candidates, reasons):
-            log(f"restart: checkpoint {reason} damaged during this job; moved to {set_aside(run_dir, ckpt, stamp)}")
-        log("restart: no intact checkpoint of this run is left; starting again from step 0")
-        return None
     what = ("every checkpoint of this run is damaged" if ours else
             f"it holds only checkpoints of other runs, none of this run directory's run {run_id}")
     raise RunDirError(f"{run_dir}/{CHECKPOINTS}: {what}: {', '.join(reasons)}. Nothing was deleted. Start over "
