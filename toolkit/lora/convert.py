@@ -272,7 +272,7 @@ def quantized_merge_movement(merged_dir: Path, base, model: torch.nn.Module, tra
 
     from toolkit.engine import DTYPES
     from toolkit.lora.quant import quantized_modules, round_trip
-    net = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    net = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32, trust_remote_code=False).eval()
     ids = probe_ids(net.config.vocab_size)
     pairs, _ = merge_table(model, trained)
     layers = quantized_modules(net)
