@@ -231,3 +231,23 @@ def test_the_logged_attention_path_names_the_kernel():
     assert "documents -> flex" in hf_attention.describe("cuda", dropout=False) and "block mask" in \
         hf_attention.describe("cuda", dropout=False)
     assert "documents -> sdpa" in hf_attention.describe("cuda", dropout=True)  # flex has no dropout
+
+
+def test_a_model_that_does_not_take_the_attention_is_refused_naming_the_fix():
+    """A model whose attention does not dispatch through transformers' AttentionInterface keeps its
+    own implementation: switching to ours (documents, Ulysses) is refused, never silently ignored."""
+    from types import SimpleNamespace
+
+    from toolkit.adapters.deepspeed.ulysses import use_ulysses_attention
+    from toolkit.adapters.hf_attention import use_document_attention
+
+    class Stubborn(torch.nn.Module):
+        config = SimpleNamespace(_attn_implementation="eager")
+
+        def set_attn_implementation(self, name):
+            pass  # ignores it, as a model with hard-wired attention does
+
+    with pytest.raises(RuntimeError, match="did not take attn_implementation.*use data.packing=concat"):
+        use_document_attention(Stubborn())
+    with pytest.raises(RuntimeError, match="did not take attn_implementation.*zero.sp > 1"):
+        use_ulysses_attention(Stubborn())

@@ -85,23 +85,22 @@ def _score_mod(softcap: float | None):
     return softcap_score_mod(softcap)
 
 
-@lru_cache(maxsize=1)
-def register() -> str:
-    """Make ``ATTENTION`` known to transformers (once per process); returns its name."""
+def switch_attention(model: torch.nn.Module, name: str, function, unable: str) -> torch.nn.Module:
+    """Register ``function`` with transformers' AttentionInterface as ``name`` and switch ``model``
+    (and its sub-models) to it; ``unable`` ends the error when the model does not take it."""
     from transformers import AttentionInterface
-    AttentionInterface.register(ATTENTION, document_attention)
-    return ATTENTION
+    AttentionInterface.register(name, function)  # a dict entry: registering again is harmless
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise RuntimeError(f"{type(model).__name__} did not take attn_implementation={name!r} (its attention "
+                           f"does not dispatch through transformers' AttentionInterface): {unable}")
+    return model
 
 
 def use_document_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model`` (and its sub-models) to the toolkit's document attention."""
-    register()
-    model.set_attn_implementation(ATTENTION)
-    if model.config._attn_implementation != ATTENTION:
-        raise RuntimeError(f"{type(model).__name__} did not take attn_implementation={ATTENTION!r} (its "
-                           "attention does not dispatch through transformers' AttentionInterface); it "
-                           "cannot train on rows packed by documents: use data.packing=concat")
-    return model
+    return switch_attention(model, ATTENTION, document_attention,
+                            "it cannot train on rows packed by documents: use data.packing=concat")
 
 
 def forward_inputs(mb: dict) -> dict:

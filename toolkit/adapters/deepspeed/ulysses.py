@@ -29,13 +29,11 @@ so the gradient is that of the mean over the global batch's valid tokens (the lo
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.distributed as dist
 
 from toolkit.adapters.attention import TokenLayout
-from toolkit.adapters.hf_attention import LAYOUT_KWARG, document_attention
+from toolkit.adapters.hf_attention import LAYOUT_KWARG, document_attention, switch_attention
 from toolkit.layout import Layout, zero_partitions
 
 ULYSSES_ATTENTION = "toolkit_ulysses"
@@ -57,21 +55,9 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     return wrapper(module, query, key, value, None, **kwargs)
 
 
-@lru_cache(maxsize=1)
-def register() -> str:
-    from transformers import AttentionInterface
-    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
-    return ULYSSES_ATTENTION
-
-
 def use_ulysses_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model`` to the sequence-parallel attention (before peft wraps it)."""
-    register()
-    model.set_attn_implementation(ULYSSES_ATTENTION)
-    if model.config._attn_implementation != ULYSSES_ATTENTION:
-        raise RuntimeError(f"{type(model).__name__} did not take attn_implementation={ULYSSES_ATTENTION!r} (its attention "
-                           "does not dispatch through transformers' AttentionInterface): it cannot run with zero.sp > 1")
-    return model
+    return switch_attention(model, ULYSSES_ATTENTION, ulysses_attention, "it cannot run with zero.sp > 1")
 
 
 def sequence_groups(sp: int):
