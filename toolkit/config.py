@@ -186,6 +186,12 @@ class ZeroConfig(_Section):
     ``sp`` consecutive ranks, attention heads exchanged by all-to-all, so a rank holds the activations of
     seq_len / sp tokens; world = dp x sp (ZeRO shards over the whole world). Needs the attention heads
     and seq_len divisible by sp (the plan names the valid sizes)."""
+    ep: int = Field(1, ge=1)
+    """Expert parallelism of a mixture-of-experts model through DeepSpeed's AutoEP
+    (``adapters/deepspeed/moe.py``): each of ep consecutive ranks holds num_experts / ep experts of every
+    MoE layer and the tokens go to their experts by all-to-all; the rest of the model stays data
+    parallel. Needs a family with an AutoEP preset (mixtral, qwen2_moe, qwen3_moe), experts and the
+    world divisible by ep (the plan names the valid sizes)."""
     tiled_mlp: bool = False
     """Each decoder layer's MLP through DeepSpeed's ``TiledMLP`` (``adapters/deepspeed/tiles.py``): the sequence in
     ceil(seq / hidden) tiles, the MLP's [tokens, intermediate] activations existing one tile at a time

@@ -84,6 +84,7 @@ class ZeroIndex:
 
     def __init__(self, tag_dir: Path, load: Callable[[Path], dict], tied: bool):
         self.path = tag_dir
+        refuse_autoep(tag_dir)
         self.files = optim_files(tag_dir)
         self.opt = [load(f)["optimizer_state_dict"] for f in self.files]
         first = self.opt[0]
@@ -218,6 +219,17 @@ class ZeroIndex:
 TIED_HEADS = ("lm_head.weight", "base_model.model.lm_head.weight")
 """The output embedding's name in a transformers module and in the peft-wrapped one (a LoRA run's;
 ``lora.peft.PEFT_PREFIX``, not imported: this module runs without torch)."""
+
+
+def refuse_autoep(tag_dir: Path) -> None:
+    """A checkpoint of a ``zero.ep`` run (DeepSpeed's AutoEP: ``layer_L_expert_E_mp_rank_00_model_states.pt``
+    per expert, AutoEP's module names, the experts' optimizer state in a group of their own) is not read
+    here; saying so beats misreading its expert groups as dense partitions."""
+    if next(Path(tag_dir).glob("layer_*_expert_*_model_states.pt"), None) is not None:
+        raise ConvertError(f"{tag_dir}: a DeepSpeed AutoEP checkpoint (zero.ep > 1: per-expert files); the converter "
+                           "does not read those yet. Resume it with the zero.ep, nproc and zero.stage it was saved "
+                           "with, and take its weights from the run's hf_final/ (train.export_hf); DeepSpeed's "
+                           "python -m deepspeed.checkpoint.ds_to_universal consolidates it for DeepSpeed itself")
 
 
 def optim_files(tag_dir: Path) -> list[Path]:

@@ -84,7 +84,7 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
         _check_family(cfg, hf_config, written)
     spec = model_spec(hf_config, model_code_dir(cfg.model.name_or_path, hf_config))
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
-    ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
+    ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden, spec.model_type) for w, lay in layouts.items()} \
         if cfg.backend == "deepspeed" else {}
     return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds, lora=_lora(cfg, hf_config))
 

@@ -53,6 +53,11 @@ class ModelSpec(BaseModel):
         return self.embedding + self.output + sum(self.per_layer) + self.other
 
     @property
+    def moe_layers(self) -> int:
+        """Layers with routed experts."""
+        return sum(1 for n in self.per_layer_experts if n)
+
+    @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 

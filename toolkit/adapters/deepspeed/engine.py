@@ -14,7 +14,14 @@ import torch.distributed as dist
 from toolkit import device
 from toolkit.adapters import hf_attention, moe
 from toolkit.adapters.deepspeed.lora import saved_layout, to_universal
-from toolkit.adapters.deepspeed.moe import RouterLoss, experts_as_leaf_modules
+from toolkit.adapters.deepspeed.moe import (
+    RouterLoss,
+    autoep_source,
+    check_autoep_replaced,
+    differs_across_ep_group,
+    experts_as_leaf_modules,
+    prepare_autoep,
+)
 from toolkit.adapters.deepspeed.optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.deepspeed.tiles import HiddenStates, tile_mlps
 from toolkit.adapters.deepspeed.ulysses import (
@@ -78,14 +85,19 @@ class DeepSpeedEngine:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
             if moe.is_router_model(model.config) else None
-        if self.router and cfg.zero.stage == 3:
+        if self.lay.ep > 1:
+            prepare_autoep()  # AutoEP replaces the MoE blocks in deepspeed.initialize
+        elif self.router and cfg.zero.stage == 3:
             experts_as_leaf_modules(model)
         if cfg.zero.tiled_mlp:
             tile_mlps(model)
         self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # the token cross-entropy only (config)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
+            model=model, model_parameters=_named_groups(param_groups(model, cfg.train.weight_decay), self.lay.ep),
+            config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
+        if self.lay.ep > 1:
+            self.setup_records.append(check_autoep_replaced(self.engine.module, plan.model.moe_layers, self.lay.ep))
         _undo_state_init_step(self.engine.optimizer)
         if self.seq and cfg.zero.stage == 3:
             average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
@@ -283,8 +295,9 @@ class DeepSpeedEngine:
         module, gather = self.engine.module, _gathered if self.lay.zero_stage == 3 else None
         generation_config = getattr(module, "generation_config", None)
         if not self.lora:
-            write_streamed(ModuleSource(module, module.config.model_type, gather=gather), path, tokenizer,
-                           generation_config, beat=beat)
+            source = autoep_source(module, gather) if self.lay.ep > 1 else \
+                ModuleSource(module, module.config.model_type, gather=gather)
+            write_streamed(source, path, tokenizer, generation_config, beat=beat)
             return
         trained = trained_fp32(module, gather)
         pretrained = self.cfg.model.init == "pretrained"
@@ -303,12 +316,15 @@ class DeepSpeedEngine:
 
     def replica_checksum(self) -> float | None:
         """Order-sensitive float64 checksum of the full parameters (identical on every DP replica
-        below ZeRO-3); None at stage 3, where each rank holds only its own shard."""
+        below ZeRO-3); None at stage 3, where each rank holds only its own shard. Under zero.ep the
+        experts (other experts on each rank of an EP group) are left out: the rest is replicated."""
         if self.cfg.zero.stage == 3:
             return None
         from toolkit.lora.quant import checksum_view
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(self.engine.module.parameters()):
+            if differs_across_ep_group(p):
+                continue
             total += (i + 1) * checksum_view(p).double().sum().cpu()  # 4-bit storage: as integers (NaN patterns)
         return total.item()
 
@@ -342,6 +358,16 @@ class _TiledScores:
 
     def logps(self, labels: torch.Tensor) -> torch.Tensor:
         raise ConfigError("zero.tiled_loss=true gives the token cross-entropy only; set zero.tiled_loss=false")
+
+
+def _named_groups(groups: list[dict], ep: int) -> list[dict]:
+    """Under zero.ep DeepSpeed splits each parameter group into its dense and expert parts by the group's
+    ``name`` (``moe.utils.split_params_into_different_moe_groups_for_optimizer``), after pointing the
+    groups at AutoEP's replacement parameters; without ep the groups stay as they were (their
+    checkpoints unchanged)."""
+    if ep == 1:
+        return groups
+    return [{**g, "name": f"toolkit_group{i}"} for i, g in enumerate(groups)]
 
 
 def _undo_state_init_step(optimizer) -> None:
