@@ -1,0 +1,196 @@
+"""``zero.ep`` (DeepSpeed's AutoEP) through ``toolkit train``'s ranks on 2 gloo ranks, in strict device mode,
+against ZeRO-2 DP=2 of the same model (fp32, the demo corpus packed by documents, micro-batches of 2 rows,
+2 micro-batches per rank, eval on): per-parameter gradients of step 1 (the aux loss's included), losses,
+aux loss, routing and eval loss, for mixtral, qwen2_moe (gated shared expert, tied embeddings, activation
+checkpointing) and qwen3_moe, at ZeRO-2, ZeRO-3 (built under zero.Init) and ZeRO-1; then a checkpoint
+resumed at the same layout and ``hf_final/`` equal to the DP run's."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers.runs import losses, refused, train, train_args, worker_ranks
+from toolkit.observe.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
+
+FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+RUN = ["train.steps=3", "train.eval_every=3", "data.packing=documents", "train.moe_aux_loss_coeff=0.1",
+       "train.lr=1e-3", "train.warmup_steps=0", "checkpoint.every=100"]
+CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO-2 ep=1 run of its family
+    "mixtral_dp2": ("mixtral", ["zero.stage=2", "checkpoint.every=2"]),
+    "mixtral_ep2": ("mixtral", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2"]),
+    "mixtral_ep2_zero3": ("mixtral", ["zero.stage=3", "zero.ep=2"]),
+    "qwen2_moe_dp2": ("qwen2_moe", ["zero.stage=2", "model.activation_checkpointing=true"]),
+    "qwen2_moe_ep2": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "model.activation_checkpointing=true"]),
+    "qwen3_moe_dp2": ("qwen3_moe", ["zero.stage=2"]),
+    "qwen3_moe_ep2_zero1": ("qwen3_moe", ["zero.stage=1", "zero.ep=2"]),
+}
+GRAD_RTOL = 1e-6
+"""Per parameter, |ep2 - dp2| / |dp2| (L2) of step 1's gradient (all-to-all reorders the sums); measured worst
+4.9e-7 (qwen2_moe's layers.1.self_attn.k_proj.bias), 2.5e-7 to 3.6e-7 for the other cases (printed by
+``test_ep2_gives_dp2s_gradients_and_losses``). Expert gradients scaled by 2 fail it while the losses still
+match: Adam is blind to a uniform gradient scale."""
+LOSS_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A config.json per family (random init from train.seed): the tiny configs, the demo's vocabulary."""
+    from toolkit.families.tiny import TINY_MOE
+    root, out = tmp_path_factory.mktemp("zero_ep_models"), {}
+    for family, arch in FAMILIES.items():
+        config = {k: v for k, v in TINY_MOE[family].items() if k != "sliding_window"}
+        config.update(vocab_size=2048, max_position_embeddings=128, architectures=[arch])
+        (root / family).mkdir()
+        (root / family / "config.json").write_text(json.dumps(config))
+        out[family] = root / family
+    return out
+
+
+def _capture_step1_grads(rank, run_dir):
+    """Inside a rank: step 1's whole gradients (DeepSpeed's ``safe_get_full_grad`` at the accumulation
+    boundary, before the optimizer steps; an AutoEP rank's experts all-gathered over the EP group, which
+    is the world here) saved by rank 0 to RUN_DIR/grads_step1.pt under the module's own names."""
+    from toolkit.adapters.deepspeed import engine as ds_engine
+    original, grads = ds_engine.DeepSpeedEngine.train_step, {}
+
+    def train_step(self, micro_batches, loss_tokens, lr):
+        if grads:
+            return original(self, micro_batches, loss_tokens, lr)
+        step = self.engine.step
+
+        def capturing_step():
+            if self.engine.is_gradient_accumulation_boundary():
+                grads.update(_full_grads(self.engine.module))
+            step()
+        self.engine.step = capturing_step
+        try:
+            return original(self, micro_batches, loss_tokens, lr)
+        finally:
+            del self.engine.step
+    ds_engine.DeepSpeedEngine.train_step = train_step
+
+    def save():
+        if rank == 0:
+            torch.save(grads, run_dir / "grads_step1.pt")
+    return save
+
+
+def _full_grads(module) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for name, param in module.named_parameters():
+        grad = safe_get_full_grad(param).detach().float().contiguous()
+        if getattr(param, "allreduce", True) is False:  # an AutoEP expert: this rank's experts
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, grad)
+            grad = torch.cat(parts)
+        out[name] = grad.cpu().clone()
+    return out
+
+
+def as_transformers(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """AutoEP's names and expert tensors as transformers has them (written here, apart from the toolkit's
+    table, from AutoEP's ``auto_ep_layer``: w1 = gate rows, w3 = up rows, w2 = down; the router under
+    ``router.gate`` and its alias ``gate.gate``)."""
+    out = {}
+    for name, g in grads.items():
+        if name.endswith(".experts.w1"):
+            out[name[:-2] + "gate_up_proj"] = torch.cat([g, grads[name[:-2] + "w3"]], dim=1)
+        elif name.endswith(".experts.w2"):
+            out[name[:-2] + "down_proj"] = g
+        elif not name.endswith((".experts.w3", ".mlp.gate.gate.weight")):
+            out[name.replace(".mlp.router.gate.", ".mlp.gate.").replace(".shared_experts", ".shared_expert")] = g
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache, model_dirs):
+    root, done = tmp_path_factory.mktemp("zero_ep_runs"), {}
+
+    def get(name: str):
+        if name not in done:
+            family, overrides = CASES[name]
+            codes = worker_ranks(root / name, data_cache, _capture_step1_grads, *RUN,
+                                 f"model.name_or_path={model_dirs[family]}", *overrides, nproc=2)
+            assert codes == [0, 0], f"{name}: ranks exited {codes}"
+            done[name] = root / name
+        return done[name]
+    return get
+
+
+def records(run_dir):
+    return [r for _, r in sorted(read_metrics(run_dir).items())]
+
+
+def grad_gaps(ep_run, dp_run) -> dict[str, float]:
+    got = as_transformers(torch.load(ep_run / "grads_step1.pt"))
+    want = torch.load(dp_run / "grads_step1.pt")
+    assert sorted(got) == sorted(want)
+    return {n: ((got[n] - w).norm() / w.norm()).item() for n, w in want.items() if w.norm() > 0}
+
+
+def eval_loss(run_dir) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+
+
+@pytest.mark.parametrize("ep_case", [c for c in CASES if "_ep2" in c])
+def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
+    family = CASES[ep_case][0]
+    dp, ep = runs(f"{family}_dp2"), runs(ep_case)
+    gaps = grad_gaps(ep, dp)
+    worst = max(gaps, key=gaps.get)
+    a, b = records(dp), records(ep)
+    loss_gap = max(abs(y["loss"] - x["loss"]) / x["loss"] for x, y in zip(a, b))
+    aux_gap = max(abs(y["moe_aux_loss"] - x["moe_aux_loss"]) / x["moe_aux_loss"] for x, y in zip(a, b))
+    print(f"\n{ep_case} vs {family}_dp2: worst grad gap {gaps[worst]:.2e} ({worst}), loss {loss_gap:.1e}, "
+          f"aux {aux_gap:.1e}, eval {abs(eval_loss(ep) / eval_loss(dp) - 1):.1e}")
+    assert gaps[worst] <= GRAD_RTOL, f"{worst}: {gaps[worst]:.3e}"
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL)
+        assert y["moe_aux_loss"] == pytest.approx(x["moe_aux_loss"], rel=LOSS_RTOL)
+        assert y["moe_expert_tokens"] == x["moe_expert_tokens"]  # the same routing decisions
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+    assert eval_loss(ep) == pytest.approx(eval_loss(dp), rel=LOSS_RTOL)
+    setup = [json.loads(line) for line in (ep / "metrics.jsonl").read_text().splitlines()]
+    assert {"event": "moe", "expert_parallel": "deepspeed_autoep", "ep": 2, "experts": 4, "experts_per_rank": 2,
+            "moe_layers": 2}.items() <= next(r for r in setup if r.get("event") == "moe").items()
+
+
+def test_hf_final_of_ep2_is_the_dp_runs(runs):
+    """transformers' names and shapes, every expert, equal to the DP=2 run's export after 3 steps."""
+    from safetensors.torch import load_file
+    dp = load_file(runs("mixtral_dp2") / "hf_final" / "model.safetensors")
+    ep = load_file(runs("mixtral_ep2") / "hf_final" / "model.safetensors")
+    assert sorted(ep) == sorted(dp)
+    assert all(ep[n].shape == dp[n].shape for n in dp)
+    gaps = {n: ((ep[n] - t).norm() / t.norm()).item() for n, t in dp.items()}
+    worst = max(gaps, key=gaps.get)
+    print(f"\nhf_final mixtral ep2 vs dp2 after 3 steps: worst {gaps[worst]:.2e} ({worst})")
+    assert gaps[worst] <= 1e-5
+
+
+def test_checkpoint_resumes_at_the_same_layout_exactly(runs, tmp_path, data_cache, model_dirs):
+    full = runs("mixtral_ep2")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    train(resumed, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}", *CASES["mixtral_ep2"][1])
+    assert losses(resumed) == losses(full)[2:]
+
+
+def test_resume_at_another_ep_is_refused_before_launch(runs, tmp_path, data_cache, model_dirs):
+    full = runs("mixtral_ep2")
+    other = tmp_path / "ep1"
+    shutil.copytree(full / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
+    code, _, err = refused(train_args(other, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}",
+                                      "zero.ep=1"))
+    assert code == 2 and "a zero.ep run resumes only at the layout it was saved at" in err
+    code, _, err = refused(["convert", str(full / "checkpoints" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf"])
+    assert code == 2 and "AutoEP checkpoint" in err and "Traceback" not in err
