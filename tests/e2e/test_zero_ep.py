@@ -2,8 +2,10 @@
 against ZeRO-2 DP=2 of the same model (fp32, the demo corpus packed by documents, micro-batches of 2 rows,
 2 micro-batches per rank, eval on): per-parameter gradients of step 1 (the aux loss's included), losses,
 aux loss, routing and eval loss, for mixtral, qwen2_moe (gated shared expert, tied embeddings, activation
-checkpointing) and qwen3_moe, at ZeRO-2, ZeRO-3 (built under zero.Init) and ZeRO-1; then a checkpoint
-resumed at the same layout and ``hf_final/`` equal to the DP run's."""
+checkpointing; also at DP=4, two expert-data-parallel replicas) and qwen3_moe, at ZeRO-2, ZeRO-3 (built
+under zero.Init) and ZeRO-1. Then checkpoints: resumed at the same layout (exact) and at ep=1 (converted),
+read by the converter as DeepSpeed's ``ds_to_universal`` consolidates them, converted to HF (equal to
+``hf_final/``, itself equal to the DP run's) and to megatron EP=2 with ``--verify``."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers.runs import losses, refused, train, train_args, worker_ranks
+from tests.helpers.runs import losses, refused, resumes, run_in_process, train, train_args, worker_ranks
 from toolkit.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
@@ -23,9 +25,10 @@ RUN = ["train.steps=3", "train.eval_every=3", "data.packing=documents", "train.m
 CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO-2 ep=1 run of its family
     "mixtral_dp2": ("mixtral", ["zero.stage=2", "checkpoint.every=2"]),
     "mixtral_ep2": ("mixtral", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2"]),
-    "mixtral_ep2_zero3": ("mixtral", ["zero.stage=3", "zero.ep=2"]),
+    "mixtral_ep2_zero3": ("mixtral", ["zero.stage=3", "zero.ep=2", "checkpoint.every=2"]),
     "qwen2_moe_dp2": ("qwen2_moe", ["zero.stage=2", "model.activation_checkpointing=true"]),
     "qwen2_moe_ep2": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "model.activation_checkpointing=true"]),
+    "qwen2_moe_ep2_dp4": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2", "nproc=4"]),
     "qwen3_moe_dp2": ("qwen3_moe", ["zero.stage=2"]),
     "qwen3_moe_ep2_zero1": ("qwen3_moe", ["zero.stage=1", "zero.ep=2"]),
 }
@@ -88,8 +91,8 @@ def _full_grads(module) -> dict[str, torch.Tensor]:
         grad = safe_get_full_grad(param).detach().float().contiguous()
         if getattr(param, "allreduce", True) is False:  # an AutoEP expert: this rank's experts
             parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, grad)
-            grad = torch.cat(parts)
+            dist.all_gather(parts, grad)  # ranks 0 .. ep-1 are the first EP group (DeepSpeed's ep-fastest order)
+            grad = torch.cat(parts[:int(param.group_name.removeprefix("ep_size_"))])
         out[name] = grad.cpu().clone()
     return out
 
@@ -116,9 +119,10 @@ def runs(tmp_path_factory, data_cache, model_dirs):
     def get(name: str):
         if name not in done:
             family, overrides = CASES[name]
+            nproc = 4 if "nproc=4" in overrides else 2
             codes = worker_ranks(root / name, data_cache, _capture_step1_grads, *RUN,
-                                 f"model.name_or_path={model_dirs[family]}", *overrides, nproc=2)
-            assert codes == [0, 0], f"{name}: ranks exited {codes}"
+                                 f"model.name_or_path={model_dirs[family]}", *overrides, nproc=nproc)
+            assert codes == [0] * nproc, f"{name}: ranks exited {codes}"
             done[name] = root / name
         return done[name]
     return get
@@ -158,7 +162,8 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
         assert y["moe_aux_loss"] == pytest.approx(x["moe_aux_loss"], rel=LOSS_RTOL)
         assert y["moe_expert_tokens"] == x["moe_expert_tokens"]  # the same routing decisions
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-    assert eval_loss(ep) == pytest.approx(eval_loss(dp), rel=LOSS_RTOL)
+    if "nproc=4" not in CASES[ep_case][1]:  # DP=4 evaluates the eval rows its 4 ranks take (another count)
+        assert eval_loss(ep) == pytest.approx(eval_loss(dp), rel=LOSS_RTOL)
     setup = [json.loads(line) for line in (ep / "metrics.jsonl").read_text().splitlines()]
     assert {"event": "moe", "expert_parallel": "deepspeed_autoep", "ep": 2, "experts": 4, "experts_per_rank": 2,
             "moe_layers": 2}.items() <= next(r for r in setup if r.get("event") == "moe").items()
@@ -185,12 +190,69 @@ def test_checkpoint_resumes_at_the_same_layout_exactly(runs, tmp_path, data_cach
     assert losses(resumed) == losses(full)[2:]
 
 
-def test_resume_at_another_ep_is_refused_before_launch(runs, tmp_path, data_cache, model_dirs):
+def test_resume_at_ep1_continues_the_loss_curve(runs, tmp_path, data_cache, model_dirs):
+    """Saved at ep=2 (ZeRO-2, DP=2), resumed at ep=1 ZeRO-3 DP=2: the converter reads the AutoEP checkpoint
+    (``formats/zero_autoep.py``) and writes this run's layout; step 3 takes the uninterrupted run's loss."""
     full = runs("mixtral_ep2")
-    other = tmp_path / "ep1"
+    resumed = tmp_path / "ep1"
+    shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    train(resumed, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}", "zero.stage=3")
+    assert resumes(resumed)[0][2] == "converted"
+    assert losses(resumed) == pytest.approx(losses(full)[2:], rel=1e-6)
+
+
+def test_resume_at_another_layout_with_ep_is_refused_before_launch(runs, tmp_path, data_cache, model_dirs):
+    full = runs("mixtral_ep2")
+    other = tmp_path / "zero3"
     shutil.copytree(full / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
     code, _, err = refused(train_args(other, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}",
-                                      "zero.ep=1"))
-    assert code == 2 and "a zero.ep run resumes only at the layout it was saved at" in err
-    code, _, err = refused(["convert", str(full / "checkpoints" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf"])
-    assert code == 2 and "AutoEP checkpoint" in err and "Traceback" not in err
+                                      "zero.ep=2", "zero.stage=3"))
+    assert code == 2 and "a zero.ep run resumes only a checkpoint of its own layout" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["mixtral_ep2", "mixtral_ep2_zero3", "qwen2_moe_ep2_dp4"])
+def test_reader_equals_ds_to_universal(runs, tmp_path, case):
+    """The converter's reading of an AutoEP checkpoint (ZeRO-2 with one and with two expert-data-parallel
+    ranks, ZeRO-3) equals DeepSpeed's own consolidation, ``ds_to_universal``: weights and Adam moments, exact."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    from toolkit.families import get_family, unpack
+    from toolkit.formats.canonical import hf_config_object
+    from toolkit.formats.zero import ZeroSource
+    tag = runs(case) / "checkpoints" / "step_00000002" / "engine" / "global_step2"
+    hf = json.loads((runs(case) / "checkpoints" / "step_00000002" / "config.json").read_text())
+    ds_to_universal(Namespace(input_folder=str(tag), output_folder=str(tmp_path / "u"), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    source = ZeroSource(tag, hf)
+    config, family = hf_config_object(hf), get_family(hf["model_type"])
+    flat = {k.replace(".mlp.gate.", ".mlp.router.gate.").replace(".shared_expert", ".shared_experts"): s
+            for k, s in source.index.shapes.items()}
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        universal = {}
+        for folder in sorted((tmp_path / "u" / "zero").iterdir()):
+            if (folder / f"{state}.pt").is_file():
+                t = torch.load(folder / f"{state}.pt", weights_only=False)
+                t = t["param"] if isinstance(t, dict) else t  # a stage-3 source gives flat tensors
+                universal[folder.name] = t.reshape(flat[folder.name]) if folder.name in flat else t
+        want = unpack(family, config, as_transformers(universal))
+        if config.tie_word_embeddings:
+            want.pop("lm_head.weight", None)
+        assert sorted(want) == sorted(source.infos)
+        differ = [n for n in want if not torch.equal(source.read(n, "param" if state == "fp32" else state), want[n])]
+        assert not differ, f"{state}: {differ[:5]}"
+
+
+def test_convert_to_hf_and_megatron_ep2_with_verify(runs, tmp_path):
+    """``toolkit convert`` of the ep=2 run's last checkpoint: to HF (equal to its hf_final/ and the
+    converter's --verify), to megatron at EP=2 (--verify: tensors, moments, logits)."""
+    from safetensors.torch import load_file
+    run = runs("mixtral_ep2")
+    ckpt = run / "checkpoints" / "step_00000003"
+    run_in_process(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--verify"])
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run / "hf_final" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    out = run_in_process(["convert", str(ckpt), str(tmp_path / "megatron"), "--to", "megatron", "--ep", "2",
+                          "--verify"])
+    assert "verify: OK" in out.stdout and "optimizer moments: 0 compared" not in out.stdout

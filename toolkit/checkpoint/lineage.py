@@ -143,22 +143,22 @@ def check_resumable(ckpt: Path, plan: Plan) -> None:
 
 
 def check_same_expert_split(ckpt: Path, saved_meta: dict, plan: Plan) -> None:
-    """A ``zero.ep`` run (DeepSpeed's AutoEP) resumes only at the layout it saved: the converter that
-    reshards every other layout neither reads AutoEP's per-expert checkpoints nor writes them, so a
-    checkpoint of another layout could not become this run's, and this run's at another one none.
-    (megatron's ``ep`` converts as every megatron layout does.)"""
+    """A ``zero.ep`` run (DeepSpeed's AutoEP) resumes at the layout it saved (DeepSpeed loads it as it is),
+    or any ep=1 layout (the converter reads AutoEP checkpoints, ``formats/zero_autoep.py``); it writes none,
+    so a run at ep > 1 cannot take a checkpoint of another layout."""
     saved = saved_meta.get("layout") or {}
     saved_ep = saved.get("ep", 1) if saved_meta.get("format") == meta_files.CHECKPOINT_FORMATS["deepspeed"] else 1
     ep = plan.config.zero.ep if plan.config.backend == "deepspeed" else 1
-    if saved_ep == ep == 1:
+    if ep == 1:
         return
     ours = [lay.record() for lay in plan.layouts.values()]
     if all(record == saved for record in ours):
         return
     raise RunDirError(f"checkpoint {ckpt} was written at {saved} and this run is at "
-                      f"{ours[0] if len(ours) == 1 else ours}: a zero.ep run resumes only at the layout it was saved "
-                      "at (the converter does not read or write DeepSpeed AutoEP checkpoints yet). Resume with the "
-                      f"checkpoint's zero.ep={saved_ep}, zero.stage and number of ranks, or {START_OVER}")
+                      f"{ours[0] if len(ours) == 1 else ours}: a zero.ep run resumes only a checkpoint of its own "
+                      "layout (the converter reads DeepSpeed AutoEP checkpoints but does not write them yet). Resume "
+                      f"with the checkpoint's zero.ep={saved_ep}, zero.stage and number of ranks, or at zero.ep=1, "
+                      f"or {START_OVER}")
 
 
 def lora_record(plan: Plan) -> dict:

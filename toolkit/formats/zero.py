@@ -48,7 +48,8 @@ class ZeroSource(Source):
         self.stage, self.dp, self.frozen = self.index.stage, self.index.dp, self.index.frozen
         self.files = self.index.files
         self.has_optimizer = True
-        self.layout = layout_record("deepspeed", dp=self.dp, zero_stage=self.stage)
+        self.layout = layout_record("deepspeed", dp=self.dp, zero_stage=self.stage,
+                                    ep=self.index.autoep.ep if self.index.autoep else 1)
         self.infos = {n: TensorInfo(s, torch.float32) for n, s in self.index.shapes.items()}
         self._frags = self.index.frags
         self._unpack_modules()

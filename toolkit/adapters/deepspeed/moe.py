@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from toolkit.adapters import moe
 from toolkit.config import ConfigError, RunConfig
+from toolkit.formats.zero_autoep import AUTOEP_EXPERTS, hf_name
 
 
 class RouterLoss:
@@ -123,34 +124,10 @@ def differs_across_ep_group(param: torch.nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-AUTOEP_RENAMES = (  # (AutoEP's module path within a MoE block, transformers'); experts: AUTOEP_EXPERTS
-    ("router.gate.", "gate."),
-    ("gate.gate.", "gate."),  # AutoEP's alias of the router: one tensor registered twice (named once)
-    ("shared_experts_gate.", "shared_expert_gate."),
-    ("shared_experts.", "shared_expert."),
-)
-AUTOEP_EXPERTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
-"""transformers' fused experts from AutoEP's: ``gate_up_proj [E, 2F, H]`` = cat(w1, w3) on dim 1 (gate rows
-first), ``down_proj [E, H, F]`` = w2; AutoEP's ``[E/ep, ...]`` on each rank of the EP group, concatenated
-in rank order on dim 0 (rank r holds experts r x E/ep ...)."""
-
-
-def hf_name(name: str, blocks: set[str]) -> str:
-    """The transformers name of an AutoEP model's parameter (``blocks``: the AutoEP layers' module names);
-    a name outside the MoE blocks is its own."""
-    block, _, rest = name.rpartition(".mlp.")
-    prefix = f"{block}.mlp"
-    if prefix not in blocks:
-        return name
-    for autoep, hf in AUTOEP_RENAMES:
-        if rest.startswith(autoep):
-            return f"{prefix}.{hf}{rest[len(autoep):]}"
-    return name
-
-
 def autoep_source(module: torch.nn.Module, gather=None):
     """``hf_final/``'s source for a ``zero.ep`` run: ``adapters/export.py``'s ``ModuleSource`` over an AutoEP
-    model under transformers' names, each MoE layer's experts all-gathered over its EP group, one fused
+    model under transformers' names (``formats/zero_autoep.py``'s table), each MoE layer's experts
+    all-gathered over its EP group, one fused
     tensor at a time, every rank in the same order (the reads are collective). ``gather``: ZeRO-3's
     context making a parameter whole over its data-parallel group (an expert's: the expert-data-parallel
     group)."""
