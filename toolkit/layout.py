@@ -76,8 +76,8 @@ class Layout(BaseModel):
         """The layout a checkpoint converted for this run is written at (a resume's reshard): its sizes
         as the converter takes them (ZeRO: one partition per rank of dp x sp, stage 2 for a stage-0 run,
         whose engine loads any universal checkpoint) and its vocabulary divisor."""
-        if self.backend == "deepspeed":
-            return Layout.of_sizes("deepspeed", dp=self.zero_partitions, zero_stage=self.zero_stage or 2)
+        if self.backend == "deepspeed":  # (zero.ep: AutoEP's names and per-expert files, ``formats/zero.py``)
+            return Layout.of_sizes("deepspeed", dp=self.zero_partitions, zero_stage=self.zero_stage or 2, ep=self.ep)
         return Layout.of_sizes("megatron", dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
                                vocab_divisor=self.vocab_divisor)
 

@@ -20,7 +20,7 @@ from toolkit.observe.metrics import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo suite")]
 
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-RUN = ["train.steps=3", "train.eval_every=3", "data.packing=documents", "train.moe_aux_loss_coeff=0.1",
+RUN = ["train.steps=4", "train.eval_every=3", "data.packing=documents", "train.moe_aux_loss_coeff=0.1",
        "train.lr=1e-3", "train.warmup_steps=0", "checkpoint.every=100"]
 CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO-2 ep=1 run of its family
     "mixtral_dp2": ("mixtral", ["zero.stage=2", "checkpoint.every=2"]),
@@ -29,6 +29,7 @@ CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO
     "qwen2_moe_dp2": ("qwen2_moe", ["zero.stage=2", "model.activation_checkpointing=true"]),
     "qwen2_moe_ep2": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "model.activation_checkpointing=true"]),
     "qwen2_moe_ep2_dp4": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2", "nproc=4"]),
+    # (its reference qwen2_moe_dp2 runs at DP=2: the same global batch of 8 rows, 1 micro-batch per rank)
     "qwen3_moe_dp2": ("qwen3_moe", ["zero.stage=2"]),
     "qwen3_moe_ep2_zero1": ("qwen3_moe", ["zero.stage=1", "zero.ep=2"]),
 }
@@ -156,7 +157,7 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
     print(f"\n{ep_case} vs {family}_dp2: worst grad gap {gaps[worst]:.2e} ({worst}), loss {loss_gap:.1e}, "
           f"aux {aux_gap:.1e}, eval {abs(eval_loss(ep) / eval_loss(dp) - 1):.1e}")
     assert gaps[worst] <= GRAD_RTOL, f"{worst}: {gaps[worst]:.3e}"
-    assert len(a) == len(b) == 3
+    assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL)
         assert y["moe_aux_loss"] == pytest.approx(x["moe_aux_loss"], rel=LOSS_RTOL)
@@ -170,7 +171,7 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
 
 
 def test_hf_final_of_ep2_is_the_dp_runs(runs):
-    """transformers' names and shapes, every expert, equal to the DP=2 run's export after 3 steps."""
+    """transformers' names and shapes, every expert, equal to the DP=2 run's export after 4 steps."""
     from safetensors.torch import load_file
     dp = load_file(runs("mixtral_dp2") / "hf_final" / "model.safetensors")
     ep = load_file(runs("mixtral_ep2") / "hf_final" / "model.safetensors")
@@ -178,36 +179,42 @@ def test_hf_final_of_ep2_is_the_dp_runs(runs):
     assert all(ep[n].shape == dp[n].shape for n in dp)
     gaps = {n: ((ep[n] - t).norm() / t.norm()).item() for n, t in dp.items()}
     worst = max(gaps, key=gaps.get)
-    print(f"\nhf_final mixtral ep2 vs dp2 after 3 steps: worst {gaps[worst]:.2e} ({worst})")
+    print(f"\nhf_final mixtral ep2 vs dp2 after 4 steps: worst {gaps[worst]:.2e} ({worst})")
     assert gaps[worst] <= 1e-5
 
 
-def test_checkpoint_resumes_at_the_same_layout_exactly(runs, tmp_path, data_cache, model_dirs):
-    full = runs("mixtral_ep2")
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
-    train(resumed, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}", *CASES["mixtral_ep2"][1])
-    assert losses(resumed) == losses(full)[2:]
+def _resumed(tmp_path, data_cache, model_dirs, full, family: str, *overrides: str):
+    """The step-2 checkpoint of the run in ``full`` resumed in a new run directory with ``overrides``."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_00000002", run_dir / "checkpoints" / "step_00000002")
+    train(run_dir, data_cache, *RUN, f"model.name_or_path={model_dirs[family]}", *overrides)
+    return run_dir
 
 
-def test_resume_at_ep1_continues_the_loss_curve(runs, tmp_path, data_cache, model_dirs):
-    """Saved at ep=2 (ZeRO-2, DP=2), resumed at ep=1 ZeRO-3 DP=2: the converter reads the AutoEP checkpoint
-    (``formats/zero_autoep.py``) and writes this run's layout; step 3 takes the uninterrupted run's loss."""
-    full = runs("mixtral_ep2")
-    resumed = tmp_path / "ep1"
-    shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
-    train(resumed, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}", "zero.stage=3")
-    assert resumes(resumed)[0][2] == "converted"
-    assert losses(resumed) == pytest.approx(losses(full)[2:], rel=1e-6)
+@pytest.mark.parametrize("source, overrides, how", [
+    ("mixtral_ep2", CASES["mixtral_ep2"][1], "as saved"),  # DeepSpeed loads it: bit for bit
+    ("mixtral_ep2", ["zero.stage=3"], "converted"),  # ep=2 -> ep=1 ZeRO-3: the converter reads AutoEP's files
+    ("mixtral_dp2", ["zero.stage=3", "zero.ep=2"], "converted"),  # ep=1 -> ep=2 ZeRO-3: and writes them
+    ("qwen2_moe_ep2_dp4", ["zero.stage=1", "zero.ep=2"], "converted"),  # 2 expert-DP replicas -> 1, ZeRO-1
+])
+def test_checkpoint_resumes_at_any_layout_on_the_loss_curve(runs, tmp_path, data_cache, model_dirs, source,
+                                                            overrides, how):
+    """Steps 3 and 4 of the resumed run against the run that went on (step 4's loss follows the resumed
+    step's Adam update: moments included)."""
+    full = runs(source)
+    resumed = _resumed(tmp_path, data_cache, model_dirs, full, CASES[source][0], *overrides)
+    assert resumes(resumed)[0][2] == how
+    if how == "as saved":
+        assert losses(resumed) == losses(full)[2:]
+    else:
+        assert losses(resumed) == pytest.approx(losses(full)[2:], rel=1e-6)
 
 
-def test_resume_at_another_layout_with_ep_is_refused_before_launch(runs, tmp_path, data_cache, model_dirs):
-    full = runs("mixtral_ep2")
-    other = tmp_path / "zero3"
-    shutil.copytree(full / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
-    code, _, err = refused(train_args(other, data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}",
-                                      "zero.ep=2", "zero.stage=3"))
-    assert code == 2 and "a zero.ep run resumes only a checkpoint of its own layout" in err and "Traceback" not in err
+def test_bad_ep_is_refused_before_launch(tmp_path, data_cache, model_dirs):
+    code, _, err = refused(train_args(tmp_path / "bad", data_cache, *RUN, f"model.name_or_path={model_dirs['mixtral']}",
+                                      "zero.ep=3"))
+    assert code == 2 and "4 experts do not divide over zero.ep=3; choose zero.ep in [1, 2]" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("case", ["mixtral_ep2", "mixtral_ep2_zero3", "qwen2_moe_ep2_dp4"])
@@ -249,10 +256,14 @@ def test_convert_to_hf_and_megatron_ep2_with_verify(runs, tmp_path):
     converter's --verify), to megatron at EP=2 (--verify: tensors, moments, logits)."""
     from safetensors.torch import load_file
     run = runs("mixtral_ep2")
-    ckpt = run / "checkpoints" / "step_00000003"
+    ckpt = run / "checkpoints" / "step_00000004"
     run_in_process(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--verify"])
     got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run / "hf_final" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
     out = run_in_process(["convert", str(ckpt), str(tmp_path / "megatron"), "--to", "megatron", "--ep", "2",
                           "--verify"])
+    assert "verify: OK" in out.stdout and "optimizer moments: 0 compared" not in out.stdout
+    dense = runs("mixtral_dp2") / "checkpoints" / "step_00000004"
+    out = run_in_process(["convert", str(dense), str(tmp_path / "autoep"), "--to", "zero", "--ep", "2", "--dp", "2",
+                          "--verify"])  # and an ep=1 checkpoint as a zero.ep run's, read back
     assert "verify: OK" in out.stdout and "optimizer moments: 0 compared" not in out.stdout

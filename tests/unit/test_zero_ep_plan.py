@@ -1,7 +1,6 @@
 """``zero.ep`` (expert parallelism through DeepSpeed's AutoEP) before launch: the layout and its checkpoint
-record, the DeepSpeed JSON's ``expert_parallel`` block, every refusal with its fix, the refusal of
-resuming or converting an AutoEP checkpoint at another layout, the transformers 5.24 compat patch and
-the AutoEP -> transformers name table. What runs is in ``tests/e2e/test_zero_ep.py``."""
+record, the DeepSpeed JSON's ``expert_parallel`` block, every refusal with its fix, the transformers 5.24
+compat patch and the AutoEP -> transformers name table. What runs is in ``tests/e2e/test_zero_ep.py``."""
 from __future__ import annotations
 
 import re
@@ -71,23 +70,6 @@ def test_refusals_name_the_fix(kwargs, message):
         kwargs["config"] = _olmoe()
     with pytest.raises(ConfigError, match=message):
         plan(**kwargs)
-
-
-def test_resume_at_another_expert_split_is_refused_before_launch(tmp_path):
-    from toolkit.checkpoint.lineage import check_same_expert_split
-    from toolkit.storage.rundir import RunDirError
-    saved = {"format": "toolkit-deepspeed", "layout": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "ep": 2}}
-    check_same_expert_split(tmp_path, saved, plan())  # as saved: DeepSpeed loads it
-    check_same_expert_split(tmp_path, saved, plan(ep=1, zero={"stage": 3}))  # ep=1: the converter reads it
-    with pytest.raises(RunDirError, match=r"a zero.ep run resumes only a checkpoint of its own layout .* Resume "
-                                          r"with the checkpoint's zero.ep=2, zero.stage and number of ranks, or at "
-                                          r"zero.ep=1"):
-        check_same_expert_split(tmp_path, saved, plan(zero={"stage": 3}))
-    dense = {"format": "toolkit-deepspeed", "layout": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}}
-    with pytest.raises(RunDirError, match=r"checkpoint's zero.ep=1"):
-        check_same_expert_split(tmp_path, dense, plan())
-    megatron_ep2 = {"format": "toolkit-megatron", "layout": {"dp": 1, "tp": 1, "pp": 1, "ep": 2}}
-    check_same_expert_split(tmp_path, megatron_ep2, plan(ep=1))  # megatron's ep converts as before
 
 
 def test_compat_patch_takes_autoeps_string_keys_and_keeps_models():

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint.reshard import START_OVER, check_same_lora, check_same_model
+from toolkit.checkpoint.reshard import check_same_lora, check_same_model
 from toolkit.plan import Plan
 from toolkit.storage import LATEST, UnsafeTag, read_tag, verify_complete
 from toolkit.storage import meta as meta_files
@@ -133,32 +133,12 @@ def check_resumable(ckpt: Path, plan: Plan) -> None:
     saved = meta_files.read_meta(ckpt)
     ours = lora_record(plan)
     check_same_lora(ckpt, saved, ours.get("lora"), ours.get("base_model"))
-    check_same_expert_split(ckpt, saved, plan)
     pointer = ckpt / "engine" / LATEST
     if pointer.is_file():
         try:
             read_tag(pointer)
         except UnsafeTag as exc:
             raise RunDirError(f"checkpoint {ckpt} cannot be resumed: {exc}") from None
-
-
-def check_same_expert_split(ckpt: Path, saved_meta: dict, plan: Plan) -> None:
-    """A ``zero.ep`` run (DeepSpeed's AutoEP) resumes at the layout it saved (DeepSpeed loads it as it is),
-    or any ep=1 layout (the converter reads AutoEP checkpoints, ``formats/zero_autoep.py``); it writes none,
-    so a run at ep > 1 cannot take a checkpoint of another layout."""
-    saved = saved_meta.get("layout") or {}
-    saved_ep = saved.get("ep", 1) if saved_meta.get("format") == meta_files.CHECKPOINT_FORMATS["deepspeed"] else 1
-    ep = plan.config.zero.ep if plan.config.backend == "deepspeed" else 1
-    if ep == 1:
-        return
-    ours = [lay.record() for lay in plan.layouts.values()]
-    if all(record == saved for record in ours):
-        return
-    raise RunDirError(f"checkpoint {ckpt} was written at {saved} and this run is at "
-                      f"{ours[0] if len(ours) == 1 else ours}: a zero.ep run resumes only a checkpoint of its own "
-                      "layout (the converter reads DeepSpeed AutoEP checkpoints but does not write them yet). Resume "
-                      f"with the checkpoint's zero.ep={saved_ep}, zero.stage and number of ranks, or at zero.ep=1, "
-                      f"or {START_OVER}")
 
 
 def lora_record(plan: Plan) -> dict:
