@@ -59,7 +59,8 @@ def _olmoe():
     (dict(world=4, zero={"sp": 2}), r"does not run with zero.sp=2 .* set zero.sp=1 or zero.ep=1"),
     (dict(zero={"tiled_mlp": True}), r"zero.tiled_mlp would tile; set zero.tiled_mlp=false"),
     (dict(hf={"router_jitter_noise": 0.1}), r"router_jitter_noise=0.1 would be ignored; set router_jitter_noise=0"),
-    (dict(lora={"rank": 8}), r"LoRA with it is not tested; set lora.rank=0 .* or zero.ep=1 for LoRA"),
+    (dict(lora={"rank": 8, "target_modules": ["q_proj"]}), r"does not run with LoRA: .*None of the param groups "
+                                                           r"are marked as MoE.* set lora.rank=0 .* or zero.ep=1"),
     (dict(train={"objective": "orpo"}, data={"template": "preference", "packing": "documents"}),
      r"tested with train.objective=sft only, not orpo; set zero.ep=1 for orpo"),
     (dict(zero={"offload_optimizer": True}), r"not tested with offloading .* unset them, or set zero.ep=1"),

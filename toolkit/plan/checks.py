@@ -87,8 +87,9 @@ def _zero_ep_refusals(cfg: RunConfig, spec) -> str | None:
         return (f"routes without jitter, and this model's router_jitter_noise={spec.hf['router_jitter_noise']} would "
                 "be ignored; set router_jitter_noise=0 in its config.json, or zero.ep=1")
     if cfg.lora.enabled or cfg.model.quantize != "none":
-        return ("replaces HF's experts and router with its own modules, where peft's adapters are not carried over, "
-                "and LoRA with it is not tested; set lora.rank=0 (full fine-tuning), or zero.ep=1 for LoRA")
+        return ("does not run with LoRA: AutoEP replaces the experts and router peft would wrap, and with them "
+                "frozen (adapters on attention only) DeepSpeed's MoE optimizer refuses to start (\"None of the "
+                "param groups are marked as MoE\"); set lora.rank=0 (full fine-tuning), or zero.ep=1 for LoRA")
     if cfg.train.objective != "sft":
         return (f"is tested with train.objective=sft only, not {cfg.train.objective}; set zero.ep=1 for "
                 f"{cfg.train.objective}")
