@@ -31,13 +31,19 @@ CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO
     "qwen2_moe_ep2_dp4": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2", "nproc=4"]),
     # (its reference qwen2_moe_dp2 runs at DP=2: the same global batch of 8 rows, 1 micro-batch per rank)
     "qwen3_moe_dp2": ("qwen3_moe", ["zero.stage=2"]),
+    "skewed_dp2": ("skewed", ["zero.stage=3", "model.init=pretrained"]),  # (its ep=2 run is at ZeRO-3 too)
+    "skewed_ep2_zero3": ("skewed", ["zero.stage=3", "zero.ep=2", "model.init=pretrained"]),  # EP rank 1: no tokens
     "qwen3_moe_ep2_zero1": ("qwen3_moe", ["zero.stage=1", "zero.ep=2"]),
 }
 GRAD_RTOL = 1e-6
 """Per parameter, |ep2 - dp2| / |dp2| (L2) of step 1's gradient (all-to-all reorders the sums); measured worst
 4.9e-7 (qwen2_moe's layers.1.self_attn.k_proj.bias), 2.5e-7 to 3.6e-7 for the other cases (printed by
-``test_ep2_gives_dp2s_gradients_and_losses``). Expert gradients scaled by 2 fail it while the losses still
-match: Adam is blind to a uniform gradient scale."""
+``test_ep2_gives_dp2s_gradients_and_losses``). Expert gradients scaled by 2 fail it (gap 1.0) while the
+losses still match: Adam is blind to a uniform gradient scale."""
+SKEWED_GRAD_RTOL = 1e-5
+"""The skewed-router model (``_skewed_mixtral``: one dominant hidden dimension) is ill-conditioned: its
+attention gradients nearly cancel, so fp32 reordering shows more; measured worst 2.1e-6 (layers.0.self_attn.
+k_proj.weight; 3.6e-6 against ZeRO-2), still five orders below the mutation's 1.0."""
 LOSS_RTOL = 1e-6
 
 
@@ -52,7 +58,24 @@ def model_dirs(tmp_path_factory):
         (root / family).mkdir()
         (root / family / "config.json").write_text(json.dumps(config))
         out[family] = root / family
+    out["skewed"] = _skewed_mixtral(root / "skewed")
     return out
+
+
+def _skewed_mixtral(path):
+    """A pretrained tiny Mixtral whose routers never pick experts 2 and 3: every token's embedding has a
+    large positive hidden dimension 0, which the residual stream keeps, and the routers' rows of experts 2
+    and 3 see only that dimension, with a large negative weight. At ep=2 the second EP rank receives no
+    token in any layer; its experts run on empty groups and get zero gradients."""
+    from toolkit.families.tiny import tiny_model
+    model = tiny_model("mixtral", vocab_size=2048, max_position_embeddings=128, sliding_window=None)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[2:] = 0.0
+            layer.mlp.gate.weight[2:, 0] = -50.0
+    model.save_pretrained(path)
+    return path
 
 
 def _capture_step1_grads(rank, run_dir):
@@ -156,7 +179,7 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
     aux_gap = max(abs(y["moe_aux_loss"] - x["moe_aux_loss"]) / x["moe_aux_loss"] for x, y in zip(a, b))
     print(f"\n{ep_case} vs {family}_dp2: worst grad gap {gaps[worst]:.2e} ({worst}), loss {loss_gap:.1e}, "
           f"aux {aux_gap:.1e}, eval {abs(eval_loss(ep) / eval_loss(dp) - 1):.1e}")
-    assert gaps[worst] <= GRAD_RTOL, f"{worst}: {gaps[worst]:.3e}"
+    assert gaps[worst] <= (SKEWED_GRAD_RTOL if family == "skewed" else GRAD_RTOL), f"{worst}: {gaps[worst]:.3e}"
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL)
@@ -168,6 +191,15 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
     setup = [json.loads(line) for line in (ep / "metrics.jsonl").read_text().splitlines()]
     assert {"event": "moe", "expert_parallel": "deepspeed_autoep", "ep": 2, "experts": 4, "experts_per_rank": 2,
             "moe_layers": 2}.items() <= next(r for r in setup if r.get("event") == "moe").items()
+
+
+def test_an_ep_rank_without_tokens_trains_at_zero3(runs):
+    """No hang, and the idle rank's experts take zero gradients: every token went to experts 0 and 1."""
+    for record in records(runs("skewed_ep2_zero3")):
+        assert all(layer[2] == layer[3] == 0 and sum(layer) > 0 for layer in record["moe_expert_tokens"])
+    grads = as_transformers(torch.load(runs("skewed_ep2_zero3") / "grads_step1.pt"))
+    assert not grads["model.layers.0.mlp.experts.gate_up_proj"][2:].any()
+    assert grads["model.layers.0.mlp.experts.gate_up_proj"][:2].any()
 
 
 def test_hf_final_of_ep2_is_the_dp_runs(runs):
