@@ -1,11 +1,13 @@
 """``zero.ep`` (DeepSpeed's AutoEP) through ``toolkit train``'s ranks on 2 gloo ranks, in strict device mode,
 against ZeRO-2 DP=2 of the same model (fp32, the demo corpus packed by documents, micro-batches of 2 rows,
 2 micro-batches per rank, eval on): per-parameter gradients of step 1 (the aux loss's included), losses,
-aux loss, routing and eval loss, for mixtral, qwen2_moe (gated shared expert, tied embeddings, activation
-checkpointing; also at DP=4, two expert-data-parallel replicas) and qwen3_moe, at ZeRO-2, ZeRO-3 (built
-under zero.Init) and ZeRO-1. Then checkpoints: resumed at the same layout (exact) and at ep=1 (converted),
-read by the converter as DeepSpeed's ``ds_to_universal`` consolidates them, converted to HF (equal to
-``hf_final/``, itself equal to the DP run's) and to megatron EP=2 with ``--verify``."""
+aux loss, routing, grad norm and eval loss, for mixtral, qwen2_moe (gated shared expert, tied embeddings,
+activation checkpointing; also at DP=4, two expert-data-parallel replicas) and qwen3_moe, at ZeRO-2, ZeRO-3
+(built under zero.Init), ZeRO-1 and ZeRO-0 (whose grad norm the toolkit takes itself); a router that leaves
+one EP rank without tokens. Then checkpoints: resumed at the same layout (exact) and at other layouts and
+ep (converted) on the loss curve, read by the converter as DeepSpeed's ``ds_to_universal`` consolidates
+them, converted to HF (equal to ``hf_final/``, itself equal to the DP run's), to megatron EP=2 and from
+ep=1 to a zero.ep checkpoint with ``--verify``."""
 from __future__ import annotations
 
 import json
@@ -26,6 +28,7 @@ CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO
     "mixtral_dp2": ("mixtral", ["zero.stage=2", "checkpoint.every=2"]),
     "mixtral_ep2": ("mixtral", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2"]),
     "mixtral_ep2_zero3": ("mixtral", ["zero.stage=3", "zero.ep=2", "checkpoint.every=2"]),
+    "mixtral_ep2_zero0": ("mixtral", ["zero.stage=0", "zero.ep=2", "train.export_hf=false"]),  # the toolkit's norm
     "qwen2_moe_dp2": ("qwen2_moe", ["zero.stage=2", "model.activation_checkpointing=true"]),
     "qwen2_moe_ep2": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "model.activation_checkpointing=true"]),
     "qwen2_moe_ep2_dp4": ("qwen2_moe", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2", "nproc=4"]),

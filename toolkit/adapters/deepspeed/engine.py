@@ -191,9 +191,17 @@ class DeepSpeedEngine:
         return self.cfg.zero.stage == 0 and self.cfg.model.dtype == "fp32"
 
     def _reduced_grad_norm(self) -> float:
-        """The global norm from the module's grads (all-reduced by now)."""
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        """The global norm from the module's grads (all-reduced by now); under zero.ep each rank holds its
+        own experts' grads, whose squares are summed over the EP group."""
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        squares = [torch.linalg.vector_norm(p.grad.float()) ** 2 for p in params if not differs_across_ep_group(p)]
+        experts = [p for p in params if differs_across_ep_group(p)]
+        if experts:
+            from deepspeed.utils.groups import _get_expert_parallel_group
+            local = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 for p in experts]).sum()
+            dist.all_reduce(local, group=_get_expert_parallel_group(experts[0].group_name))
+            squares.append(local)
+        return torch.stack(squares).sum().sqrt().item()
 
     def _set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
