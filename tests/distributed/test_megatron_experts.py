@@ -7,6 +7,8 @@ next step equals the grouped engine's. (TP=2 with sequence parallelism x EP=2 an
 grouped module against HF's own forward in tests/distributed/test_moe.py: ``auto`` picks it there.)"""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -53,10 +55,33 @@ def _gradients(model, impl: str, micro, tokens) -> dict:
     grouped = sum(isinstance(m, grouped_sequential_mlp_class()) for c in engine.model for m in c.modules())
     mine = micro[engine.dp_rank::engine.dp_size]
     logits = engine.logits(mine)
-    totals = engine.forward_backward(mine, tokens, complete_grads=True)
+    with _counted_dispatch() as sent:
+        totals = engine.forward_backward(mine, tokens, complete_grads=True)
     torch.distributed.all_reduce(totals)
     return {"loss": totals[0].item() / tokens, "logits": logits, "grads": engine.hf_state(attr="main_grad"),
-            "records": engine.setup_records, "grouped_modules": grouped}
+            "records": engine.setup_records, "grouped_modules": grouped, "dispatch": sent}
+
+
+@contextlib.contextmanager
+def _counted_dispatch():
+    """megatron's sequence-parallel all-gathers and reduce-scatters (its ``allgather`` token dispatcher's
+    collectives) counted: {kind: [count, bytes of the whole gathered / scattered tensor]}."""
+    from megatron.core.tensor_parallel import mappings
+    sent = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
+    originals = mappings.dist_all_gather_func, mappings.dist_reduce_scatter_func
+
+    def counting(kind, fn, whole):
+        def call(output, input_, group=None, **kw):
+            sent[kind][0] += 1
+            sent[kind][1] += (output if whole == "output" else input_).numel() * output.element_size()
+            return fn(output, input_, group=group, **kw)
+        return call
+    mappings.dist_all_gather_func = counting("all-gather", originals[0], "output")
+    mappings.dist_reduce_scatter_func = counting("reduce-scatter", originals[1], "input")
+    try:
+        yield sent
+    finally:
+        mappings.dist_all_gather_func, mappings.dist_reduce_scatter_func = originals
 
 
 def _across_implementations(model, micro, tokens, path) -> dict:
@@ -103,3 +128,23 @@ def test_a_grouped_checkpoint_loads_into_sequential_experts_and_continues(steps)
     d = steps["checkpoint"]
     assert d["saved_equals_loaded"] is True
     assert d["eager_second"] == pytest.approx(d["grouped_second"], rel=LOSS_RTOL)
+
+
+def test_estimated_dispatcher_collectives_are_what_megatron_sends(steps):
+    """``toolkit estimate``'s megatron EP rows (``estimate/steptime.py``'s ``_megatron_dispatcher``): the
+    count and bytes of the allgather dispatcher's all-gathers and reduce-scatters over the tp x ep group
+    in one step, against megatron's own calls (2 micro-batches of 16 tokens per rank, 2 MoE layers)."""
+    from toolkit.estimate.steptime import Cluster, step_time
+    from toolkit.families.tiny import tiny_config
+    from toolkit.plan import build_plan
+    cfg = _config("grouped_mm").model_copy(deep=True)
+    cfg.data.seq_len = 16  # tests/helpers/parity.batches' rows
+    for family in FAMILIES:
+        plan = build_plan(cfg, [2], hf_config=tiny_config(family))
+        step = step_time(plan.config, plan.model, plan.layout(2), Cluster(nodes=1, gpus_per_node=2))
+        estimated = {kind: [sum(c.count for c in step.collectives if c.group == "ep" and c.kind == kind),
+                            sum(c.count * c.nbytes for c in step.collectives if c.group == "ep" and c.kind == kind)]
+                     for kind in ("all-gather", "reduce-scatter")}
+        print(f"\n{family} megatron EP=2 dispatcher, estimated vs measured [count, bytes]: {estimated} "
+              f"{steps[(family, 'grouped_mm')]['dispatch']}")
+        assert steps[(family, "grouped_mm")]["dispatch"] == estimated
