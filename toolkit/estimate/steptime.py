@@ -148,14 +148,18 @@ def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, 
     shards, mp = lay.dp * lay.cp, lay.tp * lay.cp  # megatron's rank order: tp, cp, (ep), dp, pp
     shape = moe_shape(spec)
     expert_phi = shape.params * layers / spec.layers / (lay.tp * lay.ep) if shape else 0  # this rank's experts
+    # megatron-core 0.16 chains a dense and an expert distributed optimizer at ep > 1, and each one's step
+    # all-gathers every bucket of the model (DDP.start_param_sync): the weights go round twice
+    # (benchmarks/moe_ep.py measures it)
+    gathers = 2 if shape and lay.ep > 1 else 1
     out = [Collective("all-reduce", "tp", lay.tp, act, m * layers * tp_per_layer, lay.tp > g),
            Collective("p2p", "pp", lay.pp, act, 2 * m if lay.pp > 1 else 0, mp * lay.dp >= g),
            Collective("reduce-scatter", "dp", shards, (phi - expert_phi) * 4, 1, lay.tp * shards > g),
-           Collective("all-gather", "dp", shards, (phi - expert_phi) * w, 1, lay.tp * shards > g)]
+           Collective("all-gather", "dp", shards, (phi - expert_phi) * w, gathers, lay.tp * shards > g)]
     if shape:  # expert gradients over the dp x cp / ep replicas of each expert, and the token dispatcher
         replicas = shards // lay.ep
         out += [Collective("reduce-scatter", "expert-dp", replicas, expert_phi * 4, 1, lay.tp * shards > g),
-                Collective("all-gather", "expert-dp", replicas, expert_phi * w, 1, lay.tp * shards > g)]
+                Collective("all-gather", "expert-dp", replicas, expert_phi * w, gathers, lay.tp * shards > g)]
         out += _megatron_dispatcher(cfg, spec, lay, shape, w, m, layers, g)
     if lay.cp > 1:  # q, k, v to heads and the output back, per layer forward and backward (again when recomputed)
         kv = spec.kv_width * kv_copies(spec.kv_heads // lay.tp, lay.cp)
