@@ -86,6 +86,8 @@ def grouped_sequential_mlp_class():
     """``GroupedSequentialMLP`` (megatron imported on first use)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    from toolkit import device
+
     class GroupedSequentialMLP(SequentialMLP):
         """``SequentialMLP``'s parameters and checkpoints; one ``torch._grouped_mm`` per projection.
         Where a hook sits on an expert linear (LoRA's adapters, ``adapters/megatron/lora.py``), the
@@ -95,7 +97,9 @@ def grouped_sequential_mlp_class():
             if self.hooked():
                 return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
             x = permuted_local_hidden_states
-            offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
+            # the dispatcher sizes the experts on the host: one host -> device copy, no sync (the rank's
+            # device object, so strict mode's sync counter on a CPU sees a move to the device too)
+            offs = torch.cumsum(tokens_per_expert.to(device.rank_device()), 0, dtype=torch.int32)
             w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E_l, 2F/tp, H]
             w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E_l, H, F/tp]
             h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [N, 2F/tp]
