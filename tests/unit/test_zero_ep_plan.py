@@ -27,7 +27,9 @@ def test_layout_record_and_deepspeed_block(family, preset):
     assert lay.record() == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "ep": 2}
     block = p.ds_config(2)["expert_parallel"]
     assert block["enabled"] and block["autoep_size"] == 2 and block["preset_model"] == preset
-    assert block["disable_triton_grouped_mm"] is True
+    assert block["disable_triton_grouped_mm"] is True and block["use_grouped_mm"] is True  # auto: torch's grouped mm
+    assert plan(family=family, model={"experts_implementation": "eager"}).ds_config(2)["expert_parallel"][
+        "use_grouped_mm"] is False  # model.experts_implementation=eager: AutoEP's loop over its local experts
     pattern = re.compile(block["moe_layer_pattern"])  # AutoEP fullmatches module names, also under peft
     assert pattern.fullmatch("model.layers.11.mlp") and pattern.fullmatch("base_model.model.model.layers.0.mlp")
     assert not pattern.fullmatch("model.layers.0.mlp.experts") and not pattern.fullmatch("model.layers.0.self_attn")

@@ -15,6 +15,7 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
         _check_ulysses(cfg, spec, world)
     if cfg.zero.ep > 1:
         check_zero_ep(cfg, spec, world)
+    _check_experts_implementation(cfg, spec)
     if cfg.backend == "deepspeed":
         lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, ep=cfg.zero.ep,
                      zero_stage=cfg.zero.stage,
@@ -97,6 +98,16 @@ def _zero_ep_refusals(cfg: RunConfig, spec) -> str | None:
         return ("is not tested with offloading (zero.offload_optimizer / zero.offload_params); unset them, or set "
                 "zero.ep=1")
     return None
+
+
+def _check_experts_implementation(cfg: RunConfig, spec) -> None:
+    """``model.experts_implementation=grouped_mm`` on a model without routed experts is refused, as
+    transformers refuses ``from_pretrained(experts_implementation="grouped_mm")`` for a class without
+    experts; ``eager`` is what such a model runs anyway, and transformers accepts it silently too."""
+    if cfg.model.experts_implementation == "grouped_mm" and not spec.experts:
+        raise ConfigError(f"model.experts_implementation=grouped_mm needs a mixture-of-experts model; "
+                          f"{spec.model_type} has no routed experts: set model.experts_implementation=auto "
+                          "(or leave it out)")
 
 
 def _micro_batches(cfg: RunConfig, dp: int) -> int:

@@ -111,7 +111,7 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int, model_type: str = ""
     the HF family (AutoEP's preset under ``zero.ep``)."""
     ds, source = read_ds_config(cfg)
     if cfg.zero.ep > 1:
-        _fill_expert_parallel(ds, cfg.zero.ep, model_type, source)
+        _fill_expert_parallel(ds, cfg.zero.ep, model_type, cfg.model.experts_implementation != "eager", source)
     zero = ds.setdefault("zero_optimization", {})
     for section in ("bf16", "fp16"):  # absent means off to DeepSpeed: the run's dtype must be said
         enabled = ds.setdefault(section, {}).setdefault("enabled", AUTO)
@@ -152,13 +152,14 @@ under peft's ``base_model.model.`` prefix, where the preset's own pattern finds 
 replace nothing, silently (the engine counts the replaced layers either way)."""
 
 
-def _fill_expert_parallel(ds: dict, ep: int, model_type: str, source: str) -> None:
-    """``zero.ep``'s block: AutoEP over ep ranks with the family's preset. Triton's grouped-mm kernel off (it
-    compiles C at first use, and the GPU image has no C toolchain for Triton: FIELD_NOTES); torch's
-    ``_grouped_mm`` runs the local experts."""
+def _fill_expert_parallel(ds: dict, ep: int, model_type: str, grouped: bool, source: str) -> None:
+    """``zero.ep``'s block: AutoEP over ep ranks with the family's preset, its experts as
+    ``model.experts_implementation`` says (``grouped``: torch's ``_grouped_mm``, the default; ``eager``: a
+    loop over the local experts). Triton's grouped-mm kernel off (it compiles C at first use, and the GPU
+    image has no C toolchain for Triton: FIELD_NOTES)."""
     block = ds.setdefault("expert_parallel", {})
     wanted = {"enabled": True, "autoep_size": ep, "preset_model": AUTOEP_PRESETS.get(model_type),
-              "moe_layer_pattern": AUTOEP_LAYERS, "disable_triton_grouped_mm": True}
+              "moe_layer_pattern": AUTOEP_LAYERS, "use_grouped_mm": grouped, "disable_triton_grouped_mm": True}
     for key, value in wanted.items():
         if block.get(key, value) != value:
             raise ConfigError(f"{source}: expert_parallel.{key}={block[key]!r} contradicts zero.ep={ep} (which sets "

@@ -32,7 +32,7 @@ from toolkit.adapters.deepspeed.ulysses import (
     use_ulysses_attention,
 )
 from toolkit.adapters.deepspeed.zero3 import fill_partitions, hf_zero3_load, zero_init
-from toolkit.adapters.hf import model_dir, param_groups
+from toolkit.adapters.hf import experts_implementation, model_dir, param_groups
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import LogitScores, tiled_token_loss_sum
@@ -85,6 +85,10 @@ class DeepSpeedEngine:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
             if moe.is_router_model(model.config) else None
+        if self.router and self.lay.ep == 1:  # which experts implementation runs (model.experts_implementation;
+            # auto: transformers'); under zero.ep AutoEP's replace them (the moe record below says how)
+            self.setup_records.append({"event": "experts", "experts_implementation": experts_implementation(model),
+                                       "requested": cfg.model.experts_implementation})
         if self.lay.ep > 1:
             prepare_autoep()  # AutoEP replaces the MoE blocks in deepspeed.initialize
         elif self.router and cfg.zero.stage == 3:
@@ -97,7 +101,8 @@ class DeepSpeedEngine:
             config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
         if self.lay.ep > 1:
-            self.setup_records.append(check_autoep_replaced(self.engine.module, plan.model.moe_layers, self.lay.ep))
+            self.setup_records.append(check_autoep_replaced(self.engine.module, plan.model.moe_layers, self.lay.ep,
+                                                            self.ds_config["expert_parallel"]["use_grouped_mm"]))
         _undo_state_init_step(self.engine.optimizer)
         if self.seq and cfg.zero.stage == 3:
             average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)

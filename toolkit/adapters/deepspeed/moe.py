@@ -104,10 +104,11 @@ def autoep_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, AutoEPMoELayer)]
 
 
-def check_autoep_replaced(module: torch.nn.Module, moe_layers: int, ep: int) -> dict:
+def check_autoep_replaced(module: torch.nn.Module, moe_layers: int, ep: int, grouped: bool = True) -> dict:
     """Every MoE layer of the model must now be AutoEP's: a pattern that matched nothing leaves HF's
     blocks, each rank computing every expert, and the run would train as if zero.ep=1 at ep times the
-    expert memory. The setup record of ``metrics.jsonl`` (ep, experts per rank)."""
+    expert memory. The setup record of ``metrics.jsonl`` (ep, experts per rank, how AutoEP runs its
+    experts: ``grouped``, the DeepSpeed JSON's ``use_grouped_mm``)."""
     layers = autoep_layers(module)
     if len(layers) != moe_layers:
         raise RuntimeError(f"zero.ep={ep}: DeepSpeed's AutoEP replaced {len(layers)} of this model's {moe_layers} "
@@ -115,7 +116,8 @@ def check_autoep_replaced(module: torch.nn.Module, moe_layers: int, ep: int) -> 
                            "toolkit's pattern is toolkit/plan/presets.py's AUTOEP_LAYERS")
     first = layers[0]
     return {"event": "moe", "expert_parallel": "deepspeed_autoep", "ep": ep, "experts": first.num_experts,
-            "experts_per_rank": first.num_local_experts, "moe_layers": len(layers)}
+            "experts_per_rank": first.num_local_experts, "moe_layers": len(layers),
+            "experts_implementation": "grouped_mm" if grouped else "eager"}
 
 
 def differs_across_ep_group(param: torch.nn.Parameter) -> bool:
