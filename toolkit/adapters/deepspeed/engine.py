@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters import hf_attention, moe
+from toolkit.adapters import hf_attention, moe, vlm
 from toolkit.adapters.deepspeed.lora import saved_layout, to_universal
 from toolkit.adapters.deepspeed.moe import RouterLoss, experts_as_leaf_modules
 from toolkit.adapters.deepspeed.optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
@@ -149,7 +149,8 @@ class DeepSpeedEngine:
         """The HF forward of a micro-batch; rows packed by documents bring their positions and
         layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
         this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
-        inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
+        inputs = self.seq.inputs(mb) if self.seq else vlm.forward_inputs(mb, self.engine.module) \
+            if "pixel_values" in mb else hf_attention.forward_inputs(mb)
         if self.hidden:  # zero.tiled_loss: the loss runs the lm_head per tile on the hidden states
             inputs["logits_to_keep"] = 1
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
@@ -375,6 +376,8 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     engine = DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    if vlm.is_vlm(plan.model.hf_config()) and rank == 0:
+        print(vlm.describe_freeze(engine.module, plan.config.model.freeze_vision), flush=True)
     if engine.seq and rank == 0:
         print(engine.seq.describe(), flush=True)
     return engine
@@ -457,16 +460,17 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     if plan.layout(dist.get_world_size()).zero_stage < 3:
         return hf.build_model(plan, dtype, device.rank_device(), _sequence_attention(plan))
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from toolkit.families.meta import auto_class
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan, _sequence_attention(plan))
     with zero_init(ds_config, dtype), no_init_weights():
-        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype,  # partitions: filled below
-                                                 trust_remote_code=plan.config.model.trust_remote_code)
+        hf_config = plan.model.hf_config()
+        model = auto_class(hf_config).from_config(hf_config, dtype=dtype,  # partitions: filled below
+                                                  trust_remote_code=plan.config.model.trust_remote_code)
     model.tie_weights()
     if plan.config.model.init == "pretrained":
         fill_partitions(model, hf.hf_checkpoint(plan), plan)

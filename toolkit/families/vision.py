@@ -1,0 +1,90 @@
+"""Vision-language models as data: per HF ``model_type``, where the vision tower and the projector live
+in the ``AutoModelForImageTextToText`` module tree, which config fields name the image token and the
+vision markers (never prediction targets), how positions are made, and which tower parameters the
+forward never uses. No I/O, no communication: the adapters and the data read this table.
+
+transformers 5.24's module names (the checkpoint names it writes differ, ``save_pretrained`` renames
+both ways; a checkpoint with module names loads unchanged, which is what ``hf_final/`` holds)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Vision:
+    model_type: str
+    tower: str
+    """Module prefix of the vision tower (frozen by ``model.freeze_vision``)."""
+    projector: str
+    """Module prefix of the projector into the language model (trained; may lie inside ``tower``)."""
+    image_token: str
+    """The config field holding the image placeholder's token id."""
+    markers: tuple[str, ...] = ()
+    """Config fields of tokens that frame an image (never targets)."""
+    positions: str = "1d"
+    """``1d``: positions restart per document; ``mrope``: 3-D M-RoPE per document (``get_rope_index``)."""
+    unused: Callable[[object], list[str]] | None = None
+    """Module prefixes of tower parameters the forward never reaches (frozen always: a trained parameter
+    without a gradient would still be moved by AdamW's decoupled weight decay)."""
+
+    def is_tower(self, name: str) -> bool:
+        """``name`` (a parameter or module name) lies in the tower and not in the projector."""
+        return _under(name, self.tower) and not _under(name, self.projector)
+
+    def is_projector(self, name: str) -> bool:
+        return _under(name, self.projector)
+
+
+def _under(name: str, prefix: str) -> bool:
+    """``prefix`` in ``name`` on module boundaries (a peft wrapper adds ``base_model.model.`` before it)."""
+    return name == prefix or name.startswith(prefix + ".") or f".{prefix}." in f".{name}."
+
+
+def _llava_unused(hf_config) -> list[str]:
+    """CLIP layers after ``vision_feature_layer`` and its ``post_layernorm``: LLaVA takes the hidden states
+    of that layer (-2 in LLaVA-1.5), so the last layer and the final norm never run."""
+    layer = hf_config.vision_feature_layer
+    if not isinstance(layer, int):  # several layers concatenated: the deepest one decides
+        layer = max(layer, key=lambda k: k % (hf_config.vision_config.num_hidden_layers + 1))
+    layers = hf_config.vision_config.num_hidden_layers
+    used = layer % (layers + 1)  # hidden_states[0] is the embeddings: layer k's output is index k
+    return [f"model.vision_tower.encoder.layers.{i}" for i in range(used, layers)] + \
+        ["model.vision_tower.post_layernorm"]
+
+
+VISION = {
+    "qwen2_5_vl": Vision("qwen2_5_vl", tower="model.visual", projector="model.visual.merger",
+                         image_token="image_token_id", markers=("vision_start_token_id", "vision_end_token_id"),
+                         positions="mrope"),
+    "llava": Vision("llava", tower="model.vision_tower", projector="model.multi_modal_projector",
+                    image_token="image_token_index", unused=_llava_unused),
+}
+
+
+def find_vision(model_type: str | None) -> Vision | None:
+    return VISION.get(model_type)
+
+
+def is_vision_config(hf_config) -> bool:
+    """An image-text-to-text model (a ``vision_config`` beside its text config)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def image_token_id(vision: Vision, hf_config) -> int:
+    return int(getattr(hf_config, vision.image_token))
+
+
+def marker_ids(vision: Vision, hf_config) -> list[int]:
+    return [int(getattr(hf_config, f)) for f in vision.markers if getattr(hf_config, f, None) is not None]
+
+
+def frozen_prefixes(vision: Vision, hf_config, freeze_vision: bool) -> list[str]:
+    """The unused parameters' modules, and with ``freeze_vision`` the tower (the projector trains)."""
+    return (vision.unused(hf_config) if vision.unused else []) + ([vision.tower] if freeze_vision else [])
+
+
+def is_frozen(name: str, vision: Vision, hf_config, freeze_vision: bool) -> bool:
+    if freeze_vision and vision.is_tower(name):
+        return True
+    return any(_under(name, p) for p in (vision.unused(hf_config) if vision.unused else []))
