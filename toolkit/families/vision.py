@@ -24,6 +24,9 @@ class Vision:
     """Config fields of tokens that frame an image (never targets)."""
     positions: str = "1d"
     """``1d``: positions restart per document; ``mrope``: 3-D M-RoPE per document (``get_rope_index``)."""
+    seeded_init: bool = True
+    """Whether the toolkit's piece-by-piece seeded init (``model.init=random``, ``adapters/hf.SeededWeights``)
+    draws every parameter as HF's own init does; False: random init is refused (use a saved model)."""
     unused: Callable[[object], list[str]] | None = None
     """Module prefixes of tower parameters the forward never reaches (frozen always: a trained parameter
     without a gradient would still be moved by AdamW's decoupled weight decay)."""
@@ -58,7 +61,8 @@ VISION = {
                          image_token="image_token_id", markers=("vision_start_token_id", "vision_end_token_id"),
                          positions="mrope"),
     "llava": Vision("llava", tower="model.vision_tower", projector="model.multi_modal_projector",
-                    image_token="image_token_index", unused=_llava_unused),
+                    image_token="image_token_index", unused=_llava_unused,
+                    seeded_init=False),  # LlavaPreTrainedModel._init_weights leaves CLIP's own init undone
 }
 
 

@@ -169,6 +169,11 @@ def check_vision(cfg: RunConfig, hf_config) -> None:
     if find_vision(hf_config.model_type) is None:
         raise ConfigError(f"{kind} the toolkit has no vision table for: add its entry (tower, projector, image "
                           "token) to toolkit/families/vision.py")
+    if cfg.model.init == "random" and not find_vision(hf_config.model_type).seeded_init:
+        raise ConfigError(f"{kind} whose top-level init does not draw its vision tower as the tower's own class "
+                          "does (measured: some tower parameters left uninitialized), so model.init=random is "
+                          "refused: save the model with transformers (AutoModelForImageTextToText.from_config(...)"
+                          ".save_pretrained(DIR); examples/vlm/build.py does) and use model.init=pretrained")
     if cfg.backend == "megatron":
         raise ConfigError(f"{kind}, and the toolkit's megatron path builds a GPTModel from family tables, with no "
                           "vision tower: use backend=deepspeed")
