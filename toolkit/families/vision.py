@@ -92,3 +92,15 @@ def is_frozen(name: str, vision: Vision, hf_config, freeze_vision: bool) -> bool
     if freeze_vision and vision.is_tower(name):
         return True
     return any(_under(name, p) for p in (vision.unused(hf_config) if vision.unused else []))
+
+
+def describe(config: dict) -> str:
+    """One line for ``toolkit inspect`` from a config.json as written (a dict)."""
+    text, tower = config.get("text_config") or {}, config.get("vision_config") or {}
+    vision = find_vision(config.get("model_type"))
+    blocks = tower.get("depth") or tower.get("num_hidden_layers")
+    where = (f"tower {vision.tower} ({blocks} blocks, hidden {tower.get('hidden_size')}; frozen unless "
+             f"model.freeze_vision=false), projector {vision.projector}, image token id "
+             f"{config.get(vision.image_token)}") if vision else "no toolkit vision table: not trainable here"
+    return (f"vision-language model {config.get('model_type')}: language model {text.get('model_type')} "
+            f"({text.get('num_hidden_layers')} layers, hidden {text.get('hidden_size')}), {where}")

@@ -290,7 +290,9 @@ class DeepSpeedEngine:
         trained = trained_fp32(module, gather)
         pretrained = self.cfg.model.init == "pretrained"
         # a 4-bit base is merged as it trained (dequantized from the module), not re-read from its files
-        base = model_dir(self.cfg.model.name_or_path) if pretrained and self.cfg.model.quantize == "none" else None
+        # and a vision-language base too: its files hold transformers' legacy names (docs/vlm.md), the module its own
+        from_files = pretrained and self.cfg.model.quantize == "none" and not vlm.is_vlm(module)
+        base = model_dir(self.cfg.model.name_or_path) if from_files else None
         write_merged(module, trained, path, tokenizer, generation_config, gather, base, beat=beat)
         write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
                       if pretrained else None, quantization=self.cfg)
