@@ -20,8 +20,10 @@ def image_only_processor(path: str):
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import processor_class_from_name
     from transformers.processing_utils import ProcessorMixin
-    cls = _processor_class(path, AutoConfig.from_pretrained(path), processor_class_from_name)
-    tok, images = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+    cls = _processor_class(path, AutoConfig.from_pretrained(path, trust_remote_code=False),
+                           processor_class_from_name)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    images = AutoImageProcessor.from_pretrained(path, trust_remote_code=False)
     check = ProcessorMixin.check_argument_for_proper_class
 
     def skip_missing_video(self, name, arg):

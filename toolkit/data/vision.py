@@ -57,7 +57,7 @@ def load_processor(name_or_path: str):
     from toolkit.compat.vlm_processor import image_only_processor, needs_torchvision
     path = str(Path(name_or_path).parent if Path(name_or_path).is_file() else Path(name_or_path))
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, trust_remote_code=False)  # a VLM of its own code: not here
     except Exception as exc:  # noqa: BLE001 - one clear message for any loader failure
         if needs_torchvision(exc):
             return image_only_processor(path)
@@ -273,7 +273,7 @@ def prepare_vision(cfg: RunConfig) -> PackedData:
     from toolkit.data.tokenizer import _local_model_dir
     from toolkit.families.vision import find_vision
     d = cfg.data
-    hf_config = AutoConfig.from_pretrained(str(_local_model_dir(cfg.model.name_or_path)))
+    hf_config = AutoConfig.from_pretrained(str(_local_model_dir(cfg.model.name_or_path)), trust_remote_code=False)
     processor = load_processor(cfg.model.name_or_path)
     tokens = Tokens(processor, hf_config, find_vision(hf_config.model_type))
     source = load_source(cfg)
