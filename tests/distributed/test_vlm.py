@@ -1,9 +1,9 @@
 """Vision-language models on DeepSpeed against HF's own model (issue #46's acceptance): on 2 gloo ranks, ZeRO-2
-then ZeRO-3 engines built by the toolkit from a tiny Qwen2.5-VL and a tiny LLaVA (``freeze_vision=false``: the
-tower trains too), micro-batches of 2 rows packed by documents (two images in some documents, multi-turn
-ones), and the first step's loss, every gradient (vision tower, projector, language model) and the eval
-loss compared with HF's forward and backward on the same global batch, each document run alone through
-``AutoModelForImageTextToText`` as transformers runs it (its own positions, M-RoPE included, its own
+then ZeRO-3 (activation checkpointing on) engines built by the toolkit from a tiny Qwen2.5-VL and a tiny LLaVA
+(``freeze_vision=false``: the tower trains too), micro-batches of 2 rows packed by documents (two images in some
+documents, multi-turn ones), and the first step's loss, every gradient (vision tower, projector, language model)
+and the eval loss compared with HF's forward and backward on the same global batch, each document run alone
+through ``AutoModelForImageTextToText`` as transformers runs it (its own positions, M-RoPE included, its own
 attention, pixels from the processor), the loss summed with the rows' labels over the global batch."""
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _config(model_dir, rows, cache, stage: int, run_dir):
     from toolkit.config import validate
     return validate({
         "backend": "deepspeed", "run_dir": str(run_dir),
-        "model": {"name_or_path": str(model_dir), "init": "pretrained", "freeze_vision": False},
+        "model": {"name_or_path": str(model_dir), "init": "pretrained", "freeze_vision": False,
+                  "activation_checkpointing": stage == 3},  # ZeRO-3 with the layers recomputed (the tower's too)
         "data": {"path": str(rows), "format": "json", "template": "chat", "packing": "documents", "overflow": "drop",
                  "seq_len": 160, "eval_fraction": 0.05, "cache_dir": str(cache)},
         "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH, "weight_decay": 0.0, "seed": 3},
