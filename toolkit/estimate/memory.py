@@ -152,7 +152,9 @@ def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = No
 def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
                       lora_trainable: int | None = None) -> Memory:
     d, stage = lay.dp * lay.sp, lay.zero_stage  # ZeRO partitions over the whole dp x sp world
-    tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
+    # what trains (gradients, optimizer): a vision-language model's frozen tower does not (docs/vlm.md)
+    frozen = spec.vision if cfg.model.freeze_vision else spec.vision_unused
+    tau = spec.total - frozen if lora_trainable is None else lora_trainable
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = _held_weights(cfg, spec, phi, w, d if stage == 3 else 1)
     # Measured (tests/e2e/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
