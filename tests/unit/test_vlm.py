@@ -89,6 +89,28 @@ def test_image_tokens_never_carry_loss(tiny_vlms, tmp_path):
     assert doc["image_tokens"][1] > 0 and doc["ids"].count(tokens.image_id) == sum(doc["image_tokens"])
 
 
+def test_images_as_bytes_give_the_same_document_and_pixels(tiny_vlms, tmp_path):
+    """A row's images given as the files' bytes (or datasets.Image dicts) instead of paths: the same document,
+    and the micro-batch's pixels equal the processor's on the same images."""
+    from PIL import Image
+
+    from toolkit.data.vision import VisionBatches, _base_dir, document
+    rows = _rows(tiny_vlms["rows"])
+    row = next(r for r in rows if len(r["images"]) == 2)
+    cfg = _cfg(tiny_vlms["qwen2_5_vl"], tiny_vlms["rows"], tmp_path)
+    tokens, base = _tokens(tiny_vlms["qwen2_5_vl"]), _base_dir(cfg)
+    raw = [(base / p).read_bytes() for p in row["images"]]
+    by_path = document(row, 0, cfg, tokens, base)
+    by_bytes = document({**row, "images": [raw[0], {"bytes": raw[1], "path": None}]}, 0, cfg, tokens, base)
+    assert (by_bytes["ids"], by_bytes["loss"], by_bytes["image_tokens"]) == \
+        (by_path["ids"], by_path["loss"], by_path["image_tokens"])
+    pixels = VisionBatches(tokens.processor, tokens.image_id, cfg).pixels([by_bytes["images"]], [by_bytes["image_tokens"]])
+    ref = tokens.processor.image_processor([Image.open(base / p).convert("RGB") for p in row["images"]],
+                                           return_tensors="pt")
+    assert torch.equal(pixels["pixel_values"], ref["pixel_values"])
+    assert torch.equal(pixels["image_grid_thw"], ref["image_grid_thw"])
+
+
 def _write(tmp_path, rows) -> Path:
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -123,6 +145,7 @@ def test_bad_rows_are_refused_naming_the_row_and_the_fix(tiny_vlms, tmp_path):
     ({"zero": {"tiled_mlp": True}}, "zero.tiled_mlp/tiled_loss"),
     ({"model": {"quantize": "nf4"}, "lora": {"rank": 2}}, "model.quantize=nf4"),
     ({"model": {"init": "random"}}, "model.init=random is refused"),
+    ({"train": {"objective": "dpo"}, "data": {"template": "preference"}}, "preference pairs with images"),
 ])
 def test_configs_the_vlm_path_does_not_take_are_refused(tiny_vlms, tmp_path, sections, expected):
     from toolkit.plan import build_plan

@@ -179,6 +179,8 @@ def check_vision(cfg: RunConfig, hf_config) -> None:
                           "vision tower: use backend=deepspeed")
     d = cfg.data
     refusals = [
+        (cfg.train.objective != "sft", f"train.objective={cfg.train.objective}: preference pairs with images are "
+                                        "not built yet: use train.objective=sft"),
         (d.template != "chat", f"data.template={d.template!r}: its rows are image-text conversations; set "
                                "data.template=chat (messages with {'type': 'image'} parts, images in data.images_column)"),
         (d.packing_mode == "concat", "data.packing=concat would cut an image's tokens across rows: use "
@@ -195,8 +197,6 @@ def check_vision(cfg: RunConfig, hf_config) -> None:
                                                    "models (tiling would reach the tower's MLPs): unset them"),
         (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}: a 4-bit vision-language base is not "
                                        "built yet: set model.quantize=none"),
-        (cfg.train.objective != "sft", f"train.objective={cfg.train.objective}: preference pairs with images are "
-                                        "not built yet: use train.objective=sft"),
     ]
     for refused, why in refusals:
         if refused:
