@@ -1,5 +1,6 @@
 """``toolkit train`` on tiny vision-language models (``docs/vlm.md``), as users run it: Qwen2.5-VL at ZeRO-3 (tower
-frozen, eval on) resumed bit-exactly, its checkpoint converted to HF equal to ``hf_final/``, ``toolkit inspect``
+frozen, eval on) resumed bit-exactly, its checkpoint converted to HF equal to ``hf_final/`` (and HF -> ZeRO -> HF
+exact), ``toolkit inspect``
 naming it; LLaVA with LoRA: ``adapter/`` loads with peft onto the base and gives ``hf_final/``'s logits, and
 ``hf_final/`` generates from an image with transformers alone (``AutoProcessor`` + ``AutoModelForImageTextToText``)."""
 from __future__ import annotations
@@ -39,7 +40,7 @@ def test_resume_is_bitwise_exact_and_eval_runs(qwen_runs):
     assert len(evals) == 2 and all(e["eval_loss"] > 0 for e in evals)
 
 
-def test_zero3_to_hf_equals_hf_final_and_inspect_says_what_it_is(qwen_runs, tmp_path):
+def test_zero3_to_hf_and_back_are_exact_and_inspect_says_what_it_is(qwen_runs, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -53,6 +54,11 @@ def test_zero3_to_hf_equals_hf_final_and_inspect_says_what_it_is(qwen_runs, tmp_
         model, info = AutoModelForImageTextToText.from_pretrained(whole / "hf_final", output_loading_info=True)
     assert not any(info.values()), info
     assert (whole / "hf_final" / "preprocessor_config.json").is_file()  # the processor's files beside the weights
+    run_in_process(["convert", str(whole / "hf_final"), str(tmp_path / "zero"), "--to", "zero", "--dp", "2",
+                    "--zero-stage", "3"])
+    run_in_process(["convert", str(tmp_path / "zero"), str(tmp_path / "back")])  # HF -> ZeRO -> HF
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == final.keys() and all(torch.equal(back[k], final[k]) for k in back)
     shown = run_in_process(["inspect", str(checkpoint)]).stdout
     assert "vision-language model qwen2_5_vl" in shown and "projector model.visual.merger" in shown, shown
 
