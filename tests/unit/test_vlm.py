@@ -204,3 +204,19 @@ def test_seeded_random_init_and_what_trains(tiny_vlms, tmp_path):
     assert plan.trainable_parameters()[0] == sum(p.numel() for n, p in first.named_parameters() if n in trained)
     assert first.config.text_config._attn_implementation == "toolkit_documents"
     assert first.config.vision_config._attn_implementation != "toolkit_documents"
+
+
+def test_memory_estimate_counts_the_tower(tiny_vlms, tmp_path):
+    """The tower's weights held, not trained when frozen; its activations and pixel values at their bound (the
+    formulas of toolkit/estimate/memory.py's docstring, worked by hand for the tiny Qwen2.5-VL)."""
+    from toolkit.estimate.memory import memory, tower_activations
+    from toolkit.plan import build_plan
+    frozen = build_plan(_cfg(tiny_vlms["qwen2_5_vl"], tiny_vlms["rows"], tmp_path), [1])
+    trained = build_plan(_cfg(tiny_vlms["qwen2_5_vl"], tiny_vlms["rows"], tmp_path, model={"freeze_vision": False}), [1])
+    # b=1, s=192: 4 patches per image token -> 768 patches of 3 x 2 x 14 x 14 = 1176 fp32 pixel values; frozen:
+    # + the projector's input, 768 x 32 x 4 bytes; trained: + 2 layers x 768 x (9 x 32 + 4 x 48) x 4 bytes
+    assert tower_activations(frozen.config, frozen.model, 4, "none") == 4 * 768 * 1176 + 768 * 32 * 4
+    assert tower_activations(trained.config, trained.model, 4, "none") == 4 * 768 * 1176 + 2 * 768 * (9 * 32 + 4 * 48) * 4
+    lay = frozen.layout(1)
+    a, b = memory(frozen.config, frozen.model, lay), memory(trained.config, trained.model, lay)
+    assert a.weights == b.weights and b.gradients - a.gradients == frozen.model.vision * 4

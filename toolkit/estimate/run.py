@@ -78,7 +78,8 @@ def print_estimate(result: dict) -> None:
                   f"hidden {model['hidden']}, vocab {model['vocab']}{' (tied)' if model['tied'] else ''}")
     if model.get("vision"):  # a vision-language model: its tower and projector among the parameters
         console.print(f"vision tower {model['vision']:,} parameters, projector {model['projector']:,} (image tokens "
-                      "are tokens of data.seq_len; the tower's own activations are not counted)")
+                      "are tokens of data.seq_len; the tower's activations and pixel values are counted at their bound, every "
+                      "token an image token)")
     if model["trainable_params"] != model["params"]:  # LoRA: the base frozen, adapters trained
         what = "LoRA adapters; the base is frozen" if model.get("lora", True) else "the frozen vision tower has"
         console.print(f"trainable: {model['trainable_params']:,} parameters ({what}: no gradients or optimizer "

@@ -66,6 +66,17 @@ VISION = {
 }
 
 
+def tower_shape(hf_config) -> dict:
+    """The tower's dimensions the memory estimate reads: layers, hidden, MLP width, gated MLP, inputs per
+    patch (3·t·p² pixel values) and patches per image token (Qwen2.5-VL merges 2x2 patches into one)."""
+    v = hf_config.vision_config
+    act = str(getattr(v, "hidden_act", "gelu"))
+    return {"layers": int(getattr(v, "depth", None) or v.num_hidden_layers), "hidden": int(v.hidden_size),
+            "mlp": int(v.intermediate_size), "glu": "silu" in act or "swiglu" in act,
+            "patch_inputs": int(3 * getattr(v, "temporal_patch_size", 1) * v.patch_size ** 2),
+            "patches_per_token": int(getattr(v, "spatial_merge_size", 1) ** 2)}
+
+
 def find_vision(model_type: str | None) -> Vision | None:
     return VISION.get(model_type)
 

@@ -50,6 +50,8 @@ class ModelSpec(BaseModel):
     """...and its projector from the tower into the language model."""
     vision_unused: int = 0
     """Of ``vision``: parameters the forward never reaches (always frozen: ``families/vision.py``)."""
+    tower: dict | None = None
+    """A vision-language model's tower dimensions (``families.vision.tower_shape``: the estimate reads them)."""
     code_dir: str | None = None
     """The model directory whose own Python defines the model's classes (``model.trust_remote_code``:
     its config.json's ``auto_map``); None: transformers' own classes."""
@@ -77,7 +79,7 @@ def model_spec(hf_config, code_dir: str | None = None) -> ModelSpec:
     ``code_dir``: the trusted directory ``hf_config``'s class came from (``model.trust_remote_code``)."""
     from toolkit.families import attention_dims
     from toolkit.families.meta import meta_model
-    from toolkit.families.vision import find_vision
+    from toolkit.families.vision import find_vision, tower_shape
     model = meta_model(hf_config)
     text = hf_config.get_text_config()  # a vision-language model's dimensions live in its text config
     counts = _parameter_counts(model, text.num_hidden_layers, find_vision(hf_config.model_type))
@@ -91,7 +93,7 @@ def model_spec(hf_config, code_dir: str | None = None) -> ModelSpec:
                      glu="silu" in act or "swiglu" in act, vocab=text.vocab_size, **counts,
                      quantized=_quantized_weights(model), experts=_routed_experts(text) if moe else 0,
                      experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe else 0,
-                     code_dir=code_dir)
+                     tower=tower_shape(hf_config) if find_vision(hf_config.model_type) else None, code_dir=code_dir)
 
 
 def _parameter_counts(model, layers: int, vision=None) -> dict:
