@@ -37,9 +37,10 @@ def describe_freeze(model: torch.nn.Module, freeze_vision: bool) -> str:
     counts = {"frozen": 0, "trained": 0}
     for param in model.parameters():
         counts["trained" if param.requires_grad else "frozen"] += getattr(param, "ds_numel", param.numel())
+    prefixes = frozen_prefixes(vision, config, freeze_vision)
     return (f"vision-language model {vision.model_type}: "
             f"{'vision tower frozen, projector trains' if freeze_vision else 'vision tower and projector train'}"
-            f" (frozen {', '.join(frozen_prefixes(vision, config, freeze_vision))}): "
+            f"{' (frozen ' + ', '.join(prefixes) + ')' if prefixes else ''}: "
             f"{counts['trained']:,} parameters trained, {counts['frozen']:,} frozen")
 
 
