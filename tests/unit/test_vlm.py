@@ -220,3 +220,9 @@ def test_memory_estimate_counts_the_tower(tiny_vlms, tmp_path):
     lay = frozen.layout(1)
     a, b = memory(frozen.config, frozen.model, lay), memory(trained.config, trained.model, lay)
     assert a.weights == b.weights and b.gradients - a.gradients == frozen.model.vision * 4
+
+
+def test_toolkit_prepare_refuses_image_rows(tiny_vlms, tmp_path):
+    from toolkit.data.prepare import prepare_prefix
+    with pytest.raises(DataError, match="rows carry images"):
+        prepare_prefix(_cfg(tiny_vlms["llava"], tiny_vlms["rows"], tmp_path), str(tmp_path / "prefix"))
