@@ -95,8 +95,11 @@ def marker_ids(vision: Vision, hf_config) -> list[int]:
 
 
 def frozen_prefixes(vision: Vision, hf_config, freeze_vision: bool) -> list[str]:
-    """The unused parameters' modules, and with ``freeze_vision`` the tower (the projector trains)."""
-    return (vision.unused(hf_config) if vision.unused else []) + ([vision.tower] if freeze_vision else [])
+    """With ``freeze_vision`` the tower (the projector trains; the unused parameters are in it), else the
+    unused parameters' modules."""
+    if freeze_vision:
+        return [vision.tower]
+    return vision.unused(hf_config) if vision.unused else []
 
 
 def is_frozen(name: str, vision: Vision, hf_config, freeze_vision: bool) -> bool:
