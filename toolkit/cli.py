@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
                    help="intra_gbps, inter_gbps, intra_latency_us, inter_latency_us, peak_tflops, mfu")
     e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.add_argument("--ep", type=int, metavar="N", help="mixture of experts: ep of the ZeRO EP and megatron EP rows")
     e.set_defaults(func=cmd_estimate)
 
     r = sub.add_parser("report", help="PNG plots (loss, LR, grad norm, tokens/s, restarts) and a markdown summary of a run")
@@ -160,7 +161,7 @@ def cmd_estimate(args) -> int:
     from toolkit.plan import build_plan
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.nodes, args.gpus_per_node or cfg.nproc, args.cluster)
-    return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json)
+    return run_estimate(build_plan(cfg, [cluster.world]), cluster, args.device_memory, args.json, args.ep)
 
 
 def cmd_supervise(args) -> int:

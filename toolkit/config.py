@@ -59,6 +59,12 @@ class ModelConfig(_Section):
     freeze_vision: bool = True
     """A vision-language model (``docs/vlm.md``): its vision tower stays frozen, the projector and the language
     model train; false trains the tower too."""
+    experts_implementation: Literal["auto", "eager", "grouped_mm"] = "auto"
+    """Mixture-of-experts models: how the routed experts compute (transformers' own name and values).
+    ``grouped_mm``: one ``torch._grouped_mm`` per projection over all experts' tokens; ``eager``: a loop
+    over the experts; ``auto``: transformers' choice on the DeepSpeed path (grouped_mm in transformers 5),
+    on megatron grouped where a one-time probe of ``torch._grouped_mm`` runs in the run's dtype and device.
+    Which one ran is recorded in metrics.jsonl (``event: experts``). docs/moe.md."""
     trust_remote_code: bool = False
     """Let transformers import and run the Python files of a model (or tokenizer) directory whose
     config.json names custom classes (``auto_map``). Off: such a directory is refused before anything

@@ -187,6 +187,7 @@ def finish(model: torch.nn.Module, plan: Plan,
             # the same layers checkpointed, their saved inputs kept on the host (the config refuses it otherwise)
             model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
     model.config.use_cache = False
+    set_experts_implementation(model, plan.config.model.experts_implementation)
     from toolkit.adapters import vlm
     if vlm.is_vlm(model):  # its tower frozen, document attention on its language model only
         vlm.freeze(model, plan.config.model.freeze_vision)
@@ -200,6 +201,36 @@ def finish(model: torch.nn.Module, plan: Plan,
         from toolkit.adapters.hf_attention import use_document_attention
         use_document_attention(model)
     return model
+
+
+def set_experts_implementation(model: torch.nn.Module, choice: str) -> str | None:
+    """``model.experts_implementation`` on an HF model: ``auto`` keeps transformers' own choice
+    (``grouped_mm`` in transformers 5 where its check passes), ``eager`` / ``grouped_mm`` are set with
+    transformers' ``set_experts_implementation``. The implementation the experts run (None: the model
+    has no experts transformers can switch); a model class that cannot honour an explicit choice is
+    refused with transformers' reason."""
+    if experts_implementation(model) is None:  # no switchable experts: a dense model or custom MoE code
+        if choice == "grouped_mm":  # the plan refuses it for dense models; custom experts have their own loop
+            raise ConfigError(f"model.experts_implementation=grouped_mm: {type(model).__name__}'s experts are not "
+                              "transformers' switchable experts (@use_experts_implementation); set "
+                              "model.experts_implementation=auto")
+        return None
+    if choice != "auto":
+        try:
+            model.set_experts_implementation(choice)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(f"model.experts_implementation={choice}: {exc}; set model.experts_implementation="
+                              "auto (transformers' choice)") from None
+    return experts_implementation(model)
+
+
+def experts_implementation(model: torch.nn.Module) -> str | None:
+    """The experts implementation transformers runs for ``model`` (peft-wrapped or not); None for a model
+    whose experts are not transformers' switchable ``@use_experts_implementation`` modules."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "_can_set_experts_implementation") or not base._can_set_experts_implementation():
+        return None
+    return base.config._experts_implementation
 
 
 def caps_or_windows(hf_config) -> bool:

@@ -104,9 +104,10 @@ memory. ``benchmarks/big_models.py`` measures all of this against these formulas
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from toolkit.config import ConfigError, RunConfig
+from toolkit.estimate.moe import dispatch_bytes, moe_shape, zero_ep
 from toolkit.layout import Layout, divisors, kv_copies, stage_layers
 from toolkit.plan.checks import check_layout
 from toolkit.plan.model import ModelSpec
@@ -147,15 +148,18 @@ class Memory:
 
 
 def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = None,
-           lora_trainable: int | None = None) -> Memory:
+           lora_trainable: int | None = None, ep: int | None = None) -> Memory:
     """Per-rank memory of the fullest rank; the formulas are in this module's docstring.
 
     ``bucket``: DeepSpeed's zero_optimization.reduce_bucket_size (elements) from the resolved JSON;
     default hidden^2, what "auto" resolves to. ``lora_trainable``: a LoRA run's trained parameters
-    (``plan.lora.trainable``), None for full fine-tuning."""
+    (``plan.lora.trainable``), None for full fine-tuning. ``ep``: DeepSpeed's expert parallelism
+    (default ``zero.ep``; ``estimate/moe.py``)."""
     w = DTYPE_BYTES[cfg.model.dtype]
     if lay.backend == "deepspeed":
-        return _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2, lora_trainable)
+        mem = _deepspeed_memory(cfg, spec, lay, w, bucket or spec.hidden ** 2, lora_trainable)
+        ep = zero_ep(cfg) if ep is None else ep
+        return mem if ep == 1 or lora_trainable is not None else _with_zero_ep(cfg, spec, lay, w, mem, ep)
     return max((_megatron_stage_memory(cfg, spec, lay, w, i, lora_trainable) for i in range(lay.pp)),
                key=lambda m: m.total)
 
@@ -195,6 +199,34 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     return Memory(weights, grads, optim, buffers, acts[lay.recompute if lay.recompute in acts else "none"],
                   acts["none"], acts["full"], host + (offloaded if lay.recompute == "full" else 0.0), phi, logits_loss=loss,
                   host_load=on_host + 4 * largest, host_export=on_host + (w + 4) * largest, largest_tensor=largest)
+
+
+def _with_zero_ep(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, mem: Memory, ep: int) -> Memory:
+    """``mem`` (ZeRO without expert parallelism) with the routed experts split over ``ep`` ranks
+    (``estimate/moe.py``): below stage 3 each rank holds Φ_x / ep of the experts' weights (stage 0 also
+    their gradients and optimizer state); at stages 1-3 an expert's gradients and optimizer state are
+    sharded over the d / ep ranks holding it (Φ_x / d each: unchanged); stage 3 gathers E / ep of a
+    layer's experts. Plus the dispatched token rows kept for the backward, ``2·T·k·h·w`` per MoE layer
+    (one layer's under activation checkpointing)."""
+    shape = moe_shape(spec)
+    if shape is None:
+        return mem
+    gone = shape.params * (1 - 1 / ep)  # experts this rank no longer holds
+    master = 4 if (w != 4 or lay.zero_stage >= 1) else 0
+    weights, grads, optim, buffers = mem.weights, mem.gradients, mem.optimizer, mem.buffers
+    if lay.zero_stage < 3:
+        weights -= gone * w
+    else:
+        buffers -= 2 * shape.largest_layer * (1 - 1 / ep) * w
+    if lay.zero_stage == 0:
+        grads -= gone * w
+        optim -= (8 + master) * gone
+    dispatched = 2 * dispatch_bytes(cfg, spec, w, lay.sp)
+    kept = {"none": dispatched * shape.layers, "full": dispatched}
+    return replace(mem, weights=weights, gradients=grads, optimizer=optim, buffers=buffers,
+                   activations=mem.activations + kept["full" if lay.recompute == "full" else "none"],
+                   activations_no_ckpt=mem.activations_no_ckpt + kept["none"],
+                   activations_ckpt=mem.activations_ckpt + kept["full"], params=int(mem.params - gone))
 
 
 def _held_weights(cfg: RunConfig, spec: ModelSpec, phi: int, w: int, shards: int) -> float:

@@ -6,15 +6,19 @@ from dataclasses import asdict
 
 from toolkit.config import ConfigError, RunConfig, parse_yaml
 from toolkit.estimate.memory import USABLE, GiB, fits, memory, suggestions
+from toolkit.estimate.moe import moe_shape, zero_ep
 from toolkit.estimate.steptime import Cluster, StepTime, step_time
 from toolkit.layout import Layout
 from toolkit.plan import Plan
+from toolkit.plan.checks import check_layout
 from toolkit.plan.model import ModelSpec
 
 # --- the whole estimate -----------------------------------------------------------------------------
 
-def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
-    """Memory per rank, fit, smallest fitting layouts and step time at ``cluster``; JSON-able."""
+def estimate(plan: Plan, cluster: Cluster, device_gib: float, ep: int | None = None) -> dict:
+    """Memory per rank, fit, smallest fitting layouts and step time at ``cluster``; JSON-able. For a
+    mixture-of-experts model also ``moe``: ZeRO-3, ZeRO EP and megatron EP side by side at ``ep``
+    (``moe_comparison``)."""
     cfg, spec, world = plan.config, plan.model, cluster.world
     lay = plan.layout(world)
     bucket = int(plan.ds_config(world).get("zero_optimization", {}).get("reduce_bucket_size", 0)) \
@@ -34,7 +38,65 @@ def estimate(plan: Plan, cluster: Cluster, device_gib: float) -> dict:
                         for fit, m in suggestions(cfg, spec, world, device_gib, bucket, lora_trainable=lora)],
         "step": _step_dict(step_time(cfg, spec, lay, cluster)),
         "scaling": _scaling(cfg, spec, lay, cluster),
+        "moe": moe_comparison(cfg, spec, cluster, ep) if moe_shape(spec) else None,
     }
+
+
+# --- mixture of experts: which way to train them ------------------------------------------------------
+
+def moe_comparison(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, ep: int | None = None) -> dict:
+    """ZeRO-3 with the experts gathered, ZeRO (the config's stage) with expert parallelism and megatron EP
+    at ``cluster``'s world, each: layout, memory per rank, the experts' traffic per rank and step, step
+    time (``estimate/moe.py``). ``ep``: ``--ep``, else ``zero.ep`` / ``megatron.ep`` where above 1, else the
+    largest that divides both the experts and the world."""
+    world, shape = cluster.world, moe_shape(spec)
+    ep, source = _comparison_ep(cfg, shape.experts, world, ep)
+    ds = cfg.model_copy(update={"backend": "deepspeed"})
+    three = cfg.model_copy(update={"backend": "deepspeed", "zero": cfg.zero.model_copy(update={"stage": 3})})
+    mcore = cfg.model_copy(update={"backend": "megatron", "megatron": cfg.megatron.model_copy(update={"ep": ep})})
+    rows = [_moe_row("ZeRO-3, experts gathered", three, spec, cluster, 1),
+            _moe_row(f"ZeRO-{cfg.zero.stage} EP={ep} (zero.ep)", ds, spec, cluster, ep),
+            _moe_row(f"megatron EP={ep} ({cfg.megatron.moe_dispatcher})", mcore, spec, cluster, None)]
+    return {"ep": ep, "ep_source": source, "rows": rows}
+
+
+def _comparison_ep(cfg: RunConfig, experts: int, world: int, option: int | None) -> tuple[int, str]:
+    valid = [e for e in range(1, min(experts, world) + 1) if experts % e == 0 and world % e == 0]
+    if option is not None:
+        if option not in valid:
+            raise ConfigError(f"--ep={option}: expert parallelism splits {experts} experts over {world} ranks; choose "
+                              f"ep in {valid}")
+        return option, "--ep"
+    if zero_ep(cfg) > 1:
+        return zero_ep(cfg), "zero.ep"
+    if cfg.megatron.ep > 1:
+        return cfg.megatron.ep, "megatron.ep"
+    return max(valid), "the largest dividing the experts and the world (--ep to choose)"
+
+
+def _moe_row(name: str, cfg: RunConfig, spec: ModelSpec, cluster: Cluster, ep: int | None) -> dict:
+    """One way of training the experts (``ep`` for the DeepSpeed rows; megatron reads its layout's)."""
+    try:
+        lay = check_layout(cfg, spec, cluster.world)
+    except ConfigError as exc:
+        return {"name": name, "error": str(exc)}
+    mem = memory(cfg, spec, lay, ep=ep)
+    step = step_time(cfg, spec, lay, cluster, ep=ep)
+    return {"name": name, "layout": lay.describe(), "model_state": mem.model_state, "total": mem.total,
+            "expert_bytes": expert_traffic(step, spec), "step_s": step.total_s, "comm_s": step.comm_s}
+
+
+def expert_traffic(step: StepTime, spec: ModelSpec) -> float:
+    """Bytes one rank sends per step for the experts: the token exchange and the experts' own
+    collectives (groups ``ep``, ``expert-dp``); without them (ZeRO without EP) the experts' share of the
+    ZeRO collectives of the whole model. A ring all-gather, reduce-scatter or all-to-all of n bytes over
+    p ranks sends (p-1)/p·n from each rank, an all-reduce twice that."""
+    def sent(c) -> float:
+        return c.count * c.nbytes * (c.ranks - 1) / c.ranks * (2 if c.kind == "all-reduce" else 1)
+    own = [c for c in step.collectives if c.group in ("ep", "expert-dp")]
+    if own:
+        return sum(sent(c) for c in own)
+    return sum(sent(c) for c in step.collectives if c.group == "dp") * moe_shape(spec).params / spec.total
 
 
 def _quantize(cfg: RunConfig, spec: ModelSpec, lay, bucket, lora, mem) -> dict | None:
@@ -110,6 +172,22 @@ def print_estimate(result: dict) -> None:
         console.print("  no layout of this backend fits at this world size: add devices, shorten data.seq_len, "
                       "or lower train.micro_batch_size")
     _print_step(console, result)
+    if result.get("moe"):
+        _print_moe(console, result["moe"])
+
+
+def _print_moe(console, moe: dict) -> None:
+    from rich.table import Table
+    table = Table("experts trained with", "layout", "model state GiB", "total GiB", "experts' traffic / rank",
+                  "step", title=f"mixture of experts: which to pick (ep={moe['ep']}: {moe['ep_source']}; "
+                                "formulas: toolkit/estimate/moe.py)")
+    for row in moe["rows"]:
+        if "error" in row:
+            table.add_row(row["name"], f"not possible here: {row['error']}", "", "", "", "")
+            continue
+        table.add_row(row["name"], row["layout"], f"{row['model_state'] / GiB:,.3f}", f"{row['total'] / GiB:,.3f}",
+                      f"{row['expert_bytes'] / 2**20:,.2f} MiB", f"{_secs(row['step_s'])} ({_secs(row['comm_s'])} comm)")
+    console.print(table)
 
 
 def _print_step(console, result: dict) -> None:
@@ -158,14 +236,14 @@ def default_device_gib() -> tuple[float, str]:
     return 80.0, "assumed (no GPU here): pass --device-memory GiB"
 
 
-def run_estimate(plan: Plan, cluster: Cluster, device_gib: float | None, as_json: bool) -> int:
+def run_estimate(plan: Plan, cluster: Cluster, device_gib: float | None, as_json: bool, ep: int | None = None) -> int:
     import json
     source = "--device-memory"
     if device_gib is None:
         device_gib, source = default_device_gib()
     if device_gib <= 0:
         raise ConfigError(f"--device-memory={device_gib}: must be > 0 GiB, e.g. --device-memory 80")
-    result = estimate(plan, cluster, device_gib)
+    result = estimate(plan, cluster, device_gib, ep)
     result["device_source"] = source
     if as_json:
         print(json.dumps(result, indent=2))

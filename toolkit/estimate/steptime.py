@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from toolkit.config import RunConfig
 from toolkit.estimate.flops import PEAK_TFLOPS
 from toolkit.estimate.memory import DTYPE_BYTES, memory, micro_batches
+from toolkit.estimate.moe import MoeShape, all_to_all_passes, dispatch_bytes, moe_shape, zero_ep
 from toolkit.layout import Layout, kv_copies, stage_layers
 from toolkit.plan.model import ModelSpec
 
@@ -92,7 +93,8 @@ def collective_seconds(kind: str, p: int, nbytes: float, alpha: float, beta: flo
     return alpha + nbytes / beta  # p2p
 
 
-def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) -> StepTime:
+def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster, ep: int | None = None) -> StepTime:
+    """``ep``: DeepSpeed's expert parallelism (default ``zero.ep``; ``estimate/moe.py``)."""
     w = DTYPE_BYTES[cfg.model.dtype]
     m = micro_batches(cfg, lay)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -102,7 +104,8 @@ def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) ->
     compute = per_token * tokens / lay.world / peak
     bubble = compute * (lay.pp - 1) / m
     g = cluster.gpus_per_node
-    colls = _deepspeed_collectives(cfg, spec, lay, w, m, g) if lay.backend == "deepspeed" else \
+    colls = _deepspeed_collectives(cfg, spec, lay, w, m, g, zero_ep(cfg) if ep is None else ep) \
+        if lay.backend == "deepspeed" else \
         _megatron_collectives(cfg, spec, lay, w, m, g)
     for c in colls:
         c.inter_node = c.inter_node and cluster.nodes > 1
@@ -112,11 +115,22 @@ def step_time(cfg: RunConfig, spec: ModelSpec, lay: Layout, cluster: Cluster) ->
     return StepTime(compute, bubble, colls)
 
 
-def _deepspeed_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int) -> list[Collective]:
-    n, d = spec.total * w, lay.dp * lay.sp  # ZeRO spans the whole dp x sp world
+def _deepspeed_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, m: int, g: int,
+                           ep: int = 1) -> list[Collective]:
+    """``ep`` > 1 (AutoEP): the experts' E / ep on each rank, their ZeRO collectives over the d / ep
+    expert-data-parallel ranks, the tokens' all-to-all over ep (``estimate/moe.py``)."""
+    shape = moe_shape(spec) if ep > 1 else None
+    experts = shape.params if shape else 0
+    n, d = (spec.total - experts) * w, lay.dp * lay.sp  # ZeRO spans the whole dp x sp world
     plan = {0: [("all-reduce", 1)], 1: [("all-reduce", 1), ("all-gather", 1)],
             2: [("reduce-scatter", 1), ("all-gather", 1)], 3: [("all-gather", 2 * m), ("reduce-scatter", m)]}
     out = [Collective(kind, "dp", d, n, count, d > g) for kind, count in plan[lay.zero_stage] if d > 1]
+    if shape:
+        e = d // ep  # the ranks holding the same experts
+        out += [Collective(kind, "expert-dp", e, experts / ep * w, count, d > g)
+                for kind, count in plan[lay.zero_stage] if e > 1]
+        out.append(Collective("all-to-all", "ep", ep, dispatch_bytes(cfg, spec, w, lay.sp),
+                              all_to_all_passes(lay.recompute) * m * shape.layers, ep > g))
     if lay.sp > 1:  # Ulysses: q, k, v to heads and the output back per layer; again in the backward (and recompute)
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len // lay.sp
         nbytes = tokens * (2 * spec.heads * spec.head_dim + 2 * spec.kv_width) * w
@@ -132,10 +146,21 @@ def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, 
     tp_per_layer = 6 if lay.recompute == "full" else 4  # recompute repeats the 2 forward all-reduces
     phi = memory(cfg, spec, lay).params
     shards, mp = lay.dp * lay.cp, lay.tp * lay.cp  # megatron's rank order: tp, cp, (ep), dp, pp
+    shape = moe_shape(spec)
+    expert_phi = shape.params * layers / spec.layers / (lay.tp * lay.ep) if shape else 0  # this rank's experts
+    # megatron-core 0.16 chains a dense and an expert distributed optimizer at ep > 1, and each one's step
+    # all-gathers every bucket of the model (DDP.start_param_sync): the weights go round twice
+    # (benchmarks/moe_ep.py measures it)
+    gathers = 2 if shape and lay.ep > 1 else 1
     out = [Collective("all-reduce", "tp", lay.tp, act, m * layers * tp_per_layer, lay.tp > g),
            Collective("p2p", "pp", lay.pp, act, 2 * m if lay.pp > 1 else 0, mp * lay.dp >= g),
-           Collective("reduce-scatter", "dp", shards, phi * 4, 1, lay.tp * shards > g),
-           Collective("all-gather", "dp", shards, phi * w, 1, lay.tp * shards > g)]
+           Collective("reduce-scatter", "dp", shards, (phi - expert_phi) * 4, 1, lay.tp * shards > g),
+           Collective("all-gather", "dp", shards, (phi - expert_phi) * w, gathers, lay.tp * shards > g)]
+    if shape:  # expert gradients over the dp x cp / ep replicas of each expert, and the token dispatcher
+        replicas = shards // lay.ep
+        out += [Collective("reduce-scatter", "expert-dp", replicas, expert_phi * 4, 1, lay.tp * shards > g),
+                Collective("all-gather", "expert-dp", replicas, expert_phi * w, gathers, lay.tp * shards > g)]
+        out += _megatron_dispatcher(cfg, spec, lay, shape, w, m, layers, g)
     if lay.cp > 1:  # q, k, v to heads and the output back, per layer forward and backward (again when recomputed)
         kv = spec.kv_width * kv_copies(spec.kv_heads // lay.tp, lay.cp)
         qkvo = tokens * (2 * spec.hidden + 2 * kv) / lay.tp * w
@@ -144,3 +169,29 @@ def _megatron_collectives(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, 
     if spec.tied and lay.pp > 1:
         out.append(Collective("all-reduce", "embedding", 2, spec.embedding / lay.tp * 4, 1, lay.tp * lay.dp >= g))
     return [c for c in out if c.ranks > 1 and c.count > 0]
+
+
+def _megatron_dispatcher(cfg: RunConfig, spec: ModelSpec, lay: Layout, shape: MoeShape, w: int, m: int, layers: int,
+                         g: int) -> list[Collective]:
+    """megatron's MoE token dispatcher per micro-batch over the stage's MoE layers (``estimate/moe.py``).
+    ``allgather`` over the tp x ep group: forward all-gathers of the routing map (bytes), the routing
+    probabilities and the hidden states of every rank's tokens and a reduce-scatter of the experts'
+    output (again under full recompute); backward a reduce-scatter of the hidden states' and the
+    probabilities' gradients and an all-gather of the output's gradient. ``alltoall``: as ZeRO EP."""
+    moe_layers = m * shape.layers * layers / spec.layers
+    group = lay.tp * lay.ep
+    if group == 1:
+        return []
+    if cfg.megatron.moe_dispatcher == "alltoall":
+        tokens_split = lay.cp * (lay.tp if lay.sequence_parallel else 1)
+        return [Collective("all-to-all", "ep", lay.ep, dispatch_bytes(cfg, spec, w, tokens_split),
+                           int(all_to_all_passes(lay.recompute) * moe_layers), group > g)]
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len / lay.cp * lay.ep  # gathered: every rank's tokens
+    hidden, probs, routing = tokens * spec.hidden * w, tokens * shape.experts * w, tokens * shape.experts
+    forwards = 2 if lay.recompute == "full" else 1
+    inter = group > g
+    return [Collective("all-gather", "ep", group, hidden, int(moe_layers * (forwards + 1)), inter),
+            Collective("all-gather", "ep", group, probs, int(moe_layers * forwards), inter),
+            Collective("all-gather", "ep", group, routing, int(moe_layers * forwards), inter),
+            Collective("reduce-scatter", "ep", group, hidden, int(moe_layers * (forwards + 1)), inter),
+            Collective("reduce-scatter", "ep", group, probs, int(moe_layers), inter)]

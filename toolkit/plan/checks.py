@@ -13,6 +13,7 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
     each message; the validated layout. ``spec``: the ``ModelSpec`` (heads, layers, experts)."""
     if cfg.zero.sp > 1:
         _check_ulysses(cfg, spec, world)
+    _check_experts_implementation(cfg, spec)
     if cfg.backend == "deepspeed":
         lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, zero_stage=cfg.zero.stage,
                      offload_optimizer=cfg.zero.offload_optimizer, offload_params=cfg.zero.offload_params,
@@ -43,6 +44,16 @@ def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by zero.sp={sp}, which splits every "
                           f"row's tokens; choose seq_len a multiple of {sp}, or sp in "
                           f"{[s for s in heads if cfg.data.seq_len % s == 0 and world % s == 0]}")
+
+
+def _check_experts_implementation(cfg: RunConfig, spec) -> None:
+    """``model.experts_implementation=grouped_mm`` on a model without routed experts is refused, as
+    transformers refuses ``from_pretrained(experts_implementation="grouped_mm")`` for a class without
+    experts; ``eager`` is what such a model runs anyway, and transformers accepts it silently too."""
+    if cfg.model.experts_implementation == "grouped_mm" and not spec.experts:
+        raise ConfigError(f"model.experts_implementation=grouped_mm needs a mixture-of-experts model; "
+                          f"{spec.model_type} has no routed experts: set model.experts_implementation=auto "
+                          "(or leave it out)")
 
 
 def _micro_batches(cfg: RunConfig, dp: int) -> int:

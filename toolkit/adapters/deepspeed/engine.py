@@ -25,7 +25,7 @@ from toolkit.adapters.deepspeed.ulysses import (
     use_ulysses_attention,
 )
 from toolkit.adapters.deepspeed.zero3 import fill_partitions, hf_zero3_load, zero_init
-from toolkit.adapters.hf import model_dir, param_groups
+from toolkit.adapters.hf import experts_implementation, model_dir, param_groups
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import LogitScores, tiled_token_loss_sum
@@ -78,6 +78,9 @@ class DeepSpeedEngine:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
             if moe.is_router_model(model.config) else None
+        if self.router:  # which experts implementation runs (model.experts_implementation; auto: transformers')
+            self.setup_records.append({"event": "experts", "experts_implementation": experts_implementation(model),
+                                       "requested": cfg.model.experts_implementation})
         if self.router and cfg.zero.stage == 3:
             experts_as_leaf_modules(model)
         if cfg.zero.tiled_mlp:

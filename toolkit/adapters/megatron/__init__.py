@@ -4,6 +4,8 @@
               core attention and load-balancing router), GPTModel chunks per virtual stage
   attention.py  the core attention: torch sdpa / flex_attention, RoPE at per-token positions
               (``TokenLayout``, passed as packed_seq_params), document masks, windows, softcap
+  experts.py  the grouped experts (``model.experts_implementation``): SequentialMLP's parameters,
+              one torch._grouped_mm per projection
   context.py  context parallelism (megatron.cp): each rank's chunks of every row, the attention's
               all-to-all (heads for sequence)
   weights.py  HF weights into the chunks, each TP rank reading only its slices

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters.megatron import context, export, grid, lora, state
+from toolkit.adapters.megatron import context, experts, export, grid, lora, state
 from toolkit.adapters.megatron.attention import TokenLayout, describe_kernels
 from toolkit.adapters.megatron.model import (
     attention_options,
@@ -69,7 +69,9 @@ class MegatronEngine:
         check_hf_keys(self.family, self.hf_config, hf_state)
         self.tconfig = transformer_config(self.cfg, self.lay, self.hf_config, self.family)
         self.attention = attention_options(self.cfg, self.hf_config, self.family, self.tconfig)
-        chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig, self.attention)
+        self.experts_implementation, self.setup_records = self._choose_experts()
+        chunks = build_chunks(self.lay, self.hf_config, self.family, self.tconfig, self.attention,
+                              self.experts_implementation)
         for c in chunks:  # the weights are loaded into DDP's buffer, not copied there (weights.py)
             release_storage(c)
         if torch.cuda.is_available():  # the released blocks back to the driver: DDP's buffer is one block
@@ -78,6 +80,7 @@ class MegatronEngine:
         self.objective, self.eval_metrics = plan.objective, {}
         if self.lora is not None:
             self._attach_lora(chunks, adapters)
+            self._experts_under_lora(chunks)
         for c in chunks:
             device.guard_inputs(c, "megatron's GPTModel")
         self.model = self._wrap_ddp(chunks)
@@ -101,6 +104,25 @@ class MegatronEngine:
         # whether this rank's copy of dense / expert parameters is the one an export takes
         self.owns_dense = self.dp_rank == 0 and self.cp_rank == 0
         self.owns_experts = place.expert_dp_rank == 0
+
+    def _choose_experts(self) -> tuple[str, list[dict]]:
+        """MoE: ``grouped_mm`` (``experts.py``'s grouped module) or ``eager`` (megatron's ``SequentialMLP``)
+        for ``model.experts_implementation``, and its record for metrics.jsonl (why ``auto`` fell back)."""
+        if not self.family.num_experts(self.hf_config):
+            return experts.EAGER, []
+        requested = self.cfg.model.experts_implementation
+        chosen, reason = experts.choose(requested, self.tconfig)
+        return chosen, [{"event": "experts", "experts_implementation": chosen, "requested": requested,
+                         "fallback_reason": reason}]
+
+    def _experts_under_lora(self, chunks) -> None:
+        """LoRA adapters on the expert linears (forward hooks): the grouped module runs its experts one
+        by one, hooks included (``experts.py``); the record says so."""
+        grouped = experts.grouped_sequential_mlp_class()
+        if any(isinstance(m, grouped) and m.hooked() for c in chunks for m in c.modules()):
+            self.experts_implementation = experts.EAGER
+            self.setup_records[0].update(experts_implementation=experts.EAGER,
+                                         fallback_reason="LoRA adapters on the experts' linears")
 
     def _attach_lora(self, chunks, adapters) -> None:
         """The base frozen, this rank's slices of the adapters on its linears (``lora.py``; drawn as the

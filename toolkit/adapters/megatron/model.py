@@ -12,6 +12,7 @@ from toolkit import device
 from toolkit.adapters.compiled import compile_works
 from toolkit.adapters.megatron import grid
 from toolkit.adapters.megatron.attention import AttentionOptions, core_attention_class
+from toolkit.adapters.megatron.experts import EAGER, GROUPED, grouped_sequential_mlp_class
 from toolkit.adapters.megatron.qk_norm import FullWidthRMSNorm
 from toolkit.adapters.megatron.weights import rope_inv_freq
 from toolkit.config import RunConfig
@@ -102,9 +103,11 @@ def _recompute(mode: str) -> dict:
     return {}
 
 
-def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOptions | None = None) -> list:
+def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOptions | None = None,
+                 experts: str = EAGER) -> list:
     """This rank's GPTModel chunk(s): one per virtual pipeline stage, holding only its layers.
-    With the toolkit's attention, megatron's RoPE is off: the attention rotates q and k itself."""
+    With the toolkit's attention, megatron's RoPE is off: the attention rotates q and k itself.
+    ``experts``: ``grouped_mm`` or ``eager`` (``experts.choose``)."""
     from megatron.core.models.gpt import GPTModel
     vpp = lay.vpp
     kwargs = family.model_kwargs(hf_config)
@@ -114,7 +117,7 @@ def build_chunks(lay: Layout, hf_config, family, tconfig, attention: AttentionOp
     for v in range(vpp or 1):
         vp = v if vpp else None
         pre, post = grid.stage_ends(vp)
-        spec = layer_spec(tconfig, vp, attention, family.layer_spec, tp=lay.tp)
+        spec = layer_spec(tconfig, vp, attention, family.layer_spec, tp=lay.tp, experts=experts)
         chunks.append(GPTModel(tconfig, spec, vocab_size=lay.padded_vocab, vp_stage=vp, pre_process=pre,
                                post_process=post, **kwargs))
         # megatron makes its linear layers on the device, but torch norms (its own WrappedTorchNorm,
@@ -166,8 +169,9 @@ def _scale_embedding(embedding, scale: float) -> None:
 
 
 def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None = None,
-               structure: LayerSpec = LayerSpec(), *, tp: int):
-    """megatron's local layer spec (torch norms; MoE: sequential experts and ``LoadBalancedRouter``;
+               structure: LayerSpec = LayerSpec(), *, tp: int, experts: str = EAGER):
+    """megatron's local layer spec (torch norms; MoE: ``LoadBalancedRouter`` and sequential experts, or
+    with ``experts=grouped_mm`` the toolkit's ``GroupedSequentialMLP`` (``experts.py``: the same parameters);
     ``attention``: the toolkit's core attention, else megatron's DotProductAttention) with the
     family's ``structure`` (``_apply_structure``; ``tp``: the layout's); with sequence parallelism or zero-centered norm
     weights, a block spec whose norms are ``ToolkitNorm`` (megatron's own torch-norm wrapper refuses
@@ -181,6 +185,8 @@ def layer_spec(tconfig, vp_stage: int | None, attention: AttentionOptions | None
             module=core_attention_class(), params={"options": attention})
     if tconfig.num_moe_experts:
         spec.submodules.mlp.submodules.router = load_balanced_router_class()
+        if experts == GROUPED:
+            spec.submodules.mlp.submodules.experts.module = grouped_sequential_mlp_class()
     _apply_structure(spec, structure, tconfig, tp)
     if not (tconfig.sequence_parallel or tconfig.layernorm_zero_centered_gamma):
         return spec
