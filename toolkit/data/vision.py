@@ -285,7 +285,7 @@ def prepare_vision(cfg: RunConfig) -> PackedData:
     key = _key("vision-tokenize", source._fingerprint, processor_key(processor), d.messages_column, d.images_column,
                _images_stamp(source, cfg))
     docs = source.map(tokenize_fn(cfg, tokens), batched=True, with_indices=True, remove_columns=source.column_names,
-                      features=_features(None), desc="tokenize (images)",
+                      features=_features(None), desc="tokenize (images)", num_proc=d.num_proc if d.num_proc > 1 else None,
                       cache_file_name=str(data_cache_dir(cfg) / "tokenized" / f"{key}.arrow"), new_fingerprint=key)
     mode = d.packing_mode
     pkey = _key("vision-pack", docs._fingerprint, d.seq_len, PACK_BATCH_DOCS, mode)
