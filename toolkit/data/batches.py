@@ -85,9 +85,11 @@ def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int,
     rows = ds.with_format("numpy", columns=columns)[[int(i) for i in indices]]
     tensors = {c: torch.from_numpy(np.ascontiguousarray(rows[c], dtype=np.int64)) for c in columns}
     refs = ds.select_columns(["images", "image_tokens"])[[int(i) for i in indices]] if images else None
-    return [host_batch({c: t[i:i + micro_batch_size] for c, t in tensors.items()} |
-                       (images.pixels(refs["images"][i:i + micro_batch_size], refs["image_tokens"][i:i + micro_batch_size])
-                        if images else {}))
+
+    def pixels(i: int) -> dict:  # a vision-language model's images of these rows, made now (never cached)
+        cut = slice(i, i + micro_batch_size)
+        return images.pixels(refs["images"][cut], refs["image_tokens"][cut]) if images else {}
+    return [host_batch({c: t[i:i + micro_batch_size] for c, t in tensors.items()} | pixels(i))
             for i in range(0, len(indices), micro_batch_size)]
 
 

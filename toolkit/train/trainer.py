@@ -129,7 +129,8 @@ class Trainer:
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,
-                          "overflow": d.overflow if data.images is None else "drop", "identical_pairs": data.num_identical_pairs})
+                          "overflow": d.overflow if data.images is None else "drop",
+                          "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         # the step's own phase from its start: the eval or save before it beat theirs, whose budgets
