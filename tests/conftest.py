@@ -142,8 +142,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def tiny_vlms(tmp_path_factory) -> dict:
-    """Tiny random Qwen2.5-VL and LLaVA directories with their processors (``examples/vlm/build.py``), and
-    64 image-text rows (``examples/vlm/data.py``): ``{"qwen2_5_vl": dir, "llava": dir, "rows": train.jsonl}``."""
+    """Tiny random Qwen2.5-VL, Qwen2-VL and LLaVA directories with their processors (``examples/vlm/build.py``),
+    and 64 image-text rows (``examples/vlm/data.py``): ``{"qwen2_5_vl": dir, "qwen2_vl": dir, "llava": dir,
+    "rows": train.jsonl}``."""
     import warnings
 
     from tests.helpers.vlm import build_models, write_rows

@@ -1,5 +1,5 @@
 """Vision-language models on DeepSpeed against HF's own model (issue #46's acceptance): on 2 gloo ranks, ZeRO-2
-then ZeRO-3 (activation checkpointing on) engines built by the toolkit from a tiny Qwen2.5-VL and a tiny LLaVA
+then ZeRO-3 (activation checkpointing on) engines built by the toolkit from a tiny Qwen2.5-VL, Qwen2-VL and LLaVA
 (``freeze_vision=false``: the tower trains too), micro-batches of 2 rows packed by documents (two images in some
 documents, multi-turn ones), and the first step's loss, every gradient (vision tower, projector, language model)
 and the eval loss compared with HF's forward and backward on the same global batch, each document run alone
@@ -149,7 +149,7 @@ def _job(rank, world, model_dir, rows, cache, run_root):
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "llava"])
 def parity(request, tiny_vlms, tmp_path_factory):
     family = request.param
     root = tmp_path_factory.mktemp(f"vlm_{family}")

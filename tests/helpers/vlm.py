@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vlm"
-FAMILIES = ("qwen2_5_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava")
 
 
 def example_module(name: str):

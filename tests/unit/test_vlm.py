@@ -49,7 +49,7 @@ def _tokens(model_dir):
     return Tokens(load_processor(str(model_dir)), config, find_vision(config.model_type))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "llava"])
 def test_documents_match_the_processor_and_trl_assistant_mask(tiny_vlms, tmp_path, family):
     """ids == the processor's own (tokenized whole: LLaVA's ' A' merges across the turn boundary), loss flags
     == TRL's assistant mask from a generation-tagged template, on one- and two-image and multi-turn rows."""
@@ -57,7 +57,7 @@ def test_documents_match_the_processor_and_trl_assistant_mask(tiny_vlms, tmp_pat
     rows_path = tiny_vlms["rows"]
     cfg = _cfg(tiny_vlms[family], rows_path, tmp_path)
     tokens, base = _tokens(tiny_vlms[family]), _base_dir(cfg)
-    template = TRL_QWEN_TRAINING.read_text() if family == "qwen2_5_vl" else LLAVA_TRAINING
+    template = LLAVA_TRAINING if family == "llava" else TRL_QWEN_TRAINING.read_text()
     for index, row in enumerate(_rows(rows_path)[:8]):
         doc = document(row, index, cfg, tokens, base)
         images = [open_image({"path": str(base / p), "bytes": None}, cfg, index, k) for k, p in enumerate(row["images"])]

@@ -60,6 +60,9 @@ VISION = {
     "qwen2_5_vl": Vision("qwen2_5_vl", tower="model.visual", projector="model.visual.merger",
                          image_token="image_token_id", markers=("vision_start_token_id", "vision_end_token_id"),
                          positions="mrope"),
+    "qwen2_vl": Vision("qwen2_vl", tower="model.visual", projector="model.visual.merger",
+                       image_token="image_token_id", markers=("vision_start_token_id", "vision_end_token_id"),
+                       positions="mrope"),
     "llava": Vision("llava", tower="model.vision_tower", projector="model.multi_modal_projector",
                     image_token="image_token_index", unused=_llava_unused,
                     seeded_init=False),  # LlavaPreTrainedModel._init_weights leaves CLIP's own init undone
@@ -71,8 +74,10 @@ def tower_shape(hf_config) -> dict:
     patch (3·t·p² pixel values) and patches per image token (Qwen2.5-VL merges 2x2 patches into one)."""
     v = hf_config.vision_config
     act = str(getattr(v, "hidden_act", "gelu"))
-    return {"layers": int(getattr(v, "depth", None) or v.num_hidden_layers), "hidden": int(v.hidden_size),
-            "mlp": int(v.intermediate_size), "glu": "silu" in act or "swiglu" in act,
+    width = int(getattr(v, "embed_dim", None) or v.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
+    mlp = getattr(v, "intermediate_size", None) or int(v.mlp_ratio * width)
+    return {"layers": int(getattr(v, "depth", None) or v.num_hidden_layers), "hidden": width,
+            "mlp": int(mlp), "glu": "silu" in act or "swiglu" in act,
             "patch_inputs": int(3 * getattr(v, "temporal_patch_size", 1) * v.patch_size ** 2),
             "patches_per_token": int(getattr(v, "spatial_merge_size", 1) ** 2)}
 
