@@ -165,6 +165,11 @@ def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]
             return merged_weight(tensor, *pairs[name])
 
     absent = sorted(set(pairs) - set(base.infos)) + sorted(set(saved) - set(base.infos))
+    if absent and isinstance(base.hf_config.get("vision_config"), dict):  # docs/vlm.md
+        raise ConvertError(f"the vision-language base {base.path} stores transformers' legacy tensor names "
+                           f"(its files lack {absent[:2]}, the module names), which this merge does not map: take the "
+                           "run's hf_final/ (merged at export), or convert --to peft and merge with peft "
+                           "(PeftModel.from_pretrained(base, adapter).merge_and_unload())")
     if absent:
         raise ConvertError(f"the base checkpoint {base.path} lacks the adapted tensors {absent[:5]}")
     wrong = [f"{n}: base {tuple(base.infos[n].shape)}, adapter {tuple(_delta_shape(*pairs[n]))}" for n in pairs
