@@ -29,3 +29,18 @@ def meta_model(hf_config, **from_config) -> torch.nn.Module:
                                                   **from_config)
     model.tie_weights()
     return model
+
+
+def module_names(hf_config, checkpoint_names: list[str]) -> dict[str, str]:
+    """Checkpoint name -> module name for a vision-language checkpoint written by transformers'
+    ``save_pretrained`` (hub names such as ``language_model.model.layers.0...``), by transformers' own renaming
+    rules for the model (``get_model_conversion_mapping``, applied as ``from_pretrained`` applies them). Raises
+    ValueError where a rule is more than a rename (a fused or split tensor)."""
+    from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+    from transformers.core_model_loading import rename_source_key
+    model = meta_model(hf_config)
+    rules = get_model_conversion_mapping(model)
+    if any(not isinstance(r, WeightRenaming) for r in rules):
+        raise ValueError(f"{hf_config.model_type}: transformers converts some tensors of this checkpoint beyond renaming")
+    renames, state = list(rules), model.state_dict()
+    return {n: rename_source_key(n, renames, [], model.base_model_prefix, state)[0] for n in checkpoint_names}

@@ -123,3 +123,4 @@ def describe(config: dict) -> str:
              f"{config.get(vision.image_token)}") if vision else "no toolkit vision table: not trainable here"
     return (f"vision-language model {config.get('model_type')}: language model {text.get('model_type')} "
             f"({text.get('num_hidden_layers')} layers, hidden {text.get('hidden_size')}), {where}")
+
