@@ -224,3 +224,45 @@ def _check_uneven_split(m, layers: int) -> None:
                           "evenly with at least one layer each")
 
 
+
+
+def check_vision(cfg: RunConfig, hf_config) -> None:
+    """A vision-language model (``families/vision.py``, ``docs/vlm.md``): what its path takes, each refusal
+    with its reason and fix."""
+    from toolkit.families.vision import find_vision
+    kind = f"model_type={hf_config.model_type!r} is a vision-language model"
+    if find_vision(hf_config.model_type) is None:
+        raise ConfigError(f"{kind} the toolkit has no vision table for: add its entry (tower, projector, image "
+                          "token) to toolkit/families/vision.py")
+    if cfg.model.init == "random" and not find_vision(hf_config.model_type).seeded_init:
+        raise ConfigError(f"{kind} whose top-level init does not draw its vision tower as the tower's own class "
+                          "does (measured: some tower parameters left uninitialized), so model.init=random is "
+                          "refused: save the model with transformers (AutoModelForImageTextToText.from_config(...)"
+                          ".save_pretrained(DIR); examples/vlm/build.py does) and use model.init=pretrained")
+    if cfg.backend == "megatron":
+        raise ConfigError(f"{kind}, and the toolkit's megatron path builds a GPTModel from family tables, with no "
+                          "vision tower: use backend=deepspeed")
+    d = cfg.data
+    refusals = [
+        (cfg.train.objective != "sft", f"train.objective={cfg.train.objective}: preference pairs with images are "
+                                        "not built yet: use train.objective=sft"),
+        (d.template != "chat", f"data.template={d.template!r}: its rows are image-text conversations; set "
+                               "data.template=chat (messages with {'type': 'image'} parts, images in data.images_column)"),
+        (d.packing_mode == "concat", "data.packing=concat would cut an image's tokens across rows: use "
+                                     "data.packing=documents or pad"),
+        (d.overflow == "split" and "overflow" in d.model_fields_set,
+         "data.overflow=split would cut an image's tokens: use data.overflow=drop (documents longer than "
+         "data.seq_len are dropped and counted; raise data.seq_len to keep them)"),
+        (d.streaming or d.weights is not None or d.format == "megatron",
+         "its rows are read from one file source (data.streaming, blends and Megatron prefixes carry no images): "
+         "unset them"),
+        (cfg.zero.sp > 1, f"zero.sp={cfg.zero.sp}: the model merges image features into the whole sequence "
+                          "before any split: unset zero.sp"),
+        (cfg.zero.tiled_mlp or cfg.zero.tiled_loss, "zero.tiled_mlp/tiled_loss are not measured on vision "
+                                                   "models (tiling would reach the tower's MLPs): unset them"),
+        (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}: a 4-bit vision-language base is not "
+                                       "built yet: set model.quantize=none"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{kind}: {why}")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters import hf_attention, moe
+from toolkit.adapters import hf_attention, moe, vlm
 from toolkit.adapters.deepspeed.lora import saved_layout, to_universal
 from toolkit.adapters.deepspeed.moe import (
     RouterLoss,
@@ -166,7 +166,8 @@ class DeepSpeedEngine:
         """The HF forward of a micro-batch; rows packed by documents bring their positions and
         layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
         this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
-        inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
+        inputs = self.seq.inputs(mb) if self.seq else vlm.forward_inputs(mb, self.engine.module) \
+            if "pixel_values" in mb else hf_attention.forward_inputs(mb)
         if self.hidden:  # zero.tiled_loss: the loss runs the lm_head per tile on the hidden states
             inputs["logits_to_keep"] = 1
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
@@ -315,7 +316,9 @@ class DeepSpeedEngine:
         trained = trained_fp32(module, gather)
         pretrained = self.cfg.model.init == "pretrained"
         # a 4-bit base is merged as it trained (dequantized from the module), not re-read from its files
-        base = model_dir(self.cfg.model.name_or_path) if pretrained and self.cfg.model.quantize == "none" else None
+        # and a vision-language base too: its files hold transformers' legacy names (docs/vlm.md), the module its own
+        from_files = pretrained and self.cfg.model.quantize == "none" and not vlm.is_vlm(module)
+        base = model_dir(self.cfg.model.name_or_path) if from_files else None
         write_merged(module, trained, path, tokenizer, generation_config, gather, base, beat=beat)
         write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
                       if pretrained else None, quantization=self.cfg)
@@ -414,6 +417,8 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     engine = DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    if vlm.is_vlm(plan.model.hf_config()) and rank == 0:
+        print(vlm.describe_freeze(engine.module, plan.config.model.freeze_vision), flush=True)
     if engine.seq and rank == 0:
         print(engine.seq.describe(), flush=True)
     return engine
@@ -496,16 +501,17 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     if plan.layout(dist.get_world_size()).zero_stage < 3:
         return hf.build_model(plan, dtype, device.rank_device(), _sequence_attention(plan))
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from toolkit.families.meta import auto_class
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan, _sequence_attention(plan))
     with zero_init(ds_config, dtype), no_init_weights():
-        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype,  # partitions: filled below
-                                                 trust_remote_code=plan.config.model.trust_remote_code)
+        hf_config = plan.model.hf_config()
+        model = auto_class(hf_config).from_config(hf_config, dtype=dtype,  # partitions: filled below
+                                                  trust_remote_code=plan.config.model.trust_remote_code)
     model.tie_weights()
     if plan.config.model.init == "pretrained":
         fill_partitions(model, hf.hf_checkpoint(plan), plan)
