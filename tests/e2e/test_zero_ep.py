@@ -4,9 +4,11 @@ against ZeRO-2 DP=2 of the same model (fp32, the demo corpus packed by documents
 aux loss, routing, grad norm and eval loss, for mixtral, qwen2_moe (gated shared expert, tied embeddings,
 activation checkpointing; also at DP=4, two expert-data-parallel replicas) and qwen3_moe, at ZeRO-2, ZeRO-3
 (built under zero.Init), ZeRO-1 and ZeRO-0 (whose grad norm the toolkit takes itself); a router that leaves
-one EP rank without tokens. Then checkpoints: resumed at the same layout (exact) and at other layouts and
-ep (converted) on the loss curve, read by the converter as DeepSpeed's ``ds_to_universal`` consolidates
-them, converted to HF (equal to ``hf_final/``, itself equal to the DP run's), to megatron EP=2 and from
+one EP rank without tokens; LoRA on attention with the experts and routers frozen (adapter gradients,
+adapter/ loaded by peft, its adapter-only checkpoint resumed). Then checkpoints: resumed at the same layout
+(exact) and at other layouts and ep (converted) on the loss curve, read by the converter as DeepSpeed's
+``ds_to_universal`` consolidates them, converted to HF (equal to ``hf_final/``, itself equal to the DP
+run's), to megatron EP=2 and from
 ep=1 to a zero.ep checkpoint with ``--verify``."""
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), re
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 RUN = ["train.steps=4", "train.eval_every=3", "data.packing=documents", "train.moe_aux_loss_coeff=0.1",
        "train.lr=1e-3", "train.warmup_steps=0", "checkpoint.every=100"]
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "model.init=pretrained"]
 CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO-2 ep=1 run of its family
     "mixtral_dp2": ("mixtral", ["zero.stage=2", "checkpoint.every=2"]),
     "mixtral_ep2": ("mixtral", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2"]),
@@ -37,6 +40,9 @@ CASES = {  # name: (family, overrides); each ep=2 case is compared with the ZeRO
     "skewed_dp2": ("skewed", ["zero.stage=3", "model.init=pretrained"]),  # (its ep=2 run is at ZeRO-3 too)
     "skewed_ep2_zero3": ("skewed", ["zero.stage=3", "zero.ep=2", "model.init=pretrained"]),  # EP rank 1: no tokens
     "qwen3_moe_ep2_zero1": ("qwen3_moe", ["zero.stage=1", "zero.ep=2"]),
+    # LoRA on attention of a pretrained mixtral (experts and routers frozen): ep=2 against ep=1 DP=2
+    "lora_dp2": ("lora", ["zero.stage=2", *LORA]),
+    "lora_ep2": ("lora", ["zero.stage=2", "zero.ep=2", "checkpoint.every=2", *LORA]),
 }
 GRAD_RTOL = 1e-6
 """Per parameter, |ep2 - dp2| / |dp2| (L2) of step 1's gradient (all-to-all reorders the sums); measured worst
@@ -62,6 +68,10 @@ def model_dirs(tmp_path_factory):
         (root / family / "config.json").write_text(json.dumps(config))
         out[family] = root / family
     out["skewed"] = _skewed_mixtral(root / "skewed")
+    from toolkit.families.tiny import tiny_model
+    tiny_model("mixtral", vocab_size=2048, max_position_embeddings=128, sliding_window=None).save_pretrained(
+        root / "lora")  # LoRA trains on a pretrained base (hf_final merges onto its files)
+    out["lora"] = root / "lora"
     return out
 
 
@@ -115,6 +125,8 @@ def _full_grads(module) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_grad
     out = {}
     for name, param in module.named_parameters():
+        if not param.requires_grad:  # a LoRA run's frozen base
+            continue
         grad = safe_get_full_grad(param).detach().float().contiguous()
         if getattr(param, "allreduce", True) is False:  # an AutoEP expert: this rank's experts
             parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
@@ -183,6 +195,8 @@ def test_ep2_gives_dp2s_gradients_and_losses(runs, ep_case):
     print(f"\n{ep_case} vs {family}_dp2: worst grad gap {gaps[worst]:.2e} ({worst}), loss {loss_gap:.1e}, "
           f"aux {aux_gap:.1e}, eval {abs(eval_loss(ep) / eval_loss(dp) - 1):.1e}")
     assert gaps[worst] <= (SKEWED_GRAD_RTOL if family == "skewed" else GRAD_RTOL), f"{worst}: {gaps[worst]:.3e}"
+    if family == "lora":  # adapters only: the experts and routers are frozen
+        assert all(".lora_A." in n or ".lora_B." in n for n in gaps), sorted(gaps)[:3]
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL)
@@ -218,6 +232,30 @@ def test_hf_final_of_ep2_is_the_dp_runs(runs):
     assert gaps[worst] <= 1e-5
 
 
+def test_lora_adapter_of_ep2_loads_with_peft_and_is_the_dp_runs(runs, model_dirs):
+    """adapter/ of the LoRA ep=2 run: peft loads it onto the base, and its forward equals the DP=2 run's merged
+    hf_final/ (itself equal to the ep=2 run's) after 4 steps."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    ep, dp = runs("lora_ep2"), runs("lora_dp2")
+    got = load_file(ep / "adapter" / "adapter_model.safetensors")
+    want = load_file(dp / "adapter" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and len(got) == 16
+    gap = max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items())
+    merged_ep = load_file(ep / "hf_final" / "model.safetensors")
+    merged_dp = load_file(dp / "hf_final" / "model.safetensors")
+    merged_gap = max(((merged_ep[n] - w).norm() / w.norm()).item() for n, w in merged_dp.items())
+    print(f"\nlora adapter ep2 vs dp2 after 4 steps: worst {gap:.2e}; hf_final {merged_gap:.2e}")
+    assert gap <= 1e-5 and merged_gap <= 1e-5
+    base = AutoModelForCausalLM.from_pretrained(model_dirs["lora"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, ep / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(dp / "hf_final", dtype=torch.float32).eval()
+    ids = torch.arange(1, 33).view(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
 def _resumed(tmp_path, data_cache, model_dirs, full, family: str, *overrides: str):
     """The step-2 checkpoint of the run in ``full`` resumed in a new run directory with ``overrides``."""
     run_dir = tmp_path / "resumed"
@@ -228,6 +266,7 @@ def _resumed(tmp_path, data_cache, model_dirs, full, family: str, *overrides: st
 
 @pytest.mark.parametrize("source, overrides, how", [
     ("mixtral_ep2", CASES["mixtral_ep2"][1], "as saved"),  # DeepSpeed loads it: bit for bit
+    ("lora_ep2", CASES["lora_ep2"][1], "as saved"),  # adapters only
     ("mixtral_ep2", ["zero.stage=3"], "converted"),  # ep=2 -> ep=1 ZeRO-3: the converter reads AutoEP's files
     ("mixtral_dp2", ["zero.stage=3", "zero.ep=2"], "converted"),  # ep=1 -> ep=2 ZeRO-3: and writes them
     ("qwen2_moe_ep2_dp4", ["zero.stage=1", "zero.ep=2"], "converted"),  # 2 expert-DP replicas -> 1, ZeRO-1

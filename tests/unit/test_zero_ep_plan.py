@@ -61,8 +61,11 @@ def _olmoe():
     (dict(world=4, zero={"sp": 2}), r"does not run with zero.sp=2 .* set zero.sp=1 or zero.ep=1"),
     (dict(zero={"tiled_mlp": True}), r"zero.tiled_mlp would tile; set zero.tiled_mlp=false"),
     (dict(hf={"router_jitter_noise": 0.1}), r"router_jitter_noise=0.1 would be ignored; set router_jitter_noise=0"),
-    (dict(lora={"rank": 8, "target_modules": ["q_proj"]}), r"does not run with LoRA: .*None of the param groups "
-                                                           r"are marked as MoE.* set lora.rank=0 .* or zero.ep=1"),
+    (dict(lora={"rank": 8, "target_modules": ["q_proj"], "modules_to_save": ["gate"]},
+          model={"init": "pretrained"}),
+     r"does not train lora.modules_to_save=\['gate'\]: AutoEP replaces the MoE blocks' routers and experts .* "
+     r"leave them out .* or zero.ep=1"),
+    (dict(lora={"rank": 8, "target_modules": ["q_proj"]}), r"with LoRA needs model.init=pretrained: hf_final/ merges"),
     (dict(train={"objective": "orpo"}, data={"template": "preference", "packing": "documents"}),
      r"tested with train.objective=sft only, not orpo; set zero.ep=1 for orpo"),
     (dict(zero={"offload_optimizer": True}), r"not tested with offloading .* unset them, or set zero.ep=1"),
@@ -73,6 +76,13 @@ def test_refusals_name_the_fix(kwargs, message):
         kwargs["config"] = _olmoe()
     with pytest.raises(ConfigError, match=message):
         plan(**kwargs)
+
+
+def test_lora_on_attention_is_planned():
+    """Adapters on attention (and shared experts), experts and routers frozen: DeepSpeed runs it as a dense
+    model (``compat/deepspeed_frozen_experts.py``; trained in tests/e2e/test_zero_ep.py)."""
+    p = plan(family="qwen2_moe", lora={"rank": 8}, model={"init": "pretrained"})
+    assert p.layout(2).ep == 2 and "shared_expert.down_proj" in p.lora.targets
 
 
 def test_compat_patch_takes_autoeps_string_keys_and_keeps_models():

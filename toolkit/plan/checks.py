@@ -88,15 +88,35 @@ def _zero_ep_refusals(cfg: RunConfig, spec) -> str | None:
         return (f"routes without jitter, and this model's router_jitter_noise={spec.hf['router_jitter_noise']} would "
                 "be ignored; set router_jitter_noise=0 in its config.json, or zero.ep=1")
     if cfg.lora.enabled or cfg.model.quantize != "none":
-        return ("does not run with LoRA: AutoEP replaces the experts and router peft would wrap, and with them "
-                "frozen (adapters on attention only) DeepSpeed's MoE optimizer refuses to start (\"None of the "
-                "param groups are marked as MoE\"); set lora.rank=0 (full fine-tuning), or zero.ep=1 for LoRA")
+        return _zero_ep_lora_refusal(cfg)
     if cfg.train.objective != "sft":
         return (f"is tested with train.objective=sft only, not {cfg.train.objective}; set zero.ep=1 for "
                 f"{cfg.train.objective}")
     if z.offload_optimizer or z.offload_params:
         return ("is not tested with offloading (zero.offload_optimizer / zero.offload_params); unset them, or set "
                 "zero.ep=1")
+    return None
+
+
+MOE_BLOCK_PARTS = ("gate", "router", "experts", "block_sparse_moe", "mlp")
+"""Last names of what AutoEP replaces in an MoE block (the block, its router, its experts)."""
+
+
+def _zero_ep_lora_refusal(cfg: RunConfig) -> str | None:
+    """LoRA under zero.ep trains adapters on linear layers (attention, shared experts) with the experts and
+    routers frozen (``compat/deepspeed_frozen_experts.py``); AutoEP replaces the router and experts in
+    ``deepspeed.initialize``, so what peft put on them would be dropped."""
+    if cfg.model.quantize != "none":
+        return ("does not run with a 4-bit base (model.quantize): AutoEP repacks the experts into its own "
+                "layer; set model.quantize=none, or zero.ep=1 for QLoRA")
+    moe_parts = [m for m in cfg.lora.modules_to_save if m.rsplit(".", 1)[-1] in MOE_BLOCK_PARTS]
+    if moe_parts:
+        return (f"does not train lora.modules_to_save={moe_parts}: AutoEP replaces the MoE blocks' routers and "
+                "experts with its own modules, so peft's trained copies would be dropped; leave them out (LoRA "
+                "trains attention and shared experts under zero.ep, experts and routers frozen), or zero.ep=1")
+    if cfg.model.init != "pretrained":
+        return ("with LoRA needs model.init=pretrained: hf_final/ merges the adapters onto the base read from its "
+                "files (AutoEP's module holds only this rank's experts); set model.init=pretrained")
     return None
 
 

@@ -33,6 +33,7 @@ from toolkit.adapters.deepspeed.ulysses import (
 )
 from toolkit.adapters.deepspeed.zero3 import fill_partitions, hf_zero3_load, zero_init
 from toolkit.adapters.hf import experts_implementation, model_dir, param_groups
+from toolkit.compat.deepspeed_frozen_experts import frozen_experts_as_dense
 from toolkit.config import ConfigError
 from toolkit.engine import DTYPES, StepStats
 from toolkit.loss import LogitScores, tiled_token_loss_sum
@@ -96,10 +97,11 @@ class DeepSpeedEngine:
         if cfg.zero.tiled_mlp:
             tile_mlps(model)
         self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # the token cross-entropy only (config)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=_named_groups(param_groups(model, cfg.train.weight_decay), self.lay.ep),
-            config=self.ds_config,
-            mpu=self.seq.mpu if self.seq else None)
+        with frozen_experts_as_dense() if self.lay.ep > 1 else contextlib.nullcontext():  # LoRA: experts frozen
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=_named_groups(param_groups(model, cfg.train.weight_decay), self.lay.ep),
+                config=self.ds_config,
+                mpu=self.seq.mpu if self.seq else None)
         if self.lay.ep > 1:
             self.setup_records.append(check_autoep_replaced(self.engine.module, plan.model.moe_layers, self.lay.ep,
                                                             self.ds_config["expert_parallel"]["use_grouped_mm"]))
