@@ -811,8 +811,8 @@ TEST_SETS = {  # phase -> (files, -k expression); the rehearsal's expressions: R
                         "tests/gpu/test_packing_gpu.py"], ""),
     "tests_layer": (["tests/gpu/test_gpu.py", "tests/gpu/test_attention_gpu.py", "tests/gpu/test_compile_gpu.py"],
                     LAYER),
-    "tests_more": (["tests/gpu/test_gpu.py", "tests/gpu/test_qlora_gpu.py", "tests/gpu/test_experts_gpu.py"],
-                   f"not ({LAYER})"),
+    "tests_more": (["tests/gpu/test_gpu.py", "tests/gpu/test_qlora_gpu.py", "tests/gpu/test_experts_gpu.py",
+                    "tests/gpu/test_vlm_gpu.py"], f"not ({LAYER})"),
 }
 TEST_STOP_S = 8
 """A test phase stops its pytest this long before the parent would stop the phase, to report the rest."""

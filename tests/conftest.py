@@ -138,3 +138,17 @@ def pytest_terminal_summary(terminalreporter):
         for name, (count, seconds) in sorted(tiers.items()):
             minutes = f"{seconds / 60:.1f} min, summed over workers"
             terminalreporter.write_line(f"{name:12} {count:5d} tests {seconds:8.0f} s ({minutes})")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlms(tmp_path_factory) -> dict:
+    """Tiny random Qwen2.5-VL, Qwen2-VL and LLaVA directories with their processors (``examples/vlm/build.py``),
+    and 64 image-text rows (``examples/vlm/data.py``): ``{"qwen2_5_vl": dir, "qwen2_vl": dir, "llava": dir,
+    "rows": train.jsonl}``."""
+    import warnings
+
+    from tests.helpers.vlm import build_models, write_rows
+    root = tmp_path_factory.mktemp("tiny_vlms")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {**build_models(root), "rows": write_rows(root / "data", 64)}

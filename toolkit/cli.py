@@ -111,7 +111,7 @@ def _add_convert_parsers(sub) -> None:
                         "a LoRA checkpoint or HF-PEFT directory: hf (merged onto its base) or peft (the adapter)")
     c.add_argument("--tp", type=int, default=1, help="megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="megatron pipeline parallel size")
-    c.add_argument("--ep", type=int, default=1, help="megatron expert parallel size (mixture-of-experts models)")
+    c.add_argument("--ep", type=int, default=1, help="expert parallel size: megatron's, or --to zero's zero.ep")
     c.add_argument("--dp", type=int, default=None,
                    help="data parallel size the output is described for (default: --ep for megatron, else 1)")
     c.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage the output is described for")

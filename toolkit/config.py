@@ -56,6 +56,9 @@ class ModelConfig(_Section):
     """A 4-bit base under LoRA adapters (QLoRA, DeepSpeed, bitsandbytes: ``toolkit/lora/quant.py``, docs/lora.md)."""
     quantize_double: bool = True
     """With model.quantize: quantize the quantization constants too (bitsandbytes' double quantization)."""
+    freeze_vision: bool = True
+    """A vision-language model (``docs/vlm.md``): its vision tower stays frozen, the projector and the language
+    model train; false trains the tower too."""
     experts_implementation: Literal["auto", "eager", "grouped_mm"] = "auto"
     """Mixture-of-experts models: how the routed experts compute (transformers' own name and values).
     ``grouped_mm``: one ``torch._grouped_mm`` per projection over all experts' tokens; ``eager``: a loop
@@ -87,6 +90,9 @@ class DataConfig(_Section):
     prompt_column: str = "prompt"
     response_column: str = "response"
     messages_column: str = "messages"
+    images_column: str = "images"
+    """A vision-language model's ``chat`` rows: the images of the row's ``{"type": "image"}`` parts, in order
+    (paths relative to the data file, or bytes; ``docs/vlm.md``)."""
     chosen_column: str = "chosen"
     """``preference``: the preferred answer (text, or a list of assistant messages)."""
     rejected_column: str = "rejected"
@@ -192,6 +198,12 @@ class ZeroConfig(_Section):
     ``sp`` consecutive ranks, attention heads exchanged by all-to-all, so a rank holds the activations of
     seq_len / sp tokens; world = dp x sp (ZeRO shards over the whole world). Needs the attention heads
     and seq_len divisible by sp (the plan names the valid sizes)."""
+    ep: int = Field(1, ge=1)
+    """Expert parallelism of a mixture-of-experts model through DeepSpeed's AutoEP
+    (``adapters/deepspeed/moe.py``): each of ep consecutive ranks holds num_experts / ep experts of every
+    MoE layer and the tokens go to their experts by all-to-all; the rest of the model stays data
+    parallel. Needs a family with an AutoEP preset (mixtral, qwen2_moe, qwen3_moe), experts and the
+    world divisible by ep (the plan names the valid sizes)."""
     tiled_mlp: bool = False
     """Each decoder layer's MLP through DeepSpeed's ``TiledMLP`` (``adapters/deepspeed/tiles.py``): the sequence in
     ceil(seq / hidden) tiles, the MLP's [tokens, intermediate] activations existing one tile at a time

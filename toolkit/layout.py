@@ -23,7 +23,8 @@ DEFAULT_VOCAB_DIVISOR = MegatronConfig.model_fields["make_vocab_size_divisible_b
 class Layout(BaseModel):
     """How a run's ranks split the work. ``dp`` x ``tp`` x ``pp`` x ``cp`` x ``sp`` = ``world`` (``cp``:
     megatron only, ``sp``: DeepSpeed only); megatron carves the ``ep`` expert-parallel ranks out of each
-    DP group (with its CP ranks)."""
+    DP group (with its CP ranks); on DeepSpeed (``zero.ep``, AutoEP) ep consecutive ranks of the dp share
+    each layer's experts."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["deepspeed", "megatron"]
@@ -75,8 +76,8 @@ class Layout(BaseModel):
         """The layout a checkpoint converted for this run is written at (a resume's reshard): its sizes
         as the converter takes them (ZeRO: one partition per rank of dp x sp, stage 2 for a stage-0 run,
         whose engine loads any universal checkpoint) and its vocabulary divisor."""
-        if self.backend == "deepspeed":
-            return Layout.of_sizes("deepspeed", dp=self.zero_partitions, zero_stage=self.zero_stage or 2)
+        if self.backend == "deepspeed":  # (zero.ep: AutoEP's names and per-expert files, ``formats/zero.py``)
+            return Layout.of_sizes("deepspeed", dp=self.zero_partitions, zero_stage=self.zero_stage or 2, ep=self.ep)
         return Layout.of_sizes("megatron", dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
                                vocab_divisor=self.vocab_divisor)
 
@@ -117,7 +118,7 @@ class Layout(BaseModel):
             off += "+offload_params" if self.offload_params else ""
             off += "+offload_activations" if self.offload_activations else ""
             return f"ZeRO-{self.zero_stage}{off} dp={self.dp}" + (f" sp={self.sp}" if self.sp > 1 else "") + \
-                f" ckpt={self.recompute}"
+                (f" ep={self.ep}" if self.ep > 1 else "") + f" ckpt={self.recompute}"
         return f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + \
             (f" cp={self.cp}" if self.cp > 1 else "") + f" recompute={self.recompute}"
 
@@ -127,7 +128,7 @@ class Layout(BaseModel):
         # "as saved")
         if self.backend == "deepspeed":  # ZeRO's files: one per rank of dp x sp (``zero_partitions``)
             return {"dp": self.dp, "tp": 1, "pp": 1, "zero_stage": self.zero_stage} | \
-                ({"sp": self.sp} if self.sp > 1 else {})
+                ({"sp": self.sp} if self.sp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep, "format": "torch_dist",
                 **({"cp": self.cp} if self.cp > 1 else {})}
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from toolkit.config import ConfigError
 from toolkit.device import host_checkpoint
+from toolkit.families.meta import auto_class
 from toolkit.parallel import unit_seed
 from toolkit.plan import Plan
 
@@ -152,8 +152,8 @@ def build_model(plan: Plan, dtype: torch.dtype = torch.float32, device: torch.de
     tests and references on the CPU); ``attention``: as ``finish`` takes it."""
     cfg = plan.config
     if cfg.model.init == "pretrained" and not reads_by_slice(plan):
-        model = AutoModelForCausalLM.from_pretrained(model_dir(cfg.model.name_or_path), dtype=dtype,
-                                                     trust_remote_code=cfg.model.trust_remote_code)
+        model = auto_class(plan.model.hf_config()).from_pretrained(
+            model_dir(cfg.model.name_or_path), dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
         return finish(model.to(device), plan, attention)
     model = empty_model(plan.model.hf_config())
     materialize(model, dtype, device)
@@ -188,6 +188,11 @@ def finish(model: torch.nn.Module, plan: Plan,
             model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_checkpoint)
     model.config.use_cache = False
     set_experts_implementation(model, plan.config.model.experts_implementation)
+    from toolkit.adapters import vlm
+    if vlm.is_vlm(model):  # its tower frozen, document attention on its language model only
+        vlm.freeze(model, plan.config.model.freeze_vision)
+        vlm.use_text_document_attention(model)
+        return model
     # rows carry document_ids, or the model caps or windows its attention: the toolkit's attention
     # applies them whatever transformers would choose (5.17 gives gemma2 sdpa, which drops the softcap)
     if attention is not None:  # it applies the same inside its own exchange

@@ -37,6 +37,10 @@ def runs_on(config: dict) -> dict:
     from toolkit.families import FamilyError, find_family, supported
     from toolkit.formats.canonical import hf_config_object
     from toolkit.layout import divisors, valid_tp
+    if isinstance(config.get("vision_config"), dict):
+        from toolkit.families.vision import describe
+        return {"deepspeed": "ZeRO 0-3 (docs/vlm.md)", "megatron": "refused: the megatron path has no vision tower",
+                "vision": describe(config)}
     family = find_family(config.get("model_type"))
     if family is None:
         return {"deepspeed": "ZeRO 0-3", "megatron": f"no family for model_type={config.get('model_type')!r} "

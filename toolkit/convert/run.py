@@ -161,8 +161,10 @@ def _check_request(hf_config: dict, to: str, layout: Layout, dtype: str | None, 
         raise ConvertError(f"--tp {tp} --pp {pp} --ep {ep} --dp {dp}: each must be >= 1")
     if to == "zero" and stage not in (1, 2, 3):
         raise ConvertError(f"--zero-stage {stage}: choose 1, 2 or 3")
-    if to != "megatron" and (tp, pp, ep) != (1, 1, 1):
-        raise ConvertError(f"--tp/--pp/--ep apply to --to megatron only (got --to {to})")
+    if to != "megatron" and (tp, pp, 1 if to == "zero" else ep) != (1, 1, 1):
+        raise ConvertError(f"--tp/--pp apply to --to megatron only, --ep to megatron and zero (got --to {to})")
+    if to == "zero" and ep > 1:
+        _check_autoep_layout(hf_config, ep, dp)
     if vocab_divisor is not None and (to != "megatron" or vocab_divisor < 1):
         raise ConvertError(f"--vocab-divisor {vocab_divisor}: a positive integer, and for --to megatron only "
                            f"(got --to {to}); use the run's megatron.make_vocab_size_divisible_by")
@@ -171,6 +173,17 @@ def _check_request(hf_config: dict, to: str, layout: Layout, dtype: str | None, 
         if dp % ep:
             raise ConvertError(f"--dp {dp} --ep {ep}: megatron takes the ep ranks from the dp ranks; choose dp a "
                                f"multiple of {ep}")
+
+
+def _check_autoep_layout(config: dict, ep: int, dp: int) -> None:
+    """``--to zero --ep N``: a checkpoint for a ``zero.ep=N`` run (DeepSpeed's AutoEP), whose plan rules apply."""
+    from toolkit.plan.checks import AUTOEP_PRESETS
+    family, experts = config.get("model_type"), _experts(config)
+    if family not in AUTOEP_PRESETS or not experts:
+        raise ConvertError(f"--to zero --ep {ep}: AutoEP checkpoints are written for {sorted(AUTOEP_PRESETS)}, not "
+                           f"{family}; drop --ep")
+    if experts % ep or dp % ep:
+        raise ConvertError(f"--to zero --ep {ep} --dp {dp}: ep must divide the {experts} experts and dp")
 
 
 def _check_megatron_layout(config: dict, tp: int, pp: int, ep: int = 1) -> None:

@@ -67,6 +67,9 @@ class PackedData:
     stream: Any = None
     """``data.streaming``: the ``stream.StreamBatches`` that makes each global batch (``train`` then holds
     only its first chunk's rows, read to check the source)."""
+    images: Any = None
+    """A vision-language model's rows (``data/vision.py``): the ``VisionBatches`` that adds each micro-batch's
+    pixels (rows then carry ``images`` and ``image_tokens`` columns)."""
     num_identical_pairs: int = 0
     """Template ``preference``: pairs whose chosen and rejected answers tokenize the same, dropped (their
     DPO margin is 0 whatever the weights: no gradient, only a diluted batch mean)."""

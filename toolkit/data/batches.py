@@ -62,19 +62,21 @@ def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def rank_micro_batches(ds: datasets.Dataset, indices: list[int], dp_rank: int, dp_size: int,
-                       micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+                       micro_batch_size: int, images=None) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches of a global batch: rank r takes the r-th contiguous slice of
     ``indices`` (``len(indices) / dp_size`` samples), split in order into micro-batches, each
-    ``{"input_ids": LongTensor [mbs, seq_len], "labels": LongTensor [mbs, seq_len]}``."""
+    ``{"input_ids": LongTensor [mbs, seq_len], "labels": LongTensor [mbs, seq_len]}``; ``images``: a
+    vision-language model's ``data.vision.VisionBatches``, which adds each micro-batch's pixels."""
     per_rank, rest = divmod(len(indices), dp_size)
     if rest or per_rank % micro_batch_size or not 0 <= dp_rank < dp_size:
         raise ValueError(f"{len(indices)} indices cannot be split over dp_size={dp_size} ranks "
                          f"(dp_rank={dp_rank}) in micro-batches of {micro_batch_size}; the global batch "
                          "size must be a multiple of micro_batch_size x dp")
-    return _fetch(ds, indices[dp_rank * per_rank:(dp_rank + 1) * per_rank], micro_batch_size)
+    return _fetch(ds, indices[dp_rank * per_rank:(dp_rank + 1) * per_rank], micro_batch_size, images)
 
 
-def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int,
+           images=None) -> list[dict[str, torch.Tensor]]:
     """One Arrow ``take`` for all of this rank's rows, then views per micro-batch; rows packed by
     documents carry ``document_ids`` too (the engines derive positions and masks from them)."""
     if not len(indices):
@@ -82,7 +84,12 @@ def _fetch(ds: datasets.Dataset, indices: list[int], micro_batch_size: int) -> l
     columns = [c for c in ("input_ids", "labels", "document_ids") if c in ds.column_names]
     rows = ds.with_format("numpy", columns=columns)[[int(i) for i in indices]]
     tensors = {c: torch.from_numpy(np.ascontiguousarray(rows[c], dtype=np.int64)) for c in columns}
-    return [host_batch({c: t[i:i + micro_batch_size] for c, t in tensors.items()})
+    refs = ds.select_columns(["images", "image_tokens"])[[int(i) for i in indices]] if images else None
+
+    def pixels(i: int) -> dict:  # a vision-language model's images of these rows, made now (never cached)
+        cut = slice(i, i + micro_batch_size)
+        return images.pixels(refs["images"][cut], refs["image_tokens"][cut]) if images else {}
+    return [host_batch({c: t[i:i + micro_batch_size] for c, t in tensors.items()} | pixels(i))
             for i in range(0, len(indices), micro_batch_size)]
 
 
@@ -111,7 +118,7 @@ def batch_counts(ds: datasets.Dataset, indices: list[int]) -> dict[str, int]:
 
 
 def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, micro_batch_size: int,
-                       max_batches: int) -> list[dict[str, torch.Tensor]]:
+                       max_batches: int, images=None) -> list[dict[str, torch.Tensor]]:
     """Up to ``max_batches`` micro-batches per rank from the first samples of ``ds`` in fixed
     order, sliced across ranks like ``rank_micro_batches``. Only full micro-batches on every rank
     are used (all ranks must run the same number of equal-shaped forwards), so a set smaller than
@@ -120,4 +127,4 @@ def eval_micro_batches(ds: datasets.Dataset | None, dp_rank: int, dp_size: int, 
         return []
     per_step = dp_size * micro_batch_size
     n = min(len(ds), max_batches * per_step) // per_step * per_step
-    return rank_micro_batches(ds, list(range(n)), dp_rank, dp_size, micro_batch_size)
+    return rank_micro_batches(ds, list(range(n)), dp_rank, dp_size, micro_batch_size, images)

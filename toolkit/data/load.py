@@ -24,7 +24,10 @@ def prepare_data(cfg: RunConfig, tokenizer: "PreTrainedTokenizerBase") -> Packed
 
     Raises DataError before any training for a missing source or column, an empty source, non-text
     values, a prefix that does not fit the tokenizer, or fewer packed train samples than
-    ``train.global_batch_size``."""
+    ``train.global_batch_size``. A vision-language model's image-text rows: ``data/vision.py``."""
+    from toolkit.data.vision import is_vision_model, prepare_vision
+    if is_vision_model(cfg.model.name_or_path):
+        return prepare_vision(cfg)  # the plan refused what it does not take (streaming, blends, prefixes)
     if cfg.data.streaming:
         if cfg.data.weights is not None or indexed_prefixes(cfg):
             raise DataError("data.streaming reads one source of files as it trains; a Megatron prefix is already "

@@ -35,6 +35,10 @@ def prepare_prefix(cfg: RunConfig, out: str, overwrite: bool = False, progress: 
     from toolkit.data.pack import _tokenizer_key  # here, not at the top: workers load no torch
     from toolkit.data.tokenizer import load_tokenizer
     d = cfg.data
+    from toolkit.data.vision import is_vision_model
+    if is_vision_model(cfg.model.name_or_path):
+        raise DataError("toolkit prepare writes token prefixes, and a vision-language model's rows carry images "
+                        "(docs/vlm.md): train from the data file itself")
     if d.template == "preference":
         raise DataError("toolkit prepare writes documents; data.template=preference needs pairs (DPO scores each "
                         "pair before training): train DPO from the source file")

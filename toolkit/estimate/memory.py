@@ -66,6 +66,17 @@ Logits and loss (``logits_loss``, part of the activations), N = b·s tokens, V t
     Megatron (vocab-parallel loss, fp32 upcast): 3·4·N·V/t on the last stage
       the fp32 logits, the softmax it saves and their gradient.
 
+A vision-language model (``docs/vlm.md``): the tower and projector are among Φ (the tower's weights held, at
+ZeRO-3 partitioned too); a frozen tower (``model.freeze_vision``) is not among τ. Image tokens are tokens of s:
+the terms above count them. The tower's own activations per micro-batch, at their bound (every token an image
+token: N_v = m²·b·s patches, m² the patches merged into one image token, Qwen2.5-VL 4, LLaVA 1), with h_v, I_v,
+L_v the tower's width, MLP width and layers and P = 3·t·p² pixel values per patch::
+
+    pixel values           4·N_v·P                      (fp32, the processor's output)
+    tower frozen           + w·N_v·h_v                  the projector's input only
+    tower trained          + L_v·N_v·(9h_v + 4I_v)·w     (2I_v without a gated MLP; checkpointed:
+                                                         L_v·N_v·h_v·w + one layer's)
+
 ``zero.tiled_mlp`` (DeepSpeed's ``TiledMLP``, T = ceil(s / h) tiles): a layer keeps its MLP's input
 only (already among the 4h), not the MLP's intermediates; one tile's intermediates, 1/T of a
 layer's, live while that tile is recomputed in the backward.
@@ -156,7 +167,9 @@ def memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, bucket: int | None = No
 def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, bucket: int,
                       lora_trainable: int | None = None) -> Memory:
     d, stage = lay.dp * lay.sp, lay.zero_stage  # ZeRO partitions over the whole dp x sp world
-    tau = spec.total if lora_trainable is None else lora_trainable  # what trains: gradients, optimizer
+    # what trains (gradients, optimizer): a vision-language model's frozen tower does not (docs/vlm.md)
+    frozen = spec.vision if cfg.model.freeze_vision else spec.vision_unused
+    tau = spec.total - frozen if lora_trainable is None else lora_trainable
     phi = spec.total if lora_trainable is None else spec.total + lora_trainable  # what is held
     weights = _held_weights(cfg, spec, phi, w, d if stage == 3 else 1)
     # Measured (tests/e2e/test_estimate.py): DeepSpeed's ZeRO-1 also reduces each bucket into this
@@ -177,7 +190,7 @@ def _deepspeed_memory(cfg: RunConfig, spec: ModelSpec, lay: Layout, w: int, buck
     loss = (tiled_loss_bytes if cfg.zero.tiled_loss else chunked_loss_bytes)(cfg, spec, w, lay.sp)
     tiles = mlp_tile_count(cfg, spec, lay.sp) if cfg.zero.tiled_mlp else 1
     acts = {r: _activations(cfg, spec, list(range(spec.layers)), 1, 1, r, w, materialized=False, seq_split=lay.sp,
-                            mlp_tiles=tiles) + loss for r in ("none", "full")}
+                            mlp_tiles=tiles) + loss + tower_activations(cfg, spec, w, r) for r in ("none", "full")}
     offloaded = offloaded_inputs(cfg, spec, lay, w)
     acts["full"] -= offloaded
     share = _held_weights(cfg, spec, phi, w, d if stage == 3 else 1)
@@ -304,6 +317,22 @@ def _activations(cfg: RunConfig, spec: ModelSpec, layers: list[int], t: int, in_
     kept = len(layers) * (tokens * h / split * w if recompute == "full" else layer) * in_flight
     recomputing = layer if recompute == "full" else 0  # one layer's full activations during its backward
     return kept + recomputing + (intermediates * tokens / mlp_tiles * w if tiled else 0)
+
+
+def tower_activations(cfg: RunConfig, spec: ModelSpec, w: int, recompute: str) -> float:
+    """A vision-language model's tower per micro-batch (the docstring's formulas), at its bound: every token of
+    the b·s an image token, N_v = m²·b·s patches; 0 for a text model."""
+    if spec.tower is None:
+        return 0.0
+    v = spec.tower
+    patches = v["patches_per_token"] * cfg.train.micro_batch_size * cfg.data.seq_len
+    pixels = 4 * patches * v["patch_inputs"]
+    if cfg.model.freeze_vision:  # no grad through the tower: the projector's input only
+        return pixels + patches * v["hidden"] * w
+    per_patch = 9 * v["hidden"] + (4 if v["glu"] else 2) * v["mlp"]
+    layer = patches * per_patch * w
+    kept = v["layers"] * (patches * v["hidden"] * w if recompute == "full" else layer)
+    return pixels + kept + (layer if recompute == "full" else 0)
 
 
 def mlp_tile_count(cfg: RunConfig, spec: ModelSpec, seq_split: int = 1) -> int:

@@ -33,8 +33,8 @@ from toolkit.plan.model import ModelSpec
 
 
 def zero_ep(cfg: RunConfig) -> int:
-    """``zero.ep`` where the config has the key (DeepSpeed's AutoEP), else 1."""
-    return int(getattr(cfg.zero, "ep", 1) or 1)
+    """``zero.ep``: DeepSpeed's AutoEP expert parallelism (1: none)."""
+    return cfg.zero.ep
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ def estimate(plan: Plan, cluster: Cluster, device_gib: float, ep: int | None = N
     trainable, _ = plan.trainable_parameters()
     return {
         "model": {"model_type": spec.model_type, "params": spec.total, "layers": spec.layers,
-                  "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied, "trainable_params": trainable},
+                  "hidden": spec.hidden, "vocab": spec.vocab, "tied": spec.tied, "trainable_params": trainable,
+                  "vision": spec.vision, "projector": spec.projector, "lora": plan.lora is not None},
         "quantize": _quantize(cfg, spec, lay, bucket, lora, mem),
         "layout": lay.model_dump(), "layout_text": lay.describe(), "cluster": cluster.model_dump(),
         "memory": {**asdict(mem), "model_state": mem.model_state, "total": mem.total},
@@ -137,9 +138,14 @@ def print_estimate(result: dict) -> None:
     mem, model = result["memory"], result["model"]
     console.print(f"model: {model['model_type']}, {model['params'] / 1e6:,.2f} M parameters, {model['layers']} layers, "
                   f"hidden {model['hidden']}, vocab {model['vocab']}{' (tied)' if model['tied'] else ''}")
+    if model.get("vision"):  # a vision-language model: its tower and projector among the parameters
+        console.print(f"vision tower {model['vision']:,} parameters, projector {model['projector']:,} (image tokens "
+                      "are tokens of data.seq_len; the tower's activations and pixel values are counted at their bound, every "
+                      "token an image token)")
     if model["trainable_params"] != model["params"]:  # LoRA: the base frozen, adapters trained
-        console.print(f"trainable: {model['trainable_params']:,} parameters (LoRA adapters; the base is frozen: "
-                      "no gradients or optimizer state for it)")
+        what = "LoRA adapters; the base is frozen" if model.get("lora", True) else "the frozen vision tower has"
+        console.print(f"trainable: {model['trainable_params']:,} parameters ({what}: no gradients or optimizer "
+                      "state for it)")
     if result.get("quantize"):
         q = result["quantize"]
         console.print(f"weights {q['weights_unquantized'] / GiB:,.3f} GiB -> {q['weights'] / GiB:,.3f} GiB per rank with "

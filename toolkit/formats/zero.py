@@ -22,6 +22,7 @@ any DP size and stage with ``"checkpoint": {"load_universal": true}``.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,7 +49,8 @@ class ZeroSource(Source):
         self.stage, self.dp, self.frozen = self.index.stage, self.index.dp, self.index.frozen
         self.files = self.index.files
         self.has_optimizer = True
-        self.layout = layout_record("deepspeed", dp=self.dp, zero_stage=self.stage)
+        self.layout = layout_record("deepspeed", dp=self.dp, zero_stage=self.stage,
+                                    ep=self.index.autoep.ep if self.index.autoep else 1)
         self.infos = {n: TensorInfo(s, torch.float32) for n, s in self.index.shapes.items()}
         self._frags = self.index.frags
         self._unpack_modules()
@@ -117,6 +119,10 @@ class UniversalSource(Source):
             if not (zero / name / "fp32.pt").is_file():
                 raise ConvertError(f"{zero / name / 'fp32.pt'}: missing; the universal checkpoint is incomplete")
             shapes[name] = tuple(meta["shapes"][name]) if "shapes" in meta else tuple(self._load(name, "fp32").shape)
+        self._folders = {name: [name] for name in shapes}
+        """Module parameter -> the folders it is read from (an AutoEP checkpoint's fused experts: two, on dim 1)."""
+        if any(name.endswith(".experts.w1") for name in shapes):
+            shapes = self._autoep_as_transformers(shapes)
         if self.tied:
             shapes.pop("lm_head.weight", None)
         self._pieces = module_layout(hf_config, shapes)  # per-parameter folders hold module parameters
@@ -127,8 +133,29 @@ class UniversalSource(Source):
         self.layout = universal_layout(meta)
         self.optimizer_hparams = dict(meta.get("hparams", {}))
 
+    def _autoep_as_transformers(self, shapes: dict) -> dict:
+        """A universal checkpoint for a ``zero.ep`` run (``as_autoep``) in transformers' module names and
+        shapes (``zero_autoep.py``'s table; the router's alias dropped)."""
+        from toolkit.formats.zero_autoep import AUTOEP_EXPERTS, ROUTER_ALIAS, hf_name
+        blocks = {n[:-len(".experts.w1")] for n in shapes if n.endswith(".experts.w1")}
+        out, folders = {}, {}
+        for name, shape in shapes.items():
+            block, _, part = name.rpartition(".experts.")
+            if block in blocks and part in ("w1", "w2", "w3"):
+                for fused, parts in AUTOEP_EXPERTS.items():
+                    if part == parts[0]:
+                        names = [f"{block}.experts.{p}" for p in parts]
+                        out[f"{block}.experts.{fused}"] = (shape[0], sum(shapes[n][1] for n in names), *shape[2:])
+                        folders[f"{block}.experts.{fused}"] = names
+            elif not any(name == f"{b}.{ROUTER_ALIAS}" for b in blocks):
+                out[hf_name(name, blocks)], folders[hf_name(name, blocks)] = shape, [name]
+        self._folders = folders
+        return out
+
     def _load(self, name: str, key: str) -> torch.Tensor:
-        return safe_load(self.path / "zero" / name / f"{key}.pt")["param"]
+        folders = getattr(self, "_folders", {}).get(name, [name])
+        parts = [safe_load(self.path / "zero" / folder / f"{key}.pt")["param"] for folder in folders]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def read(self, name: str, state: str = "param") -> torch.Tensor:
         piece, key = self._pieces[name], "fp32" if state == "param" else state
@@ -176,7 +203,9 @@ def write_zero(source: Source, engine_dir: Path, *, layout: Layout, weights_only
         if progress:
             progress(module, _dtype(source, shape, pieces).itemsize * math.prod(shape) * (3 if moments else 1))
     dp = layout.zero_partitions
-    record = layout_record("deepspeed", dp=dp, zero_stage=layout.zero_stage)
+    record = layout_record("deepspeed", dp=dp, zero_stage=layout.zero_stage, ep=layout.ep)
+    if layout.ep > 1:  # a zero.ep run's engine: AutoEP's module names, and its per-expert files
+        modules = as_autoep(tag, modules)
     shapes = {m: list(shape) for m, (shape, _) in modules.items()}
     torch.save({"param_groups": [{} for _ in range(UNIVERSAL_GROUPS)], "ds_version": ds_version,
                 "optimizer_state_dict": {"state": {0: {"step": opt_step}}, "param_groups": [{}]},
@@ -189,6 +218,65 @@ def write_zero(source: Source, engine_dir: Path, *, layout: Layout, weights_only
     for latest in ("latest", "latest_universal"):
         (engine_dir / latest).write_text(tag.name)
     return record
+
+
+def as_autoep(tag: Path, modules: dict) -> dict:
+    """The universal folder ``tag/zero/`` written in transformers' module names, as a ``zero.ep`` engine
+    (DeepSpeed's AutoEP) loads it: each block's ``gate_up_proj`` split into ``w1``/``w3`` and ``down_proj``
+    as ``w2``, full ``[E, ...]`` marked as expert parameters (DeepSpeed's universal load slices each EP
+    rank's experts), the router under both of AutoEP's names, the shared expert renamed (``zero_autoep.py``'s
+    table, reversed); plus ``layer_L_expert_E_mp_rank_00_model_states.pt`` per expert, which DeepSpeed
+    reads for the module's expert weights before the fp32 masters. Returns ``modules`` renamed."""
+    zero = tag / "zero"
+    blocks = [n[:-len(".experts.gate_up_proj")] for n in modules if n.endswith(".experts.gate_up_proj")]
+    renamed = {}
+    for name, value in modules.items():
+        block = next((b for b in blocks if name.startswith(b + ".")), None)
+        if block is None:
+            renamed[name] = value
+            continue
+        rest = name[len(block) + 1:]
+        if rest.startswith("experts."):
+            continue  # below, per block
+        for autoep in _autoep_names(rest):
+            target = f"{block}.{autoep}"
+            shutil.copytree(zero / name, zero / target)
+            renamed[target] = value
+        shutil.rmtree(zero / name)
+    for layer_id, block in enumerate(blocks):
+        renamed.update(_split_experts(zero, tag, block, layer_id, modules))
+    return renamed
+
+
+def _autoep_names(rest: str) -> list[str]:
+    """AutoEP's names of a transformers parameter within a MoE block (the router: both of them)."""
+    from toolkit.formats.zero_autoep import AUTOEP_RENAMES
+    return [autoep + rest[len(hf):] for autoep, hf in AUTOEP_RENAMES if rest.startswith(hf)] or [rest]
+
+
+def _split_experts(zero: Path, tag: Path, block: str, layer_id: int, modules: dict) -> dict:
+    """One block's fused experts as AutoEP's w1/w3/w2 in ``zero/``, and the per-expert model-states files."""
+    from toolkit.formats.zero_autoep import AUTOEP_EXPERTS
+    out, weights = {}, {}
+    for fused, parts in AUTOEP_EXPERTS.items():
+        source = zero / f"{block}.experts.{fused}"
+        shape = modules[f"{block}.experts.{fused}"][0]
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            whole = torch.load(source / f"{state}.pt", weights_only=True)["param"]
+            for part, tensor in zip(parts, whole.chunk(len(parts), dim=1)):
+                (zero / f"{block}.experts.{part}").mkdir(exist_ok=True)
+                torch.save({"param": tensor.contiguous(), "cat_dim": 0, "is_expert_param": True,
+                            "ep_num_experts": shape[0]}, zero / f"{block}.experts.{part}" / f"{state}.pt")
+                if state == "fp32":
+                    weights[part] = tensor
+        for part in parts:
+            shutil.copyfile(source / "step.pt", zero / f"{block}.experts.{part}" / "step.pt")
+            out[f"{block}.experts.{part}"] = (tuple(weights[part].shape), [])
+        shutil.rmtree(source)
+    for e in range(next(iter(weights.values())).shape[0]):
+        torch.save({f"{block}.experts.{p}.{e}": weights[p][e].clone() for p in ("w1", "w2", "w3")},
+                   tag / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt")
+    return out
 
 
 def _module_params(source: Source) -> dict[str, tuple[tuple[int, ...], list]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.formats.errors import ConvertError
+from toolkit.formats.zero_autoep import AUTOEP_EXPERTS, AutoEPLayout, hf_name
 from toolkit.storage import UnsafeTag, read_tag
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -98,9 +99,15 @@ class ZeroIndex:
         self.frags: dict[str, list[Frag]] = {}
         self.frozen: set[str] = set()
         """Parameters DeepSpeed saved as frozen (no optimizer state)."""
+        self.autoep = AutoEPLayout.of(model)
+        """A ``zero.ep`` run's expert parallelism (DeepSpeed's AutoEP), or None."""
+        if self.autoep and self.dp % self.autoep.ep:
+            raise ConvertError(f"{tag_dir}: AutoEP ep={self.autoep.ep} does not divide the {self.dp} rank files")
         (self._index_stage3 if self.stage == 3 else self._index_stage12)(model["param_shapes"])
         self._index_frozen(model, load)
         self._add_shared(model.get("shared_params") or {}, tied)
+        if self.autoep:
+            self._as_transformers()
         self.hparams = _hparams(self.groups_state(0))
         self.step = _optimizer_step(self.groups_state(0), model.get("global_steps", 0))
 
@@ -128,14 +135,26 @@ class ZeroIndex:
         paddings = self.opt[0].get("param_alignment_paddings")
         for g, group in enumerate(shapes):
             part = self.opt[0]["single_partition_of_fp32_groups"][g].numel()
+            ranks = self._partition_ranks(group)
             offset = 0
             for i, (name, shape) in enumerate(group.items()):
                 numel = math.prod(shape)
-                self._add(name, shape, self._split_range(g, offset, numel, part))
+                frags = [[Frag(rs[f.rank], f.group, f.start, f.length) for f in self._split_range(g, offset, numel, part)]
+                         for rs in ranks]
+                self._add(name, _whole_shape(shape, len(ranks)), [f for fs in frags for f in fs])
                 offset += numel + (paddings[g][i] if paddings else 0)
-            if offset > part * self.dp:
+            if offset > part * len(ranks[0]):
                 raise ConvertError(f"{self.path}: group {g} needs {offset} elements, the partitions hold "
-                                   f"{part * self.dp}; param_shapes do not match the optimizer states")
+                                   f"{part * len(ranks[0])}; param_shapes do not match the optimizer states")
+
+    def _partition_ranks(self, group: dict) -> list[list[int]]:
+        """The ranks whose files hold a group's partitions, in partition order: all of them for a dense
+        group; for an AutoEP expert group one list per EP rank (its experts, in expert order), each its
+        expert-data-parallel ranks (the group's parameters are then the EP ranks' pieces concatenated)."""
+        if not (self.autoep and group and all(self.autoep.is_expert(n) for n in group)):
+            return [list(range(self.dp))]
+        ep = self.autoep.ep
+        return [[self.autoep.rank(e, r) for r in range(self.dp // ep)] for e in range(ep)]
 
     @staticmethod
     def _split_range(g: int, offset: int, numel: int, part: int) -> list[Frag]:
@@ -149,13 +168,19 @@ class ZeroIndex:
         return frags
 
     def _index_stage3(self, shapes: list[dict]) -> None:
-        """Each param's chunk lies at the same offset in every rank's flat group."""
+        """Each param's chunk lies at the same offset in every rank's flat group (of its partition ranks:
+        an AutoEP expert's, ``_partition_ranks``; each EP rank's pieces end where its experts end)."""
         for g, group in enumerate(shapes):
+            ranks = self._partition_ranks(group)
             offset = 0
             for name, shape in group.items():
                 numel = math.prod(shape)
-                chunk = math.ceil(numel / self.dp)
-                self._add(name, shape, [Frag(r, g, offset, chunk) for r in range(self.dp)])
+                chunk = math.ceil(numel / len(ranks[0]))
+                frags = [Frag(r, g, offset, chunk) for rs in ranks for r in rs]
+                if len(ranks) > 1:  # each EP rank's tail padding left out: their pieces follow each other
+                    for k in range(len(ranks[0]) - 1, len(frags), len(ranks[0])):
+                        frags[k] = dataclasses.replace(frags[k], length=numel - chunk * (len(ranks[0]) - 1))
+                self._add(name, _whole_shape(shape, len(ranks)), frags)
                 offset += chunk
             have = self.opt[0]["fp32_flat_groups"][g].numel()
             if offset != have:
@@ -188,7 +213,7 @@ class ZeroIndex:
         """Stage 1/2 save the whole module state dict beside the optimizer's partitions; its
         parameters that neither the optimizer nor ``frozen_param_shapes`` holds were frozen."""
         buffers = set(model.get("buffer_names") or ())
-        aliases = set(model.get("shared_params") or {})
+        aliases = set(model.get("shared_params") or {}) | (self.autoep.aliases() if self.autoep else set())
         for name, tensor in (model.get("module") or {}).items():
             if name in self.shapes or name in recorded or name in buffers or name in aliases:
                 continue
@@ -213,6 +238,41 @@ class ZeroIndex:
             for head in TIED_HEADS:
                 self.shapes.pop(head, None)
                 self.frags.pop(head, None)
+
+
+    def _as_transformers(self) -> None:
+        """An AutoEP checkpoint's parameters under transformers' module names and shapes
+        (``zero_autoep.py``'s table): each block's ``w1``/``w3`` interleaved per expert into ``gate_up_proj``,
+        ``w2`` as ``down_proj``, the router and shared expert renamed; the order kept."""
+        shapes, frags = {}, {}
+        for name, shape in self.shapes.items():
+            block, _, part = name.rpartition(".experts.")
+            if not self.autoep.is_expert(name):
+                hf = hf_name(name, self.autoep.blocks)
+                shapes[hf], frags[hf] = shape, self.frags[name]
+                continue
+            for fused, parts in AUTOEP_EXPERTS.items():
+                if part == parts[0]:
+                    fused_name = f"{block}.experts.{fused}"
+                    pieces = [(self.shapes[f"{block}.experts.{p}"], self.frags[f"{block}.experts.{p}"]) for p in parts]
+                    shapes[fused_name] = (shape[0], sum(s[1] for s, _ in pieces), *shape[2:])
+                    frags[fused_name] = _per_expert_concat(pieces, shape[0])
+        self.shapes, self.frags = shapes, frags
+
+
+def _whole_shape(shape, pieces: int) -> tuple[int, ...]:
+    """A parameter's shape when ``pieces`` EP ranks' shards of it are concatenated on dim 0."""
+    return (shape[0] * pieces, *shape[1:]) if pieces > 1 else tuple(shape)
+
+
+def _per_expert_concat(pieces: list[tuple[tuple, list[Frag]]], experts: int) -> list[Frag]:
+    """The fragments of ``cat(parts, dim=1)`` of ``[E, rows_i, ...]`` parts: per expert, each part's slab."""
+    out = []
+    for e in range(experts):
+        for shape, frags in pieces:
+            slab = math.prod(shape[1:])
+            out += sub_frags(frags, e * slab, (e + 1) * slab)
+    return out
 
 
 TIED_HEADS = ("lm_head.weight", "base_model.model.lm_head.weight")

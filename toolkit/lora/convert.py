@@ -145,6 +145,29 @@ def save_peft(model: torch.nn.Module, trained: dict[str, torch.Tensor], out: Pat
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
 
 
+def _module_named(base):
+    """A vision-language base's reader under module names (``families.meta.module_names``: transformers'
+    renaming rules), so adapters named after modules find their weights; a checkpoint already so named is
+    unchanged by them."""
+    from toolkit.families.meta import module_names
+    from toolkit.formats.canonical import Source, hf_config_object
+    try:
+        to_module = module_names(hf_config_object(base.hf_config), list(base.infos))
+    except ValueError as exc:
+        raise ConvertError(f"the vision-language base {base.path}: {exc}; merge with peft instead "
+                           "(PeftModel.from_pretrained(base, adapter).merge_and_unload())") from None
+    to_file = {m: n for n, m in to_module.items()}
+
+    class ModuleNamed(Source):
+        collective = False
+
+        def read(self, name: str, state: str = "param"):
+            return base.read(to_file[name], state)
+
+    return ModuleNamed(path=base.path, format=base.format, hf_config=base.hf_config,
+                       infos={to_module[n]: i for n, i in base.infos.items()}, carry_files=list(base.carry_files))
+
+
 def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]):
     """The base's HF reader with each adapted weight merged, W + scaling x B @ A in fp32 with each
     layer's own scaling, and each module to save replaced by its trained copy; every tensor fp32.
@@ -164,6 +187,8 @@ def merged_source(base, model: torch.nn.Module, trained: dict[str, torch.Tensor]
                 return tensor.float()
             return merged_weight(tensor, *pairs[name])
 
+    if isinstance(base.hf_config.get("vision_config"), dict):  # hub names, the adapters' are module names
+        base = _module_named(base)
     absent = sorted(set(pairs) - set(base.infos)) + sorted(set(saved) - set(base.infos))
     if absent:
         raise ConvertError(f"the base checkpoint {base.path} lacks the adapted tensors {absent[:5]}")

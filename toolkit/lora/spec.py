@@ -79,11 +79,14 @@ class _Names:
     """The model's modules by name; those LoRA may adapt; the output layer; packed experts' names."""
 
     def __init__(self, model: torch.nn.Module):
+        from toolkit.families.vision import find_vision
         self.modules = dict(model.named_modules())
         out = model.get_output_embeddings()
         self.output = {n for n, m in self.modules.items() if m is out}
+        vision = find_vision(getattr(model.config, "model_type", None))  # a VLM: never its vision tower
+        self.tower = {n for n in self.modules if vision is not None and vision.is_tower(n)}
         self.eligible = {n: m for n, m in self.modules.items()
-                         if is_linear(m) and not is_gate(n, m) and n not in self.output}
+                         if is_linear(m) and not is_gate(n, m) and n not in self.output and n not in self.tower}
         self.packed = [f"{n}.{p}" for n, m in self.modules.items() for p, t in m.named_parameters(recurse=False)
                        if t.ndim == 3]
 
@@ -145,6 +148,8 @@ def _check_target(target: str, names: _Names) -> None:
     if wrong:
         module = names.modules[wrong[0]]
         what = ("the output layer (train it in full: lora.modules_to_save)" if wrong[0] in names.output
+                else "a layer of the vision tower, which stays frozen under LoRA (adapters go on the language "
+                     "model and the projector)" if wrong[0] in names.tower
                 else "an MoE gate (router), which LoRA never adapts" if is_gate(wrong[0], module)
                 else f"a {type(module).__name__}, not a linear layer")
         raise ConfigError(f"lora.target_modules: {target!r} matches {wrong[0]}, {what}; valid names: "

@@ -26,7 +26,7 @@ from toolkit.config import ConfigError, RunConfig
 from toolkit.layout import Layout
 from toolkit.lora.spec import LoraSpec, resolve_lora
 from toolkit.objectives import Objective, resolve
-from toolkit.plan.checks import check_layout
+from toolkit.plan.checks import check_layout, check_vision
 from toolkit.plan.model import ModelSpec, load_hf_config, model_code_dir, model_spec, read_config_json
 from toolkit.plan.presets import resolve_ds_config, with_ds_json_values, with_megatron_preset
 
@@ -59,8 +59,9 @@ class Plan(BaseModel):
     def trainable_parameters(self) -> tuple[int, int]:
         """(trained, all) parameters: a LoRA run trains its adapters (and modules to save, whose
         trained copies sit beside the frozen originals); otherwise every parameter trains."""
-        if self.lora is None:
-            return self.model.total, self.model.total
+        if self.lora is None:  # a vision-language model's frozen tower (docs/vlm.md) does not train
+            frozen = self.model.vision_unused if not self.config.model.freeze_vision else self.model.vision
+            return self.model.total - frozen, self.model.total
         return self.lora.trainable, self.model.total + self.lora.trainable
 
     def ds_config(self, world: int) -> dict:
@@ -76,15 +77,19 @@ def build_plan(cfg: RunConfig, worlds: list[int], hf_config=None) -> Plan:
     written = read_config_json(cfg.model.name_or_path) if hf_config is None else None
     if hf_config is None:
         hf_config = load_hf_config(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    from toolkit.families.vision import is_vision_config
+    vision = is_vision_config(hf_config)
+    if vision:  # a vision-language model: what its path takes (docs/vlm.md)
+        check_vision(cfg, hf_config)
     if cfg.model.quantize != "none":  # a 4-bit base: its refusals first (megatron has no such path)
         from toolkit.device import rank_device
         from toolkit.lora.quant import check_quantize
         check_quantize(cfg, hf_config, rank_device().type)
-    if cfg.backend == "megatron":
+    if cfg.backend == "megatron" and not vision:
         _check_family(cfg, hf_config, written)
     spec = model_spec(hf_config, model_code_dir(cfg.model.name_or_path, hf_config))
     layouts = {w: check_layout(cfg, spec, w) for w in sorted(set(worlds))}
-    ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden) for w, lay in layouts.items()} \
+    ds = {w: resolve_ds_config(cfg, lay.dp, spec.hidden, spec.model_type) for w, lay in layouts.items()} \
         if cfg.backend == "deepspeed" else {}
     return Plan(config=cfg, model=spec, layouts=layouts, ds_configs=ds, lora=_lora(cfg, hf_config))
 

@@ -13,9 +13,12 @@ def check_layout(cfg: RunConfig, spec, world: int) -> Layout:
     each message; the validated layout. ``spec``: the ``ModelSpec`` (heads, layers, experts)."""
     if cfg.zero.sp > 1:
         _check_ulysses(cfg, spec, world)
+    if cfg.zero.ep > 1:
+        check_zero_ep(cfg, spec, world)
     _check_experts_implementation(cfg, spec)
     if cfg.backend == "deepspeed":
-        lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, zero_stage=cfg.zero.stage,
+        lay = Layout(backend="deepspeed", world=world, dp=world // cfg.zero.sp, sp=cfg.zero.sp, ep=cfg.zero.ep,
+                     zero_stage=cfg.zero.stage,
                      offload_optimizer=cfg.zero.offload_optimizer, offload_params=cfg.zero.offload_params,
                      offload_activations=cfg.zero.offload_activations,
                      recompute="full" if cfg.model.activation_checkpointing else "none")
@@ -44,6 +47,57 @@ def _check_ulysses(cfg: RunConfig, spec, world: int) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by zero.sp={sp}, which splits every "
                           f"row's tokens; choose seq_len a multiple of {sp}, or sp in "
                           f"{[s for s in heads if cfg.data.seq_len % s == 0 and world % s == 0]}")
+
+
+AUTOEP_PRESETS = {"mixtral": "mixtral", "qwen2_moe": "qwen3_moe", "qwen3_moe": "qwen3_moe"}
+"""Families DeepSpeed 0.19.8's AutoEP converts, and its preset for each (its ``qwen3_moe`` preset declares
+``qwen2_moe`` too, with the gated shared expert); the toolkit's tests cover these three."""
+
+
+def check_zero_ep(cfg: RunConfig, spec, world: int) -> None:
+    """``zero.ep``: DeepSpeed's AutoEP on a family it has a preset for, experts and ranks divisible by ep,
+    and none of the features it was not tested with (each refusal names the fix)."""
+    ep, family = cfg.zero.ep, spec.model_type
+    if not spec.experts:
+        raise ConfigError(f"zero.ep={ep} is expert parallelism and needs a mixture-of-experts model; {family} has "
+                          "no experts: unset zero.ep")
+    if family not in AUTOEP_PRESETS:
+        raise ConfigError(f"zero.ep={ep}: DeepSpeed's AutoEP has no preset for {family} (the toolkit runs it for "
+                          f"{', '.join(sorted(AUTOEP_PRESETS))}); set zero.ep=1 (ZeRO shards the experts) or "
+                          "backend=megatron with megatron.ep")
+    fit = [d for d in divisors(spec.experts) if world % d == 0]
+    if spec.experts % ep:
+        raise ConfigError(f"{spec.experts} experts do not divide over zero.ep={ep}; choose zero.ep in {fit}")
+    if world % ep:
+        raise ConfigError(f"world size {world} is not divisible by zero.ep={ep} (ep consecutive ranks share the "
+                          f"experts of each layer); choose zero.ep in {fit} or nproc a multiple of {ep}")
+    refused = _zero_ep_refusals(cfg, spec)
+    if refused:
+        raise ConfigError(f"zero.ep={ep} (DeepSpeed's AutoEP) {refused}")
+
+
+def _zero_ep_refusals(cfg: RunConfig, spec) -> str | None:
+    """What ``zero.ep > 1`` does not run with, as "does not ... ; fix" (None: nothing)."""
+    z = cfg.zero
+    if z.sp > 1:
+        return (f"does not run with zero.sp={z.sp} (AutoEP refuses sequence parallelism at ZeRO-3 and the toolkit "
+                "has not tested it below); set zero.sp=1 or zero.ep=1")
+    if z.tiled_mlp:
+        return "replaces the MoE blocks that zero.tiled_mlp would tile; set zero.tiled_mlp=false"
+    if spec.hf.get("router_jitter_noise"):
+        return (f"routes without jitter, and this model's router_jitter_noise={spec.hf['router_jitter_noise']} would "
+                "be ignored; set router_jitter_noise=0 in its config.json, or zero.ep=1")
+    if cfg.lora.enabled or cfg.model.quantize != "none":
+        return ("does not run with LoRA: AutoEP replaces the experts and router peft would wrap, and with them "
+                "frozen (adapters on attention only) DeepSpeed's MoE optimizer refuses to start (\"None of the "
+                "param groups are marked as MoE\"); set lora.rank=0 (full fine-tuning), or zero.ep=1 for LoRA")
+    if cfg.train.objective != "sft":
+        return (f"is tested with train.objective=sft only, not {cfg.train.objective}; set zero.ep=1 for "
+                f"{cfg.train.objective}")
+    if z.offload_optimizer or z.offload_params:
+        return ("is not tested with offloading (zero.offload_optimizer / zero.offload_params); unset them, or set "
+                "zero.ep=1")
+    return None
 
 
 def _check_experts_implementation(cfg: RunConfig, spec) -> None:
@@ -170,3 +224,45 @@ def _check_uneven_split(m, layers: int) -> None:
                           "evenly with at least one layer each")
 
 
+
+
+def check_vision(cfg: RunConfig, hf_config) -> None:
+    """A vision-language model (``families/vision.py``, ``docs/vlm.md``): what its path takes, each refusal
+    with its reason and fix."""
+    from toolkit.families.vision import find_vision
+    kind = f"model_type={hf_config.model_type!r} is a vision-language model"
+    if find_vision(hf_config.model_type) is None:
+        raise ConfigError(f"{kind} the toolkit has no vision table for: add its entry (tower, projector, image "
+                          "token) to toolkit/families/vision.py")
+    if cfg.model.init == "random" and not find_vision(hf_config.model_type).seeded_init:
+        raise ConfigError(f"{kind} whose top-level init does not draw its vision tower as the tower's own class "
+                          "does (measured: some tower parameters left uninitialized), so model.init=random is "
+                          "refused: save the model with transformers (AutoModelForImageTextToText.from_config(...)"
+                          ".save_pretrained(DIR); examples/vlm/build.py does) and use model.init=pretrained")
+    if cfg.backend == "megatron":
+        raise ConfigError(f"{kind}, and the toolkit's megatron path builds a GPTModel from family tables, with no "
+                          "vision tower: use backend=deepspeed")
+    d = cfg.data
+    refusals = [
+        (cfg.train.objective != "sft", f"train.objective={cfg.train.objective}: preference pairs with images are "
+                                        "not built yet: use train.objective=sft"),
+        (d.template != "chat", f"data.template={d.template!r}: its rows are image-text conversations; set "
+                               "data.template=chat (messages with {'type': 'image'} parts, images in data.images_column)"),
+        (d.packing_mode == "concat", "data.packing=concat would cut an image's tokens across rows: use "
+                                     "data.packing=documents or pad"),
+        (d.overflow == "split" and "overflow" in d.model_fields_set,
+         "data.overflow=split would cut an image's tokens: use data.overflow=drop (documents longer than "
+         "data.seq_len are dropped and counted; raise data.seq_len to keep them)"),
+        (d.streaming or d.weights is not None or d.format == "megatron",
+         "its rows are read from one file source (data.streaming, blends and Megatron prefixes carry no images): "
+         "unset them"),
+        (cfg.zero.sp > 1, f"zero.sp={cfg.zero.sp}: the model merges image features into the whole sequence "
+                          "before any split: unset zero.sp"),
+        (cfg.zero.tiled_mlp or cfg.zero.tiled_loss, "zero.tiled_mlp/tiled_loss are not measured on vision "
+                                                   "models (tiling would reach the tower's MLPs): unset them"),
+        (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}: a 4-bit vision-language base is not "
+                                       "built yet: set model.quantize=none"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{kind}: {why}")

@@ -44,13 +44,26 @@ class ModelSpec(BaseModel):
     """Routed experts per MoE layer (0: a dense model)..."""
     experts_per_token: int = 0
     """...of which each token uses this many."""
+    vision: int = 0
+    """A vision-language model's vision tower (``families/vision.py``; its projector not included)."""
+    projector: int = 0
+    """...and its projector from the tower into the language model."""
+    vision_unused: int = 0
+    """Of ``vision``: parameters the forward never reaches (always frozen: ``families/vision.py``)."""
+    tower: dict | None = None
+    """A vision-language model's tower dimensions (``families.vision.tower_shape``: the estimate reads them)."""
     code_dir: str | None = None
     """The model directory whose own Python defines the model's classes (``model.trust_remote_code``:
     its config.json's ``auto_map``); None: transformers' own classes."""
 
     @property
     def total(self) -> int:
-        return self.embedding + self.output + sum(self.per_layer) + self.other
+        return self.embedding + self.output + sum(self.per_layer) + self.other + self.vision + self.projector
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with routed experts."""
+        return sum(1 for n in self.per_layer_experts if n)
 
     @property
     def kv_width(self) -> int:
@@ -71,27 +84,37 @@ def model_spec(hf_config, code_dir: str | None = None) -> ModelSpec:
     ``code_dir``: the trusted directory ``hf_config``'s class came from (``model.trust_remote_code``)."""
     from toolkit.families import attention_dims
     from toolkit.families.meta import meta_model
+    from toolkit.families.vision import find_vision, tower_shape
     model = meta_model(hf_config)
-    counts = _parameter_counts(model, hf_config.num_hidden_layers)
-    heads, kv_heads, head_dim = attention_dims(hf_config)
-    act = str(getattr(hf_config, "hidden_act", getattr(hf_config, "activation_function", "gelu")))
-    mlp = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * hf_config.hidden_size
+    text = hf_config.get_text_config()  # a vision-language model's dimensions live in its text config
+    counts = _parameter_counts(model, text.num_hidden_layers, find_vision(hf_config.model_type))
+    heads, kv_heads, head_dim = attention_dims(text)
+    act = str(getattr(text, "hidden_act", getattr(text, "activation_function", "gelu")))
+    mlp = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * text.hidden_size
     moe = any(counts["per_layer_experts"])
     return ModelSpec(hf=json.loads(hf_config.to_json_string(use_diff=False)), model_type=hf_config.model_type,
-                     layers=hf_config.num_hidden_layers,
-                     hidden=hf_config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
-                     glu="silu" in act or "swiglu" in act, vocab=hf_config.vocab_size, **counts,
-                     quantized=_quantized_weights(model), experts=_routed_experts(hf_config) if moe else 0,
-                     experts_per_token=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if moe else 0,
-                     code_dir=code_dir)
+                     layers=text.num_hidden_layers,
+                     hidden=text.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, mlp_width=mlp,
+                     glu="silu" in act or "swiglu" in act, vocab=text.vocab_size, **counts,
+                     quantized=_quantized_weights(model), experts=_routed_experts(text) if moe else 0,
+                     experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe else 0,
+                     tower=tower_shape(hf_config) if find_vision(hf_config.model_type) else None, code_dir=code_dir)
 
 
-def _parameter_counts(model, layers: int) -> dict:
+def _parameter_counts(model, layers: int, vision=None) -> dict:
+    from toolkit.families.vision import is_frozen
+    """By where parameters live; a vision-language model's tower and projector apart (``vision``: its
+    ``families.vision`` entry), so their blocks never count as decoder layers."""
     emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     tied = emb is out
     per_layer, matrices, experts, other = [0] * layers, [0] * layers, [0] * layers, 0
+    parts = {"vision": 0, "projector": 0, "vision_unused": 0}
     for name, p in model.named_parameters():  # tied weights are listed once
         if p is emb or p is out:
+            continue
+        if vision is not None and (vision.is_tower(name) or vision.is_projector(name)):
+            parts["vision" if vision.is_tower(name) else "projector"] += p.numel()
+            parts["vision_unused"] += p.numel() if is_frozen(name, vision, model.config, False) else 0
             continue
         layer = re.search(r"\.(\d+)\.", name)
         if layer is None:
@@ -102,7 +125,7 @@ def _parameter_counts(model, layers: int) -> dict:
         matrices[i] += p.numel() if p.ndim >= 2 else 0
         experts[i] += p.numel() if ".experts." in name else 0  # transformers' routed experts
     return {"embedding": emb.numel(), "output": 0 if tied else out.numel(), "tied": tied, "per_layer": per_layer,
-            "per_layer_matrices": matrices, "per_layer_experts": experts, "other": other}
+            "per_layer_matrices": matrices, "per_layer_experts": experts, "other": other, **parts}
 
 
 def _quantized_weights(model) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 from toolkit import resources
 from toolkit.config import ConfigError, RunConfig
 from toolkit.config_input import decode_utf8, parse_yaml
+from toolkit.plan.checks import AUTOEP_PRESETS
 
 AUTO = "auto"
 PRESET_KEYS = ("tp", "pp", "vpp", "ep", "first_stage_layers", "last_stage_layers", "sequence_parallel",
@@ -104,10 +105,13 @@ def with_ds_json_values(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
+def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int, model_type: str = "") -> dict:
     """The DeepSpeed JSON for ``dp`` ranks: every "auto" filled from the run config (already through
-    ``with_ds_json_values``); a concrete value that contradicts it is an error naming both."""
+    ``with_ds_json_values``); a concrete value that contradicts it is an error naming both. ``model_type``:
+    the HF family (AutoEP's preset under ``zero.ep``)."""
     ds, source = read_ds_config(cfg)
+    if cfg.zero.ep > 1:
+        _fill_expert_parallel(ds, cfg.zero.ep, model_type, cfg.model.experts_implementation != "eager", source)
     zero = ds.setdefault("zero_optimization", {})
     for section in ("bf16", "fp16"):  # absent means off to DeepSpeed: the run's dtype must be said
         enabled = ds.setdefault(section, {}).setdefault("enabled", AUTO)
@@ -140,6 +144,27 @@ def resolve_ds_config(cfg: RunConfig, dp: int, hidden: int) -> dict:
     _fill_bucket_sizes(zero, hidden)
     _fill_offload(cfg, zero, source)
     return ds
+
+
+AUTOEP_LAYERS = r"(?:base_model\.model\.)?model\.layers\.\d+\.mlp"
+"""AutoEP's MoE layer pattern (``fullmatch``ed on module names): its presets' ``model.layers.N.mlp``, also
+under peft's ``base_model.model.`` prefix, where the preset's own pattern finds nothing and AutoEP would
+replace nothing, silently (the engine counts the replaced layers either way)."""
+
+
+def _fill_expert_parallel(ds: dict, ep: int, model_type: str, grouped: bool, source: str) -> None:
+    """``zero.ep``'s block: AutoEP over ep ranks with the family's preset, its experts as
+    ``model.experts_implementation`` says (``grouped``: torch's ``_grouped_mm``, the default; ``eager``: a
+    loop over the local experts). Triton's grouped-mm kernel off (it compiles C at first use, and the GPU
+    image has no C toolchain for Triton: FIELD_NOTES)."""
+    block = ds.setdefault("expert_parallel", {})
+    wanted = {"enabled": True, "autoep_size": ep, "preset_model": AUTOEP_PRESETS.get(model_type),
+              "moe_layer_pattern": AUTOEP_LAYERS, "use_grouped_mm": grouped, "disable_triton_grouped_mm": True}
+    for key, value in wanted.items():
+        if block.get(key, value) != value:
+            raise ConfigError(f"{source}: expert_parallel.{key}={block[key]!r} contradicts zero.ep={ep} (which sets "
+                              f"{key}={value!r}); remove expert_parallel from the DeepSpeed JSON")
+        block[key] = value
 
 
 def _fill(ds: dict, keys: tuple[str, ...], value: Any, source: str) -> None:

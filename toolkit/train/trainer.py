@@ -101,6 +101,8 @@ class Trainer:
                 self._after_step()
         if self.cfg.train.export_hf:
             self.engine.export_hf(self.run_dir / "hf_final", self.tokenizer, beat=self._phase("export"))
+            if self.data.images is not None and dist.get_rank() == 0:  # a vision-language model's processor
+                self.data.images.copy_processor_files(self.run_dir / "hf_final")
         self.checkpoints.poll(wait=True)  # the last checkpoint is committed before we report success
 
     def _log_parameters(self) -> None:
@@ -119,7 +121,7 @@ class Trainer:
         d, data = self.cfg.data, self.data
         line = f"data.packing={data.packing}: {data.num_documents:,} documents -> {len(data.train):,} train rows"
         if data.packing != "concat":
-            handled = "split" if d.overflow == "split" else "dropped"
+            handled = "split" if d.overflow == "split" and data.images is None else "dropped"  # images: dropped
             line += f"; {data.num_overflow:,} longer than data.seq_len={d.seq_len} ({handled})"
         if data.num_identical_pairs:  # no margin to learn from (toolkit/data/templates.py)
             line += (f"; {data.num_identical_pairs:,} of {data.num_pairs:,} pairs dropped: their chosen and "
@@ -127,7 +129,8 @@ class Trainer:
         self.metrics.note(line)
         self.metrics.log({"event": "packing", "packing": data.packing, "documents": data.num_documents,
                           "train_rows": len(data.train), "overflow_documents": data.num_overflow,
-                          "overflow": d.overflow, "identical_pairs": data.num_identical_pairs})
+                          "overflow": d.overflow if data.images is None else "drop",
+                          "identical_pairs": data.num_identical_pairs})
 
     def _train_step(self, micro_batches, loss_tokens: int, tic: float) -> StepStats:
         # the step's own phase from its start: the eval or save before it beat theirs, whose budgets
@@ -210,7 +213,8 @@ class Trainer:
             ds = self.data.stream.global_batch(step, t.global_batch_size)
         indices = list(range(len(ds))) if self.data.stream is not None else \
             batch_indices(self.data, t.global_batch_size, t.seed, step)
-        micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size)
+        micro = rank_micro_batches(ds, indices, self.engine.dp_rank, self.engine.dp_size, t.micro_batch_size,
+                                   self.data.images)
         if self.reference:
             per_rank = len(indices) // self.engine.dp_size
             micro = self.reference.attach("train", micro, indices[self.engine.dp_rank * per_rank:][:per_rank], indices)
@@ -244,7 +248,8 @@ class Trainer:
             return None
         t = self.cfg.train
         dp_rank, dp_size = self.engine.dp_rank, self.engine.dp_size
-        batches = eval_micro_batches(self.data.eval, dp_rank, dp_size, t.micro_batch_size, t.eval_batches)
+        batches = eval_micro_batches(self.data.eval, dp_rank, dp_size, t.micro_batch_size, t.eval_batches,
+                                     self.data.images)
         if self.reference:  # eval_micro_batches: the first rows, in order, split over the ranks
             n = len(batches) * t.micro_batch_size
             batches = self.reference.attach("eval", batches, list(range(dp_rank * n, (dp_rank + 1) * n)),

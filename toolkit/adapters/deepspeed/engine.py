@@ -12,9 +12,16 @@ import torch
 import torch.distributed as dist
 
 from toolkit import device
-from toolkit.adapters import hf_attention, moe
+from toolkit.adapters import hf_attention, moe, vlm
 from toolkit.adapters.deepspeed.lora import saved_layout, to_universal
-from toolkit.adapters.deepspeed.moe import RouterLoss, experts_as_leaf_modules
+from toolkit.adapters.deepspeed.moe import (
+    RouterLoss,
+    autoep_source,
+    check_autoep_replaced,
+    differs_across_ep_group,
+    experts_as_leaf_modules,
+    prepare_autoep,
+)
 from toolkit.adapters.deepspeed.optimizer import OptimizerChoice, replay_cpu_adam_step_counter, with_available_adam
 from toolkit.adapters.deepspeed.tiles import HiddenStates, tile_mlps
 from toolkit.adapters.deepspeed.ulysses import (
@@ -78,17 +85,24 @@ class DeepSpeedEngine:
             forget_sequence_groups()
         self.router = RouterLoss(cfg, model, self.seq.mpu.get_sequence_parallel_group() if self.seq else None) \
             if moe.is_router_model(model.config) else None
-        if self.router:  # which experts implementation runs (model.experts_implementation; auto: transformers')
+        if self.router and self.lay.ep == 1:  # which experts implementation runs (model.experts_implementation;
+            # auto: transformers'); under zero.ep AutoEP's replace them (the moe record below says how)
             self.setup_records.append({"event": "experts", "experts_implementation": experts_implementation(model),
                                        "requested": cfg.model.experts_implementation})
-        if self.router and cfg.zero.stage == 3:
+        if self.lay.ep > 1:
+            prepare_autoep()  # AutoEP replaces the MoE blocks in deepspeed.initialize
+        elif self.router and cfg.zero.stage == 3:
             experts_as_leaf_modules(model)
         if cfg.zero.tiled_mlp:
             tile_mlps(model)
         self.hidden = HiddenStates(model) if cfg.zero.tiled_loss else None  # the token cross-entropy only (config)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=self.ds_config,
+            model=model, model_parameters=_named_groups(param_groups(model, cfg.train.weight_decay), self.lay.ep),
+            config=self.ds_config,
             mpu=self.seq.mpu if self.seq else None)
+        if self.lay.ep > 1:
+            self.setup_records.append(check_autoep_replaced(self.engine.module, plan.model.moe_layers, self.lay.ep,
+                                                            self.ds_config["expert_parallel"]["use_grouped_mm"]))
         _undo_state_init_step(self.engine.optimizer)
         if self.seq and cfg.zero.stage == 3:
             average_zero3_grads_over_dp(self.engine.optimizer, self.seq.sp)
@@ -152,7 +166,8 @@ class DeepSpeedEngine:
         """The HF forward of a micro-batch; rows packed by documents bring their positions and
         layout (``adapters/hf_attention.py``), and a forward that ignored them raises. With zero.sp,
         this rank's slice of the rows (``ulysses.SequenceSplit.inputs``): logits of its tokens."""
-        inputs = self.seq.inputs(mb) if self.seq else hf_attention.forward_inputs(mb)
+        inputs = self.seq.inputs(mb) if self.seq else vlm.forward_inputs(mb, self.engine.module) \
+            if "pixel_values" in mb else hf_attention.forward_inputs(mb)
         if self.hidden:  # zero.tiled_loss: the loss runs the lm_head per tile on the hidden states
             inputs["logits_to_keep"] = 1
         out = self.engine(**inputs, output_router_logits=True) if self.router and router else self.engine(**inputs)
@@ -182,9 +197,17 @@ class DeepSpeedEngine:
         return self.cfg.zero.stage == 0 and self.cfg.model.dtype == "fp32"
 
     def _reduced_grad_norm(self) -> float:
-        """The global norm from the module's grads (all-reduced by now)."""
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        """The global norm from the module's grads (all-reduced by now); under zero.ep each rank holds its
+        own experts' grads, whose squares are summed over the EP group."""
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        squares = [torch.linalg.vector_norm(p.grad.float()) ** 2 for p in params if not differs_across_ep_group(p)]
+        experts = [p for p in params if differs_across_ep_group(p)]
+        if experts:
+            from deepspeed.utils.groups import _get_expert_parallel_group
+            local = torch.stack([torch.linalg.vector_norm(p.grad.float()) ** 2 for p in experts]).sum()
+            dist.all_reduce(local, group=_get_expert_parallel_group(experts[0].group_name))
+            squares.append(local)
+        return torch.stack(squares).sum().sqrt().item()
 
     def _set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -286,13 +309,16 @@ class DeepSpeedEngine:
         module, gather = self.engine.module, _gathered if self.lay.zero_stage == 3 else None
         generation_config = getattr(module, "generation_config", None)
         if not self.lora:
-            write_streamed(ModuleSource(module, module.config.model_type, gather=gather), path, tokenizer,
-                           generation_config, beat=beat)
+            source = autoep_source(module, gather) if self.lay.ep > 1 else \
+                ModuleSource(module, module.config.model_type, gather=gather)
+            write_streamed(source, path, tokenizer, generation_config, beat=beat)
             return
         trained = trained_fp32(module, gather)
         pretrained = self.cfg.model.init == "pretrained"
         # a 4-bit base is merged as it trained (dequantized from the module), not re-read from its files
-        base = model_dir(self.cfg.model.name_or_path) if pretrained and self.cfg.model.quantize == "none" else None
+        # and a vision-language base too: its files hold transformers' legacy names (docs/vlm.md), the module its own
+        from_files = pretrained and self.cfg.model.quantize == "none" and not vlm.is_vlm(module)
+        base = model_dir(self.cfg.model.name_or_path) if from_files else None
         write_merged(module, trained, path, tokenizer, generation_config, gather, base, beat=beat)
         write_adapter(module, Path(path).parent / "adapter", trained, base_name=self.cfg.model.name_or_path
                       if pretrained else None, quantization=self.cfg)
@@ -306,12 +332,15 @@ class DeepSpeedEngine:
 
     def replica_checksum(self) -> float | None:
         """Order-sensitive float64 checksum of the full parameters (identical on every DP replica
-        below ZeRO-3); None at stage 3, where each rank holds only its own shard."""
+        below ZeRO-3); None at stage 3, where each rank holds only its own shard. Under zero.ep the
+        experts (other experts on each rank of an EP group) are left out: the rest is replicated."""
         if self.cfg.zero.stage == 3:
             return None
         from toolkit.lora.quant import checksum_view
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(self.engine.module.parameters()):
+            if differs_across_ep_group(p):
+                continue
             total += (i + 1) * checksum_view(p).double().sum().cpu()  # 4-bit storage: as integers (NaN patterns)
         return total.item()
 
@@ -347,6 +376,16 @@ class _TiledScores:
         raise ConfigError("zero.tiled_loss=true gives the token cross-entropy only; set zero.tiled_loss=false")
 
 
+def _named_groups(groups: list[dict], ep: int) -> list[dict]:
+    """Under zero.ep DeepSpeed splits each parameter group into its dense and expert parts by the group's
+    ``name`` (``moe.utils.split_params_into_different_moe_groups_for_optimizer``), after pointing the
+    groups at AutoEP's replacement parameters; without ep the groups stay as they were (their
+    checkpoints unchanged)."""
+    if ep == 1:
+        return groups
+    return [{**g, "name": f"toolkit_group{i}"} for i, g in enumerate(groups)]
+
+
 def _undo_state_init_step(optimizer) -> None:
     """DeepSpeed's FP16_Optimizer (ZeRO stage 0 in bf16 or fp16) creates Adam's state by stepping
     once on zero gradients: Adam's step count starts at 1, so every later bias correction is one
@@ -378,6 +417,8 @@ def build_engine(plan: Plan, run_dir: Path, rank: int) -> DeepSpeedEngine:
                                         softcap=bool(getattr(hf_config, "attn_logit_softcapping", None))), flush=True)
     check_dtype_supported(plan.config.model.dtype)  # before reading any weight
     engine = DeepSpeedEngine(plan, build_model(plan, ds_config), resolved)
+    if vlm.is_vlm(plan.model.hf_config()) and rank == 0:
+        print(vlm.describe_freeze(engine.module, plan.config.model.freeze_vision), flush=True)
     if engine.seq and rank == 0:
         print(engine.seq.describe(), flush=True)
     return engine
@@ -460,16 +501,17 @@ def _build_hf(plan: Plan, ds_config: dict) -> torch.nn.Module:
     if plan.layout(dist.get_world_size()).zero_stage < 3:
         return hf.build_model(plan, dtype, device.rank_device(), _sequence_attention(plan))
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from toolkit.families.meta import auto_class
     from toolkit.parallel import comm_backend
     deepspeed.init_distributed(dist_backend=comm_backend())  # over our process group: zero.Init reads the world
     if plan.config.model.init == "pretrained" and not hf.reads_by_slice(plan):
         return hf.finish(hf_zero3_load(plan, ds_config, dtype), plan, _sequence_attention(plan))
     with zero_init(ds_config, dtype), no_init_weights():
-        model = AutoModelForCausalLM.from_config(plan.model.hf_config(), dtype=dtype,  # partitions: filled below
-                                                 trust_remote_code=plan.config.model.trust_remote_code)
+        hf_config = plan.model.hf_config()
+        model = auto_class(hf_config).from_config(hf_config, dtype=dtype,  # partitions: filled below
+                                                  trust_remote_code=plan.config.model.trust_remote_code)
     model.tie_weights()
     if plan.config.model.init == "pretrained":
         fill_partitions(model, hf.hf_checkpoint(plan), plan)

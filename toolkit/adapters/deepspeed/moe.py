@@ -14,11 +14,14 @@ over the world counts each token once and reports the whole aux.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from toolkit.adapters import moe
 from toolkit.config import ConfigError, RunConfig
+from toolkit.formats.zero_autoep import AUTOEP_EXPERTS, hf_name
 
 
 class RouterLoss:
@@ -84,3 +87,94 @@ def experts_as_leaf_modules(model: torch.nn.Module) -> None:
                     key=lambda c: c.__name__)
     if blocks:
         set_z3_leaf_modules(model, blocks)
+
+
+# --- expert parallelism: DeepSpeed's AutoEP (zero.ep > 1) -----------------------------------------------
+
+def prepare_autoep() -> None:
+    """Before ``deepspeed.initialize`` of a ``zero.ep > 1`` run: transformers 5's output-capture registry as
+    AutoEP 0.19.8 uses it (``compat/transformers_autoep.py``)."""
+    from toolkit.compat import transformers_autoep
+    transformers_autoep.install()
+
+
+def autoep_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE blocks AutoEP put in place of HF's."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    return [m for m in module.modules() if isinstance(m, AutoEPMoELayer)]
+
+
+def check_autoep_replaced(module: torch.nn.Module, moe_layers: int, ep: int, grouped: bool = True) -> dict:
+    """Every MoE layer of the model must now be AutoEP's: a pattern that matched nothing leaves HF's
+    blocks, each rank computing every expert, and the run would train as if zero.ep=1 at ep times the
+    expert memory. The setup record of ``metrics.jsonl`` (ep, experts per rank, how AutoEP runs its
+    experts: ``grouped``, the DeepSpeed JSON's ``use_grouped_mm``)."""
+    layers = autoep_layers(module)
+    if len(layers) != moe_layers:
+        raise RuntimeError(f"zero.ep={ep}: DeepSpeed's AutoEP replaced {len(layers)} of this model's {moe_layers} "
+                           f"MoE layers (its moe_layer_pattern did not match every layer's module name); the "
+                           "toolkit's pattern is toolkit/plan/presets.py's AUTOEP_LAYERS")
+    first = layers[0]
+    return {"event": "moe", "expert_parallel": "deepspeed_autoep", "ep": ep, "experts": first.num_experts,
+            "experts_per_rank": first.num_local_experts, "moe_layers": len(layers),
+            "experts_implementation": "grouped_mm" if grouped else "eager"}
+
+
+def differs_across_ep_group(param: torch.nn.Parameter) -> bool:
+    """An AutoEP expert parameter: each rank of an EP group holds other experts (DeepSpeed marks them
+    ``allreduce=False``; they are reduced over the expert-data-parallel group only)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def autoep_source(module: torch.nn.Module, gather=None):
+    """``hf_final/``'s source for a ``zero.ep`` run: ``adapters/export.py``'s ``ModuleSource`` over an AutoEP
+    model under transformers' names (``formats/zero_autoep.py``'s table), each MoE layer's experts
+    all-gathered over its EP group, one fused
+    tensor at a time, every rank in the same order (the reads are collective). ``gather``: ZeRO-3's
+    context making a parameter whole over its data-parallel group (an expert's: the expert-data-parallel
+    group)."""
+    from toolkit.adapters.export import ModuleSource
+
+    class Source(ModuleSource):
+        def __init__(self):
+            self.layers = {name: layer for name, layer in module.named_modules()
+                           if type(layer).__name__ == "AutoEPMoELayer"}
+            self.experts: dict[str, tuple] = {}
+            super().__init__(module, module.config.model_type, gather=gather)
+            self.collective = True  # the experts' all-gathers take every rank of each EP group
+
+        def _hf_params(self, module):
+            out = {}
+            for name, param in module.named_parameters():  # a tied embedding, the router's alias: once
+                block = name.rpartition(".experts.")[0]
+                if block in self.layers:
+                    self._add_experts(out, block)
+                else:
+                    out[hf_name(name, set(self.layers))] = param
+            return out
+
+        def _add_experts(self, out: dict, block: str) -> None:
+            if f"{block}.experts.down_proj" in out:
+                return
+            experts, layer = self.layers[block].experts, self.layers[block]
+            for fused, parts in AUTOEP_EXPERTS.items():
+                params = [getattr(experts, p) for p in parts]
+                local = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
+                shape = (layer.num_experts, sum(s[1] for s in local), *local[0][2:])
+                out[f"{block}.experts.{fused}"] = torch.empty(shape, device="meta")
+                self.experts[f"{block}.experts.{fused}"] = (layer, params)
+
+        def _gathered_fp32(self, param_name: str):
+            if param_name not in self.experts:
+                return super()._gathered_fp32(param_name)
+            layer, params = self.experts[param_name]
+            parts = []
+            for param in params:
+                with self.gather(param) if self.gather else contextlib.nullcontext():
+                    local = param.detach().float().contiguous()
+                    pieces = [torch.empty_like(local) for _ in range(layer.ep_size)]
+                    dist.all_gather(pieces, local, group=layer.ep_group)
+                parts.append(torch.cat(pieces).cpu())
+            return torch.cat(parts, dim=1) if dist.get_rank() == 0 else None
+
+    return Source()

@@ -171,7 +171,8 @@ def average_zero3_grads_over_dp(optimizer, sp: int) -> None:
 def same_zero_files(saved: dict, ours: dict) -> bool:
     """Whether a DeepSpeed checkpoint of layout record ``saved`` is, file for file, what this engine
     writes: the same ZeRO stage over as many partitions (``zero_partitions``), whatever their split
-    into dp x sp."""
+    into dp x sp, and the same expert parallelism (``zero.ep``: AutoEP's files are per expert and name its
+    modules)."""
     rest = ("tp", "pp", "zero_stage")
     return saved.get("dp") is not None and zero_partitions(saved) == zero_partitions(ours) and \
-        all(saved.get(k) == ours.get(k) for k in rest)
+        all(saved.get(k) == ours.get(k) for k in rest) and saved.get("ep", 1) == ours.get("ep", 1)

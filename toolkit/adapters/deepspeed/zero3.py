@@ -37,13 +37,13 @@ def zero_init(ds_config: dict, dtype: torch.dtype):
 
 def hf_zero3_load(plan: "Plan", ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
     """transformers' own ZeRO-3 load (its checkpoint conversions; rank 0 reads, ranks keep shares)."""
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     from toolkit.adapters.hf import model_dir
+    from toolkit.families.meta import auto_class
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (while it lives, from_pretrained builds under zero.Init)
-    return AutoModelForCausalLM.from_pretrained(model_dir(plan.config.model.name_or_path), dtype=dtype,
-                                                trust_remote_code=plan.config.model.trust_remote_code)
+    return auto_class(plan.model.hf_config()).from_pretrained(
+        model_dir(plan.config.model.name_or_path), dtype=dtype, trust_remote_code=plan.config.model.trust_remote_code)
 
 
 def fill_partitions(model: torch.nn.Module, source, plan: "Plan") -> None:
