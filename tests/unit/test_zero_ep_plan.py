@@ -79,10 +79,14 @@ def test_refusals_name_the_fix(kwargs, message):
 
 
 def test_lora_on_attention_is_planned():
-    """Adapters on attention (and shared experts), experts and routers frozen: DeepSpeed runs it as a dense
-    model (``compat/deepspeed_frozen_experts.py``; trained in tests/e2e/test_zero_ep.py)."""
-    p = plan(family="qwen2_moe", lora={"rank": 8}, model={"init": "pretrained"})
-    assert p.layout(2).ep == 2 and "shared_expert.down_proj" in p.lora.targets
+    """Adapters on attention, experts and routers frozen: DeepSpeed runs it as a dense model
+    (``compat/deepspeed_frozen_experts.py``; trained in tests/e2e/test_zero_ep.py)."""
+    p = plan(family="qwen2_moe", lora={"rank": 8, "target_modules": ["q_proj", "o_proj"]},
+             model={"init": "pretrained"})
+    assert p.layout(2).ep == 2 and p.lora.targets == ["q_proj", "o_proj"]
+    with pytest.raises(ConfigError, match=r"does not put LoRA on the shared expert .* AutoEP moves it .*"
+                                          r"lora.target_modules=\[q_proj,k_proj,v_proj,o_proj\]"):
+        plan(family="qwen2_moe", lora={"rank": 8}, model={"init": "pretrained"})  # all-linear
 
 
 def test_compat_patch_takes_autoeps_string_keys_and_keeps_models():

@@ -88,7 +88,7 @@ def _zero_ep_refusals(cfg: RunConfig, spec) -> str | None:
         return (f"routes without jitter, and this model's router_jitter_noise={spec.hf['router_jitter_noise']} would "
                 "be ignored; set router_jitter_noise=0 in its config.json, or zero.ep=1")
     if cfg.lora.enabled or cfg.model.quantize != "none":
-        return _zero_ep_lora_refusal(cfg)
+        return _zero_ep_lora_refusal(cfg, spec)
     if cfg.train.objective != "sft":
         return (f"is tested with train.objective=sft only, not {cfg.train.objective}; set zero.ep=1 for "
                 f"{cfg.train.objective}")
@@ -102,13 +102,19 @@ MOE_BLOCK_PARTS = ("gate", "router", "experts", "block_sparse_moe", "mlp")
 """Last names of what AutoEP replaces in an MoE block (the block, its router, its experts)."""
 
 
-def _zero_ep_lora_refusal(cfg: RunConfig) -> str | None:
-    """LoRA under zero.ep trains adapters on linear layers (attention, shared experts) with the experts and
+def _zero_ep_lora_refusal(cfg: RunConfig, spec) -> str | None:
+    """LoRA under zero.ep trains adapters on attention with the experts, shared experts and
     routers frozen (``compat/deepspeed_frozen_experts.py``); AutoEP replaces the router and experts in
     ``deepspeed.initialize``, so what peft put on them would be dropped."""
     if cfg.model.quantize != "none":
         return ("does not run with a 4-bit base (model.quantize): AutoEP repacks the experts into its own "
                 "layer; set model.quantize=none, or zero.ep=1 for QLoRA")
+    targets = cfg.lora.target_modules
+    if spec.hf.get("shared_expert_intermediate_size") and any(t == "all-linear" or "shared_expert" in t
+                                                              for t in targets):
+        return (f"does not put LoRA on the shared expert (lora.target_modules={targets}): AutoEP moves it into its "
+                "own layer under other names, which the adapter/ and hf_final/ exports do not map back yet; name "
+                "the attention modules (lora.target_modules=[q_proj,k_proj,v_proj,o_proj]), or zero.ep=1")
     moe_parts = [m for m in cfg.lora.modules_to_save if m.rsplit(".", 1)[-1] in MOE_BLOCK_PARTS]
     if moe_parts:
         return (f"does not train lora.modules_to_save={moe_parts}: AutoEP replaces the MoE blocks' routers and "
