@@ -23,17 +23,31 @@ def _tokenizer(extra: list[str]):
 
 def build_qwen2_5_vl(out: Path, seed: int = 0):
     """Qwen2.5-VL: tied embeddings, 2 KV heads, M-RoPE sections [2, 3, 3]; vision: windowed + one full block."""
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1])
+    return _build_qwen(out, "qwen2_5_vl", vision, tied=True, seed=seed)
+
+
+def build_qwen2_vl(out: Path, seed: int = 0):
+    """Qwen2-VL: Qwen2.5-VL's layout (M-RoPE, 2x2 patch merger) with a plain vision transformer (no windows),
+    its tower 32 wide (``embed_dim``; its ``hidden_size`` is the merger's output, the language model's width)."""
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    return _build_qwen(out, "qwen2_vl", vision, tied=False, seed=seed)
+
+
+def _build_qwen(out: Path, model_type: str, vision: dict, tied: bool, seed: int):
+    """The Qwen-VL text model (64 wide, 2 layers, 2 KV heads, M-RoPE), its image processor (56-112 px) and
+    Qwen2.5-VL's hub chat template (Qwen2-VL's is the same) around ``vision``."""
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     tok = _tokenizer(QWEN_TOKENS)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
     text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=len(tok) + 3, max_position_embeddings=512, tie_word_embeddings=True,
+                vocab_size=len(tok) + 3, max_position_embeddings=512, tie_word_embeddings=tied,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=0, eos_token_id=ids["<|im_end|>"], pad_token_id=0)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1])
-    cfg = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, tie_word_embeddings=True,
+    cfg = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tied,
                                image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                                eos_token_id=ids["<|im_end|>"], pad_token_id=0)
@@ -44,34 +58,6 @@ def build_qwen2_5_vl(out: Path, seed: int = 0):
                              temporal_patch_size=2).save_pretrained(out)
     tok.eos_token = "<|im_end|>"
     tok.chat_template = (TEMPLATES / "qwen2_5_vl.jinja").read_text()
-    tok.save_pretrained(out)
-    return model
-
-
-def build_qwen2_vl(out: Path, seed: int = 0):
-    """Qwen2-VL: Qwen2.5-VL's layout (M-RoPE, 2x2 patch merger) with a plain vision transformer (no windows),
-    its tower 32 wide (``embed_dim``; its ``hidden_size`` is the merger's output, the language model's width)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    tok = _tokenizer(QWEN_TOKENS)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
-    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=len(tok) + 3, max_position_embeddings=512, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                bos_token_id=0, eos_token_id=ids["<|im_end|>"], pad_token_id=0)
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
-    cfg = AutoConfig.for_model("qwen2_vl", text_config=text, vision_config=vision, tie_word_embeddings=False,
-                               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-                               eos_token_id=ids["<|im_end|>"], pad_token_id=0)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(out)
-    tok.eos_token = "<|im_end|>"
-    tok.chat_template = (TEMPLATES / "qwen2_5_vl.jinja").read_text()  # Qwen2-VL's hub template is the same
     tok.save_pretrained(out)
     return model
 
